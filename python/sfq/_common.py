@@ -1,0 +1,85 @@
+"""Facts both scheduler twins share: the fixed-point scale, the limits, argument checks.
+
+One place per fact: the compiled core imports these checks for every slow path, so the
+two twins raise the same exceptions with the same messages.
+
+Units
+-----
+A *cost unit* is whatever the caller's costs are in (tokens, weighted tokens, ...).
+Meters are kept as integers in *sub-units*: ``SCALE`` sub-units make one cost unit.
+A charge is ``ceil(cost * SCALE / weight)`` sub-units, computed in IEEE double
+arithmetic (identical in C and Python), so integer costs with power-of-two weights are
+exact, and every charge is at least one sub-unit (a finish tag is always > its start).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+#: sub-units per cost unit (2**20: about one millionth of a cost unit)
+SCALE = 1 << 20
+#: largest accepted cost, in cost units (2**30, about 1.07e9)
+MAX_COST = float(1 << 30)
+#: smallest and largest accepted weight
+MIN_WEIGHT = 2.0**-10
+MAX_WEIGHT = 2.0**20
+#: largest single charge in sub-units: MAX_COST * SCALE / MIN_WEIGHT = 2**60
+MAX_CHARGE = 1 << 60
+#: the compiled core subtracts v from every meter once v reaches this many sub-units
+#: (2**61); meters then stay below v + MAX_CHARGE < 2**62, far from int64's 2**63
+RENORM_AT = 1 << 61
+#: default weight of a flow
+DEFAULT_WEIGHT = 1.0
+
+
+def _number(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a real number, got {value!r} of type {type(value).__name__}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise OverflowError(f"{what} {value!r} is too large to represent") from None
+
+
+def check_cost(cost: object) -> float:
+    """Return ``cost`` as a float, or raise naming the bad value."""
+    c = _number(cost, "cost")
+    if not (c > 0.0) or math.isinf(c):
+        raise ValueError(f"cost must be a finite number > 0, got {cost!r}")
+    if c > MAX_COST:
+        raise OverflowError(
+            f"cost {cost!r} is too large: the largest cost whose charge can be represented is {MAX_COST:.0f}"
+        )
+    return c
+
+
+def check_weight(weight: object) -> float:
+    """Return ``weight`` as a float, or raise naming the bad value."""
+    w = _number(weight, "weight")
+    if not (w > 0.0) or math.isinf(w):
+        raise ValueError(f"weight must be a finite number > 0, got {weight!r}")
+    if w < MIN_WEIGHT or w > MAX_WEIGHT:
+        raise ValueError(f"weight {weight!r} is outside the supported range [{MIN_WEIGHT!r}, {MAX_WEIGHT!r}]")
+    return w
+
+
+def unhashable_flow(flow: object) -> TypeError:
+    return TypeError(f"flow id {flow!r} is not hashable")
+
+
+def check_flow(flow: object) -> None:
+    try:
+        hash(flow)
+    except TypeError:
+        raise unhashable_flow(flow) from None
+
+
+def charge(cost: float, weight: float) -> int:
+    """Sub-units charged for ``cost`` at ``weight`` (both already checked)."""
+    return math.ceil(cost * 1048576.0 / weight)
+
+
+def to_units(subunits: int) -> float:
+    """Sub-units (an exact int) to cost units, correctly rounded."""
+    return subunits / SCALE

@@ -1,0 +1,35 @@
+"""Selects the scheduler core: the compiled extension, or the pure-Python twin.
+
+``SFQ_NO_EXTENSIONS=1`` forces the twin. If the extension is missing (a failed build),
+the twin is used and one ``RuntimeWarning`` says so.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+from ._scheduler_py import ReferenceDispatch, ReferenceScheduler
+
+NO_EXTENSIONS = os.environ.get("SFQ_NO_EXTENSIONS", "") not in ("", "0")
+
+if NO_EXTENSIONS:
+    Scheduler = ReferenceScheduler
+    Dispatch = ReferenceDispatch
+    CORE = "reference"
+else:
+    try:
+        from ._csfq import Dispatch, Scheduler  # type: ignore[no-redef]
+    except ImportError as exc:  # pragma: no cover - depends on the build
+        warnings.warn(
+            f"sfq: the compiled core is not available ({exc}); using the pure-Python reference scheduler",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        Scheduler = ReferenceScheduler
+        Dispatch = ReferenceDispatch
+        CORE = "reference"
+    else:
+        CORE = "compiled"
+
+__all__ = ["CORE", "Dispatch", "Scheduler", "ReferenceScheduler", "ReferenceDispatch"]
