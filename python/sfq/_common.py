@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Any, NamedTuple
 
 #: sub-units per cost unit (2**20: about one millionth of a cost unit)
 SCALE = 1 << 20
@@ -83,3 +84,55 @@ def charge(cost: float, weight: float) -> int:
 def to_units(subunits: int) -> float:
     """Sub-units (an exact int) to cost units, correctly rounded."""
     return subunits / SCALE
+
+
+class DispatchBatch(NamedTuple):
+    """What ``dispatch_many(n)`` returns: parallel sequences, one entry per dispatch, in order.
+
+    ``flows`` and ``items`` are lists; ``tickets`` (int64), ``costs``, ``starts`` and
+    ``finishes`` (float64, cost units) are numpy arrays.
+    """
+
+    flows: list
+    items: list
+    tickets: Any
+    costs: Any
+    starts: Any
+    finishes: Any
+
+    def __len__(self) -> int:  # the number of dispatches, not of fields
+        return len(self.flows)
+
+
+def check_batch(
+    flows: object, costs: object, items: object, check_flows: bool = True
+) -> tuple[list, Any, list | None]:
+    """Validate ``enqueue_many``'s arguments as a whole, before anything is enqueued.
+
+    Returns ``(flows as a list, costs as a float64 array, items as a list or None)``.
+    """
+    import numpy as np
+
+    if hasattr(flows, "tolist"):
+        flows = flows.tolist()  # numpy arrays: plain Python ints/strs as flow ids
+    flows = list(flows)  # type: ignore[call-overload]
+    n = len(flows)
+    arr = np.asarray(costs)
+    if arr.ndim != 1 or arr.shape[0] != n:
+        raise ValueError(f"costs must be a 1-d sequence of {n} numbers (one per flow), got shape {arr.shape}")
+    if arr.dtype.kind not in "fiu":
+        for c in arr.tolist():
+            check_cost(c)  # raises TypeError naming the first non-number
+        raise TypeError(f"costs must be numbers, got an array of dtype {arr.dtype}")
+    arr = np.ascontiguousarray(arr, dtype=np.float64)
+    bad = ~((arr > 0.0) & (arr <= MAX_COST))  # NaN fails both comparisons
+    if bad.any():
+        check_cost(arr[int(np.argmax(bad))].item())  # raises, naming the first bad cost
+    if items is not None:
+        items = list(items)  # type: ignore[call-overload]
+        if len(items) != n:
+            raise ValueError(f"items must have one entry per flow ({n}), got {len(items)}")
+    if check_flows:  # the compiled core hashes them itself, in C
+        for f in flows:
+            check_flow(f)
+    return flows, arr, items  # type: ignore[return-value]

@@ -31,10 +31,11 @@ a min-heap on ``S`` until ``v`` passes them.
 from __future__ import annotations
 
 import heapq
+import operator
 from collections import deque
 from typing import Any, Hashable
 
-from ._common import DEFAULT_WEIGHT, charge, check_cost, check_weight, to_units, unhashable_flow
+from ._common import DEFAULT_WEIGHT, DispatchBatch, charge, check_batch, check_cost, check_weight, to_units, unhashable_flow
 
 __all__ = ["ReferenceScheduler", "ReferenceDispatch"]
 
@@ -175,7 +176,7 @@ class ReferenceScheduler:
 
     def cancel(self, ticket: int) -> bool:
         try:
-            req = self._requests.pop(ticket, None)
+            req = self._requests.pop(operator.index(ticket), None)  # type: ignore[arg-type]
         except TypeError:
             return False
         if req is None:
@@ -204,6 +205,39 @@ class ReferenceScheduler:
         f.weight = w
         if w == DEFAULT_WEIGHT and not f.waiting and f.S <= self._v:
             del self._flows[flow]
+
+    # ----------------------------------------------------------------- batches
+    def enqueue_many(self, flows: Any, costs: Any, items: Any = None) -> Any:
+        """``enqueue`` for each ``(flows[i], costs[i], items[i])`` in order, all checked
+        first (a bad argument enqueues nothing); returns the tickets as an int64 array."""
+        import numpy as np
+
+        fl, arr, its = check_batch(flows, costs, items)
+        first = self._next_ticket
+        for i, flow in enumerate(fl):
+            self.enqueue(flow, float(arr[i]), None if its is None else its[i])
+        return np.arange(first, self._next_ticket, dtype=np.int64)
+
+    def dispatch_many(self, n: int) -> DispatchBatch:
+        """Up to ``n`` dispatches, exactly as ``n`` calls of ``dispatch``, as parallel arrays."""
+        import numpy as np
+
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        ds = []
+        while len(ds) < n:
+            d = self.dispatch()
+            if d is None:
+                break
+            ds.append(d)
+        return DispatchBatch(
+            [d.flow for d in ds],
+            [d.item for d in ds],
+            np.array([d.ticket for d in ds], dtype=np.int64),
+            np.array([d.cost for d in ds], dtype=np.float64),
+            np.array([d.start for d in ds], dtype=np.float64),
+            np.array([d.finish for d in ds], dtype=np.float64),
+        )
 
     # ----------------------------------------------------------------- internals
     def _drop_cancelled_heads(self, f: _Flow) -> None:
