@@ -69,6 +69,10 @@ class HeapqSFQ:
         return self._v
 
     @property
+    def waiting_flows(self) -> int:
+        return self._waiting_flows
+
+    @property
     def known_flows(self) -> int:
         return len(self._flows)
 

@@ -31,6 +31,7 @@ a min-heap on ``S`` until ``v`` passes them.
 from __future__ import annotations
 
 import heapq
+import itertools
 import operator
 from collections import deque
 from typing import Any, Hashable
@@ -81,7 +82,8 @@ class ReferenceScheduler:
         self._flows: dict[Hashable, _Flow] = {}
         self._requests: dict[int, tuple[_Flow, float, Any]] = {}  # ticket -> waiting request
         self._heap: list[tuple[int, int, _Flow]] = []  # (S, head ticket, flow); stale entries skipped
-        self._idle: list[tuple[int, int, _Flow]] = []  # (S, idle_gen, flow) of idle flows
+        self._idle: list[tuple[int, int, int, _Flow]] = []  # (S, seq, idle_gen, flow) of idle flows
+        self._idle_seq = itertools.count()  # unique second key: flows are never compared
         self._v = 0  # virtual time, sub-units
         self._max_finish = 0  # largest finish tag so far, sub-units
         self._next_ticket = 1
@@ -249,7 +251,7 @@ class ReferenceScheduler:
         """``f`` has no waiting request left: it leaves the competition, keeping its meter."""
         f.waiting = False
         self._waiting_flows -= 1
-        heapq.heappush(self._idle, (f.S, f.idle_gen, f))
+        heapq.heappush(self._idle, (f.S, next(self._idle_seq), f.idle_gen, f))
         if self._waiting_flows == 0:  # global idle: close this busy period
             self._v = max(self._v, self._max_finish)
 
@@ -257,6 +259,6 @@ class ReferenceScheduler:
         """Forget idle flows whose meter ``v`` has reached: they carry no information."""
         idle, v = self._idle, self._v
         while idle and idle[0][0] <= v:
-            _, gen, f = heapq.heappop(idle)
+            _, _, gen, f = heapq.heappop(idle)
             if not f.waiting and f.idle_gen == gen and f.weight == DEFAULT_WEIGHT and self._flows.get(f.key) is f:
                 del self._flows[f.key]

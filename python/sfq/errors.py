@@ -2,8 +2,87 @@
 
 from __future__ import annotations
 
-__all__ = ["SFQError"]
+__all__ = [
+    "SFQError",
+    "BackendError",
+    "BackendUnavailable",
+    "BackendTimeout",
+    "BackendHTTPError",
+    "StreamInterrupted",
+    "DispatcherClosed",
+    "UnknownModel",
+    "RequestTooLarge",
+]
 
 
 class SFQError(Exception):
     """Base class of every library error sfq raises."""
+
+
+# ---------------------------------------------------------------- dispatch adapter
+class BackendError(SFQError):
+    """A backend failed to serve a dispatched request.
+
+    The request was charged when it was dispatched and stays charged (meters never change
+    after dispatch). ``backend`` names the backend, ``status`` is the HTTP status when there
+    was one, ``body`` the start of the response body when there was one. ``unhealthy`` says
+    whether the failure points at the backend (the dispatcher then takes it out of rotation
+    until a health probe passes) rather than at the request.
+    """
+
+    #: default for ``unhealthy``; subclasses override
+    marks_unhealthy = True
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        backend: str | None = None,
+        status: int | None = None,
+        body: str | None = None,
+        unhealthy: bool | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.backend = backend
+        self.status = status
+        self.body = body
+        self.unhealthy = self.marks_unhealthy if unhealthy is None else unhealthy
+
+
+class BackendUnavailable(BackendError, ConnectionError):
+    """The backend could not be reached, or dropped the connection before a full reply
+    (connection refused, reset, closed)."""
+
+
+class BackendTimeout(BackendError, TimeoutError):
+    """The backend did not connect, answer or send the next bytes within the configured time."""
+
+
+class BackendHTTPError(BackendError):
+    """The backend answered with an HTTP error status (``status``). A 5xx marks the backend
+    unhealthy; a 4xx is the request's fault and does not."""
+
+    marks_unhealthy = False
+
+
+class StreamInterrupted(BackendError):
+    """A streamed reply ended before its end marker (``data: [DONE]``): the connection was cut
+    or the server sent an error event mid-way. ``chunks`` counts the events received before."""
+
+    def __init__(self, message: str, *, chunks: int = 0, **kw: object) -> None:
+        super().__init__(message, **kw)  # type: ignore[arg-type]
+        self.chunks = chunks
+
+
+class DispatcherClosed(SFQError):
+    """The dispatcher is closed (or closing): the request was not accepted, or was removed
+    from the queue uncharged before it could be dispatched."""
+
+
+class UnknownModel(SFQError, LookupError):
+    """No pool of the dispatcher serves the request's ``model``."""
+
+
+class RequestTooLarge(SFQError, ValueError):
+    """No backend of the pool could ever take the request (its prompt plus ``max_tokens``
+    exceed every backend's ``max_context``)."""

@@ -1,0 +1,268 @@
+"""The simulator's data: flows, requests, workloads and the JSONL trace format.
+
+Units
+-----
+* time is in **decode steps** (one iteration of a continuous-batching engine);
+* sizes are in **tokens** (prompt tokens, output tokens, ``max_tokens``);
+* service is in **weighted tokens**: ``w_p * prompt + w_q * generated`` (seed 003's ``W``).
+
+A :class:`Workload` is immutable input: every policy of a scenario runs on the same one.
+Requests are ordered by ``(arrival, flow index, order of generation)`` and numbered
+``rid = 0, 1, ...`` in that order, which is also the tie rule everywhere ("first come").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Iterable, Sequence
+
+import numpy as np
+
+__all__ = ["FlowSpec", "Workload", "Request", "load_trace", "save_trace", "read_trace_lines"]
+
+
+@dataclass(frozen=True)
+class FlowSpec:
+    """One flow (a client, or organisation + workload class).
+
+    ``weight`` (> 0) scales its fair share; ``klass`` names its workload class and
+    ``priority`` ranks it for the strict-priority policy (0 is the most urgent).
+    """
+
+    name: str
+    weight: float = 1.0
+    klass: str = "default"
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"flow name must be a non-empty string, got {self.name!r}")
+        w = self.weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
+            raise ValueError(f"weight of flow {self.name!r} must be a finite number > 0, got {w!r}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ValueError(f"priority of flow {self.name!r} must be an int, got {self.priority!r}")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Requests of several flows, as parallel integer arrays sorted by arrival.
+
+    ``arrival`` (steps), ``flow`` (index into ``flows``), ``prompt``, ``output`` and
+    ``max_tokens`` (tokens). Built with :meth:`from_arrays`, which validates and sorts.
+    """
+
+    flows: tuple[FlowSpec, ...]
+    arrival: np.ndarray
+    flow: np.ndarray
+    prompt: np.ndarray
+    output: np.ndarray
+    max_tokens: np.ndarray
+    meta: dict = field(default_factory=dict, compare=False)
+
+    def __len__(self) -> int:
+        return int(self.arrival.shape[0])
+
+    @property
+    def flow_names(self) -> list[str]:
+        return [f.name for f in self.flows]
+
+    @classmethod
+    def from_arrays(
+        cls,
+        flows: Sequence[FlowSpec],
+        arrival: Iterable[int],
+        flow: Iterable[int],
+        prompt: Iterable[int],
+        output: Iterable[int],
+        max_tokens: Iterable[int] | None = None,
+        meta: dict | None = None,
+    ) -> "Workload":
+        """Validate, sort by ``(arrival, flow, position)`` and freeze.
+
+        ``max_tokens`` defaults to ``output``. Raises ``ValueError`` naming the first bad
+        request (its position in the given order) and the bad value.
+        """
+        flows = tuple(flows)
+        names = [f.name for f in flows]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"duplicate flow names: {dup}")
+        a = np.asarray(list(arrival) if not isinstance(arrival, np.ndarray) else arrival, dtype=np.int64)
+        fl = np.asarray(list(flow) if not isinstance(flow, np.ndarray) else flow, dtype=np.int64)
+        p = np.asarray(list(prompt) if not isinstance(prompt, np.ndarray) else prompt, dtype=np.int64)
+        o = np.asarray(list(output) if not isinstance(output, np.ndarray) else output, dtype=np.int64)
+        if max_tokens is None:
+            m = o.copy()
+        else:
+            m = np.asarray(list(max_tokens) if not isinstance(max_tokens, np.ndarray) else max_tokens, dtype=np.int64)
+        n = a.shape[0]
+        for name, arr in (("flow", fl), ("prompt", p), ("output", o), ("max_tokens", m)):
+            if arr.shape != (n,):
+                raise ValueError(f"{name} has shape {arr.shape}, expected ({n},) like arrival")
+        _first_bad(a < 0, a, "arrival", "must be >= 0")
+        _first_bad((fl < 0) | (fl >= len(flows)), fl, "flow index", f"must be in [0, {len(flows)})")
+        _first_bad(p < 1, p, "prompt", "must be >= 1 token")
+        _first_bad(o < 1, o, "output", "must be >= 1 token")
+        _first_bad(m < o, m, "max_tokens", "must be >= output")
+        order = np.lexsort((np.arange(n), fl, a))  # by arrival, then flow, then position
+        arrs = [x[order].copy() for x in (a, fl, p, o, m)]
+        for x in arrs:
+            x.setflags(write=False)
+        return cls(flows, *arrs, meta=dict(meta or {}))
+
+    def with_flows(self, flows: Sequence[FlowSpec]) -> "Workload":
+        """The same requests with other flow specs (same names, same order)."""
+        flows = tuple(flows)
+        if [f.name for f in flows] != self.flow_names:
+            raise ValueError(f"flow names {[f.name for f in flows]} differ from {self.flow_names}")
+        return Workload(flows, self.arrival, self.flow, self.prompt, self.output, self.max_tokens, dict(self.meta))
+
+    def requests(self) -> list["Request"]:
+        """Fresh mutable request records (one simulation run consumes them)."""
+        return [
+            Request(i, f, a, p, o, m)
+            for i, (a, f, p, o, m) in enumerate(
+                zip(
+                    self.arrival.tolist(),
+                    self.flow.tolist(),
+                    self.prompt.tolist(),
+                    self.output.tolist(),
+                    self.max_tokens.tolist(),
+                )
+            )
+        ]
+
+
+def _first_bad(mask: np.ndarray, values: np.ndarray, what: str, rule: str) -> None:
+    if mask.any():
+        i = int(np.flatnonzero(mask)[0])
+        raise ValueError(f"request {i}: {what} {int(values[i])} {rule}")
+
+
+class Request:
+    """One request during one run.
+
+    Fixed: ``rid``, ``flow`` (index), ``arrival`` (step), ``prompt``, ``output``,
+    ``max_tokens`` (tokens). Filled in by the run: ``est`` (estimated cost, weighted
+    tokens, fixed when the request reaches the balancer), ``admit`` (step it started,
+    -1 if never), ``finish`` (step it left its server, -1 if not yet), ``server``,
+    ``tag`` (a policy's private sort key).
+    """
+
+    __slots__ = ("rid", "flow", "arrival", "prompt", "output", "max_tokens", "est", "admit", "finish", "server", "tag")
+
+    def __init__(self, rid: int, flow: int, arrival: int, prompt: int, output: int, max_tokens: int):
+        self.rid = rid
+        self.flow = flow
+        self.arrival = arrival
+        self.prompt = prompt
+        self.output = output
+        self.max_tokens = max_tokens
+        self.est = 0.0
+        self.admit = -1
+        self.finish = -1
+        self.server = -1
+        self.tag = 0.0
+
+    def __repr__(self) -> str:
+        return (
+            f"Request(rid={self.rid}, flow={self.flow}, arrival={self.arrival}, prompt={self.prompt}, "
+            f"output={self.output}, max_tokens={self.max_tokens}, admit={self.admit})"
+        )
+
+
+# ---------------------------------------------------------------------- JSONL traces
+#
+# One JSON object per line:
+#   {"arrival": 12, "flow": "alice", "prompt_tokens": 310, "output_tokens": 95, "max_tokens": 256}
+# ``arrival`` is in decode steps (a float is accepted and rounded up: the request is
+# visible from the first step at or after it); ``max_tokens`` is optional (default:
+# ``output_tokens``). Blank lines and lines starting with ``#`` are skipped. Flows are
+# numbered in order of first appearance; weights come from the caller.
+
+_TRACE_FIELDS = ("arrival", "flow", "prompt_tokens", "output_tokens")
+
+
+def read_trace_lines(
+    lines: Iterable[str], weights: dict[str, float] | None = None, source: str = "<trace>"
+) -> Workload:
+    """Parse JSONL trace lines into a :class:`Workload`; ``ValueError`` names the bad line."""
+    weights = dict(weights or {})
+    names: dict[str, int] = {}
+    cols: list[list[int]] = [[], [], [], [], []]
+    for lineno, raw in enumerate(lines, 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        where = f"{source}:{lineno}"
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not valid JSON ({exc.msg}): {line[:80]!r}") from None
+        if not isinstance(rec, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {rec!r}")
+        for k in _TRACE_FIELDS:
+            if k not in rec:
+                raise ValueError(f"{where}: missing field {k!r} in {line[:120]!r}")
+        flow = rec["flow"]
+        if not isinstance(flow, (str, int)) or isinstance(flow, bool):
+            raise ValueError(f"{where}: flow must be a string or an int, got {flow!r}")
+        flow = str(flow)
+        arr = rec["arrival"]
+        if isinstance(arr, bool) or not isinstance(arr, (int, float)) or not math.isfinite(arr) or arr < 0:
+            raise ValueError(f"{where}: arrival must be a finite number >= 0 (steps), got {arr!r}")
+        ints = []
+        for k in ("prompt_tokens", "output_tokens", "max_tokens"):
+            v = rec.get(k, rec["output_tokens"]) if k == "max_tokens" else rec[k]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{where}: {k} must be an int >= 1, got {v!r}")
+            ints.append(v)
+        if ints[2] < ints[1]:
+            raise ValueError(f"{where}: max_tokens {ints[2]} is smaller than output_tokens {ints[1]}")
+        if flow not in names:
+            names[flow] = len(names)
+        cols[0].append(int(math.ceil(arr)))
+        cols[1].append(names[flow])
+        cols[2].append(ints[0])
+        cols[3].append(ints[1])
+        cols[4].append(ints[2])
+    unknown = sorted(set(weights) - set(names))
+    if unknown:
+        raise ValueError(f"weights given for flows not in {source}: {unknown}")
+    flows = [FlowSpec(n, float(weights.get(n, 1.0))) for n in names]
+    return Workload.from_arrays(flows, *cols, meta={"source": source})
+
+
+def load_trace(path: str | Path, weights: dict[str, float] | None = None) -> Workload:
+    """Read a JSONL trace file (see the format above)."""
+    p = Path(path)
+    with p.open("r", encoding="utf-8") as fh:
+        return read_trace_lines(fh, weights, source=str(p))
+
+
+def save_trace(workload: Workload, out: str | Path | IO[str]) -> None:
+    """Write ``workload`` as a JSONL trace (replaying it gives the same requests)."""
+    names = workload.flow_names
+    lines = []
+    for a, f, p, o, m in zip(
+        workload.arrival.tolist(),
+        workload.flow.tolist(),
+        workload.prompt.tolist(),
+        workload.output.tolist(),
+        workload.max_tokens.tolist(),
+    ):
+        lines.append(
+            json.dumps(
+                {"arrival": a, "flow": names[f], "prompt_tokens": p, "output_tokens": o, "max_tokens": m},
+                separators=(", ", ": "),
+            )
+        )
+    text = "\n".join(lines) + ("\n" if lines else "")
+    if isinstance(out, (str, Path)):
+        Path(out).write_text(text, encoding="utf-8")
+    else:
+        out.write(text)
