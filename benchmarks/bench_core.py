@@ -25,7 +25,8 @@ cancel   each step dispatches one request and puts it back, enqueues one extra r
          half the requests are cancelled while waiting. 2 pairs a step (dispatch or cancel each).
 batch    the compiled core's batch API: ``b = s.dispatch_many(n)`` then
          ``s.enqueue_many(b.flows, costs, b.items)``, n = min(1024, T // 4); n pairs per batch.
-burst also has a ``compiled-batch`` column: ``enqueue_many`` of all N, then ``dispatch_many(N)``.
+burst-batch  the burst through the compiled core's batch API: ``enqueue_many`` of all N requests
+         (numpy cost array), then ``dispatch_many(N)``.
 """
 
 from __future__ import annotations
@@ -219,7 +220,7 @@ def test_burst_batch(benchmark, impl: str, T: int, quick: bool) -> None:
         assert len(s) == 0
 
     benchmark.pedantic(run, setup=lambda: burst_setup(impl, T, rng, ws, True), rounds=rounds, iterations=1)
-    label(benchmark, "burst", impl + "-batch", T, N)
+    label(benchmark, "burst-batch", impl, T, N)
 
 
 test_burst_batch.sfq_impls = ("compiled",)  # type: ignore[attr-defined]

@@ -26,6 +26,10 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # heapq_sfq, as a plain module
+try:
+    import sfq  # noqa: F401  (the installed package, if any)
+except ImportError:  # a checkout that was not installed: use python/ (with its in-place build)
+    sys.path.insert(0, str(HERE.parent / "python"))
 
 collect_ignore = ["report.py", "memory.py", "heapq_sfq.py"]
 

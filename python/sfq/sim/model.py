@@ -7,7 +7,7 @@ Units
 * service is in **weighted tokens**: ``w_p * prompt + w_q * generated`` (seed 003's ``W``).
 
 A :class:`Workload` is immutable input: every policy of a scenario runs on the same one.
-Requests are ordered by ``(arrival, flow index, order of generation)`` and numbered
+Requests are ordered by ``(arrival, position in the input)`` and numbered
 ``rid = 0, 1, ...`` in that order, which is also the tie rule everywhere ("first come").
 """
 
@@ -81,7 +81,7 @@ class Workload:
         max_tokens: Iterable[int] | None = None,
         meta: dict | None = None,
     ) -> "Workload":
-        """Validate, sort by ``(arrival, flow, position)`` and freeze.
+        """Validate, sort by ``(arrival, position in the given order)`` and freeze.
 
         ``max_tokens`` defaults to ``output``. Raises ``ValueError`` naming the first bad
         request (its position in the given order) and the bad value.
@@ -108,7 +108,7 @@ class Workload:
         _first_bad(p < 1, p, "prompt", "must be >= 1 token")
         _first_bad(o < 1, o, "output", "must be >= 1 token")
         _first_bad(m < o, m, "max_tokens", "must be >= output")
-        order = np.lexsort((np.arange(n), fl, a))  # by arrival, then flow, then position
+        order = np.argsort(a, kind="stable")  # by arrival, then position in the given order
         arrs = [x[order].copy() for x in (a, fl, p, o, m)]
         for x in arrs:
             x.setflags(write=False)

@@ -1,0 +1,390 @@
+"""Cost estimation for LLM requests (seed 000 §7.4).
+
+A request's cost is fixed when it is dispatched and never corrected afterwards::
+
+    cost = input_weight * prompt_tokens + output_weight * expected_output_tokens
+    expected_output_tokens = n * max_tokens * ratio
+
+``ratio`` is "total actual output / total max_tokens" over completed requests: per model
+once the model has ``min_model_samples`` completions, per (model, flow) once that flow has
+``min_flow_samples``; ``prior_ratio`` before that. Prompt tokens are exact when the caller
+gives a ``tokenizer`` (or the prompt is already token ids); otherwise the prompt's length in
+characters is divided by a characters-per-token ratio calibrated per model from the
+backends' ``usage.prompt_tokens`` (``chars_per_token`` before any sample).
+
+Calibration happens only from completed requests (``observe``) and only changes the costs
+of *later* requests: the scheduler's meters never see a correction. The calibration state
+can be saved to and loaded from JSON so a restarted proxy keeps it.
+
+Units: tokens for every count, "cost units" for costs (whatever ``input_weight`` and
+``output_weight`` make of a token; 1.0 each by default, i.e. tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable, Hashable, Mapping, Sized
+from pathlib import Path
+from typing import Any
+
+from ._common import MAX_COST
+
+__all__ = ["CostEstimator", "Estimate", "prompt_of"]
+
+STATE_VERSION = 1
+
+#: a tokenizer: text -> the number of tokens, or the tokens themselves (their len() is used)
+Tokenizer = Callable[[str], "int | Sized"]
+
+
+class Estimate:
+    """One request's estimate. Counts in tokens, ``cost`` in cost units.
+
+    ``prompt_tokens`` is exact when ``prompt_exact`` (tokenizer or token ids), otherwise
+    ``prompt_chars / chars_per_token``. ``max_tokens`` is the request's total output cap
+    (``n * max_tokens``); ``expected_output = max_tokens * ratio``.
+    """
+
+    __slots__ = ("model", "cost", "prompt_tokens", "prompt_exact", "prompt_chars", "max_tokens", "ratio",
+                 "expected_output")
+
+    def __init__(self, model: str, cost: float, prompt_tokens: float, prompt_exact: bool, prompt_chars: int,
+                 max_tokens: int, ratio: float, expected_output: float) -> None:
+        self.model = model
+        self.cost = cost
+        self.prompt_tokens = prompt_tokens
+        self.prompt_exact = prompt_exact
+        self.prompt_chars = prompt_chars
+        self.max_tokens = max_tokens
+        self.ratio = ratio
+        self.expected_output = expected_output
+
+    def __repr__(self) -> str:
+        return (f"Estimate(model={self.model!r}, cost={self.cost!r}, prompt_tokens={self.prompt_tokens!r}, "
+                f"prompt_exact={self.prompt_exact}, prompt_chars={self.prompt_chars}, "
+                f"max_tokens={self.max_tokens}, ratio={self.ratio!r}, expected_output={self.expected_output!r})")
+
+
+class _Sums:
+    """Running totals of one calibration key."""
+
+    __slots__ = ("output", "cap", "n_out", "chars", "tokens", "n_prompt")
+
+    def __init__(self) -> None:
+        self.output = 0.0  # actual completion tokens
+        self.cap = 0.0  # max_tokens asked for
+        self.n_out = 0  # completed requests counted in output/cap
+        self.chars = 0.0  # prompt characters (estimated prompts only)
+        self.tokens = 0.0  # the backends' prompt_tokens for those prompts
+        self.n_prompt = 0
+
+    def to_json(self) -> dict[str, float]:
+        return {"output": self.output, "cap": self.cap, "n_out": self.n_out,
+                "chars": self.chars, "tokens": self.tokens, "n_prompt": self.n_prompt}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any], where: str) -> _Sums:
+        s = cls()
+        try:
+            s.output, s.cap, s.chars, s.tokens = (float(d[k]) for k in ("output", "cap", "chars", "tokens"))
+            s.n_out, s.n_prompt = int(d["n_out"]), int(d["n_prompt"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"bad calibration entry {where}: {d!r} ({exc})") from None
+        if min(s.output, s.cap, s.chars, s.tokens, s.n_out, s.n_prompt) < 0 or not all(
+                math.isfinite(x) for x in (s.output, s.cap, s.chars, s.tokens)):
+            raise ValueError(f"bad calibration entry {where}: negative or non-finite totals in {d!r}")
+        return s
+
+
+def _positive(name: str, value: object, *, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a real number, got {value!r}")
+    v = float(value)
+    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+        raise ValueError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+    return v
+
+
+def _count(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def prompt_of(body: Mapping[str, Any]) -> tuple[str, int]:
+    """The prompt of an OpenAI request body as ``(text, token_ids_count)``.
+
+    Completions: ``prompt`` is a string, a list of strings, a list of token ids or a list of
+    lists of token ids (ids are counted, not joined). Chat: the text parts of every message's
+    ``content`` (a string, or a list of parts with ``"text"``), one message per line.
+    """
+    if "messages" in body:
+        msgs = body["messages"]
+        if not isinstance(msgs, list):
+            raise ValueError(f"'messages' must be a list, got {msgs!r}")
+        parts: list[str] = []
+        for m in msgs:
+            if not isinstance(m, Mapping):
+                raise ValueError(f"every message must be an object, got {m!r}")
+            c = m.get("content")
+            if isinstance(c, str):
+                parts.append(c)
+            elif isinstance(c, list):
+                for p in c:
+                    if isinstance(p, Mapping) and isinstance(p.get("text"), str):
+                        parts.append(p["text"])
+            elif c is not None:
+                raise ValueError(f"message content must be a string or a list of parts, got {c!r}")
+        return "\n".join(parts), 0
+    if "prompt" in body:
+        p = body["prompt"]
+        if isinstance(p, str):
+            return p, 0
+        if isinstance(p, list):
+            if all(isinstance(x, str) for x in p):
+                return "\n".join(p), 0
+            if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+                return "", len(p)
+            if all(isinstance(x, list) for x in p):
+                return "", sum(len(x) for x in p)
+        raise ValueError(f"'prompt' must be a string, a list of strings or token ids, got {p!r}")
+    raise ValueError("the request body has neither 'prompt' (/v1/completions) nor 'messages' (/v1/chat/completions)")
+
+
+class CostEstimator:
+    """Estimates a request's cost in cost units and calibrates itself from completions.
+
+    Parameters
+    ----------
+    input_weight, output_weight:
+        cost units per prompt token and per (expected) output token; >= 0, not both 0.
+    prior_ratio:
+        expected output / max_tokens before any completion of the model was seen (> 0).
+        1.0 charges the full cap until calibrated.
+    min_model_samples, min_flow_samples:
+        completions a model (a flow, within its model) needs before its own ratio is used.
+    chars_per_token:
+        characters per prompt token before any calibration sample of the model (> 0).
+    tokenizer:
+        optional ``text -> token count`` (or ``text -> tokens``): exact prompt counts.
+        Chat prompts are tokenized as their message texts joined by newlines (the template's
+        own tokens are not counted).
+    default_max_tokens:
+        the output cap assumed when a request does not set ``max_tokens`` (>= 1).
+    min_cost:
+        the smallest cost handed out (> 0): the scheduler needs costs > 0.
+    """
+
+    def __init__(
+        self,
+        input_weight: float = 1.0,
+        output_weight: float = 1.0,
+        *,
+        prior_ratio: float = 1.0,
+        min_model_samples: int = 1,
+        min_flow_samples: int = 20,
+        chars_per_token: float = 4.0,
+        tokenizer: Tokenizer | None = None,
+        default_max_tokens: int = 1024,
+        min_cost: float = 1.0,
+    ) -> None:
+        self.input_weight = _positive("input_weight", input_weight, allow_zero=True)
+        self.output_weight = _positive("output_weight", output_weight, allow_zero=True)
+        if self.input_weight == 0 and self.output_weight == 0:
+            raise ValueError("input_weight and output_weight are both 0: every cost would be 0")
+        self.prior_ratio = _positive("prior_ratio", prior_ratio)
+        self.min_model_samples = _count("min_model_samples", min_model_samples, 1)
+        self.min_flow_samples = _count("min_flow_samples", min_flow_samples, 1)
+        self.chars_per_token = _positive("chars_per_token", chars_per_token)
+        if tokenizer is not None and not callable(tokenizer):
+            raise TypeError(f"tokenizer must be callable, got {tokenizer!r}")
+        self.tokenizer = tokenizer
+        self.default_max_tokens = _count("default_max_tokens", default_max_tokens, 1)
+        self.min_cost = _positive("min_cost", min_cost)
+        self._models: dict[str, _Sums] = {}
+        self._flows: dict[tuple[str, Hashable], _Sums] = {}
+        self.observed = 0  # completions observed
+        self.ignored = 0  # completions without a usable usage report
+
+    # ---------------------------------------------------------------- calibration
+    def ratio(self, model: str, flow: Hashable = None) -> float:
+        """The output/max_tokens ratio used now for ``model`` (and ``flow``)."""
+        if flow is not None:
+            f = self._flows.get((model, flow))
+            if f is not None and f.n_out >= self.min_flow_samples and f.cap > 0:
+                return f.output / f.cap
+        m = self._models.get(model)
+        if m is not None and m.n_out >= self.min_model_samples and m.cap > 0:
+            return m.output / m.cap
+        return self.prior_ratio
+
+    def chars_per_token_of(self, model: str) -> float:
+        """The characters-per-token ratio used now for ``model``'s estimated prompts."""
+        m = self._models.get(model)
+        if m is not None and m.n_prompt > 0 and m.tokens > 0 and m.chars > 0:
+            return m.chars / m.tokens
+        return self.chars_per_token
+
+    def estimate(self, body: Mapping[str, Any], flow: Hashable = None) -> Estimate:
+        """The estimate for an OpenAI request body (``/v1/completions`` or ``/v1/chat/completions``).
+
+        Raises ``ValueError``/``TypeError`` naming the bad field for a malformed body.
+        """
+        if not isinstance(body, Mapping):
+            raise TypeError(f"the request body must be a mapping (a JSON object), got {type(body).__name__}")
+        model = body.get("model")
+        if model is None:
+            model = ""
+        elif not isinstance(model, str):
+            raise ValueError(f"'model' must be a string, got {model!r}")
+        mt = body.get("max_tokens")
+        if mt is None:
+            mt = body.get("max_completion_tokens")
+        if mt is None:
+            mt = self.default_max_tokens
+        elif isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
+            raise ValueError(f"'max_tokens' must be an integer >= 1, got {mt!r}")
+        n = body.get("n", 1)
+        if n is None:
+            n = 1
+        elif isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"'n' must be an integer >= 1, got {n!r}")
+        cap = mt * n
+        text, ids = prompt_of(body)
+        if ids or not text:
+            prompt, exact, chars = float(ids), True, 0
+        elif self.tokenizer is not None:
+            t = self.tokenizer(text)
+            prompt = float(t if isinstance(t, int) and not isinstance(t, bool) else len(t))  # type: ignore[arg-type]
+            exact, chars = True, len(text)
+        else:
+            chars = len(text)
+            prompt, exact = chars / self.chars_per_token_of(model), False
+        ratio = self.ratio(model, flow)
+        expected = cap * ratio
+        cost = self.input_weight * prompt + self.output_weight * expected
+        if cost < self.min_cost:
+            cost = self.min_cost
+        elif cost > MAX_COST:
+            raise OverflowError(f"estimated cost {cost!r} of this request exceeds the largest cost {MAX_COST:.0f}")
+        return Estimate(model, cost, prompt, exact, chars, cap, ratio, expected)
+
+    def observe(self, estimate: Estimate, usage: Mapping[str, Any] | None, flow: Hashable = None) -> bool:
+        """Feed one completed request's ``usage`` (OpenAI: ``prompt_tokens``, ``completion_tokens``)
+        into the calibration. Returns False (and counts it in ``ignored``) when ``usage`` is missing
+        or malformed. Changes only the costs of later estimates."""
+        comp = usage.get("completion_tokens") if isinstance(usage, Mapping) else None
+        if isinstance(comp, bool) or not isinstance(comp, int) or comp < 0:
+            self.ignored += 1
+            return False
+        self.observed += 1
+        model = estimate.model
+        m = self._models.get(model)
+        if m is None:
+            m = self._models[model] = _Sums()
+        m.output += comp
+        m.cap += estimate.max_tokens
+        m.n_out += 1
+        if flow is not None:
+            key = (model, flow)
+            f = self._flows.get(key)
+            if f is None:
+                f = self._flows[key] = _Sums()
+            f.output += comp
+            f.cap += estimate.max_tokens
+            f.n_out += 1
+        pt = usage.get("prompt_tokens")  # type: ignore[union-attr]
+        if (not estimate.prompt_exact and estimate.prompt_chars > 0 and isinstance(pt, int)
+                and not isinstance(pt, bool) and pt > 0):
+            m.chars += estimate.prompt_chars
+            m.tokens += pt
+            m.n_prompt += 1
+        return True
+
+    # ---------------------------------------------------------------- persistence
+    def state(self) -> dict[str, Any]:
+        """The calibration as a JSON-ready dict. Flow ids must be JSON values (str, int, float,
+        bool, None) or tuples of them; anything else raises ``TypeError`` naming the flow."""
+        flows = []
+        for (model, flow), s in self._flows.items():
+            flows.append({"model": model, "flow": _flow_to_json(flow), **s.to_json()})
+        return {
+            "version": STATE_VERSION,
+            "models": {model: s.to_json() for model, s in self._models.items()},
+            "flows": flows,
+            "observed": self.observed,
+            "ignored": self.ignored,
+        }
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Replace the calibration with ``state`` (from ``state()``). Validates everything first:
+        on a bad state it raises ``ValueError`` and the estimator is unchanged."""
+        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
+            got = state.get("version") if isinstance(state, Mapping) else state
+            raise ValueError(f"not an sfq cost-estimator state of version {STATE_VERSION}: version {got!r}")
+        models_in = state.get("models", {})
+        flows_in = state.get("flows", [])
+        if not isinstance(models_in, Mapping) or not isinstance(flows_in, list):
+            raise ValueError("bad cost-estimator state: 'models' must be an object and 'flows' a list")
+        models = {str(k): _Sums.from_json(v, f"for model {k!r}") for k, v in models_in.items()}
+        flows: dict[tuple[str, Hashable], _Sums] = {}
+        for entry in flows_in:
+            if not isinstance(entry, Mapping) or "model" not in entry or "flow" not in entry:
+                raise ValueError(f"bad flow entry in cost-estimator state: {entry!r}")
+            key = (str(entry["model"]), _flow_from_json(entry["flow"]))
+            flows[key] = _Sums.from_json(entry, f"for flow {key[1]!r} of model {key[0]!r}")
+        observed, ignored = state.get("observed", 0), state.get("ignored", 0)
+        if not (isinstance(observed, int) and isinstance(ignored, int)):
+            raise ValueError(f"bad counters in cost-estimator state: observed={observed!r} ignored={ignored!r}")
+        self._models, self._flows = models, flows
+        self.observed, self.ignored = observed, ignored
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the calibration to ``path`` as JSON (atomically: a temporary file, then a rename)."""
+        data = json.dumps(self.state(), indent=1, sort_keys=True)
+        path = Path(path)
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+
+    def load(self, path: str | os.PathLike[str]) -> None:
+        """Replace the calibration with the one saved at ``path`` (see ``restore``)."""
+        with open(path, encoding="utf-8") as fh:
+            try:
+                state = json.load(fh)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{os.fspath(path)!r} is not valid JSON: {exc}") from None
+        self.restore(state)
+
+
+_JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+def _flow_to_json(flow: Hashable) -> Any:
+    if isinstance(flow, _JSON_SCALARS):
+        if isinstance(flow, float) and not math.isfinite(flow):
+            raise TypeError(f"flow id {flow!r} cannot be saved as JSON")
+        return flow
+    if isinstance(flow, tuple):
+        return [_flow_to_json(x) for x in flow]
+    raise TypeError(f"flow id {flow!r} cannot be saved as JSON (use str, int, float, bool, None or tuples of them)")
+
+
+def _flow_from_json(value: Any) -> Hashable:
+    if isinstance(value, list):
+        return tuple(_flow_from_json(x) for x in value)
+    if isinstance(value, _JSON_SCALARS):
+        return value
+    raise ValueError(f"bad flow id in cost-estimator state: {value!r}")
+
