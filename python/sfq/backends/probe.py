@@ -67,11 +67,11 @@ class SaturationProbe:
         running_metrics: Iterable[str] = RUNNING_METRICS,
         kv_usage_metrics: Iterable[str] = KV_USAGE_METRICS,
     ) -> None:
-        for name, v, lo in (("interval", interval, 0.0), ("max_waiting", max_waiting, -1.0),
-                            ("max_kv_usage", max_kv_usage, 0.0)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= lo:
-                raise ValueError(f"{name} must be a finite number > {lo if lo >= 0 else 0 - 0}, got {v!r}"
-                                 if name != "max_waiting" else f"max_waiting must be a finite number >= 0, got {v!r}")
+        for name, v, zero_ok in (("interval", interval, False), ("max_waiting", max_waiting, True),
+                                 ("max_kv_usage", max_kv_usage, False)):
+            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+                    or (v == 0 and not zero_ok)):
+                raise ValueError(f"{name} must be a finite number {'>=' if zero_ok else '>'} 0, got {v!r}")
         self.interval = float(interval)
         self.max_waiting = float(max_waiting)
         self.max_kv_usage = float(max_kv_usage)
