@@ -40,6 +40,8 @@ def extensions():
     ext = Extension(
         "sfq._csfq",
         ["src/csfq/_csfq.pyx"],
+        include_dirs=["src/csfq"],
+        depends=["src/csfq/sfq_heap.h"],
         extra_compile_args=["-O3"] if os.name != "nt" else [],
     )
     return cythonize(

@@ -94,19 +94,23 @@ ctypedef struct Flow:
     int32_t state       # FREE / WAITING / IDLE / DORMANT
     PyObject* key       # owned reference to the flow id; NULL when FREE
 
-ctypedef struct Entry:
-    int64_t S           # key 1: the flow's meter, sub-units
-    int64_t ticket      # key 2: ticket of the flow's head request (0 in the idle heap)
-    int32_t slot        # the flow's slot
+cdef extern from "sfq_heap.h":
+    # (S, ticket, slot): S the flow's meter in sub-units, ticket its head request's ticket
+    ctypedef struct sfq_entry:
+        int64_t S
+        int64_t ticket
+        int32_t slot
+    bint sfq_less(const sfq_entry* x, const sfq_entry* y) noexcept nogil
+    void sfq_sift_up(sfq_entry* a, int32_t* pos, Py_ssize_t i, sfq_entry e) noexcept nogil
+    void sfq_sift_down(sfq_entry* a, int32_t* pos, Py_ssize_t n, Py_ssize_t i, sfq_entry e) noexcept nogil
+    void sfq_sift_root(sfq_entry* a, int32_t* pos, Py_ssize_t n, sfq_entry e) noexcept nogil
+
+ctypedef sfq_entry Entry
 
 ctypedef struct Heap:
     Entry* a            # 4-ary min-heap on (S, ticket)
     Py_ssize_t n        # entries in use
     Py_ssize_t cap      # entries allocated
-
-
-cdef inline bint _less(const Entry* x, const Entry* y) noexcept nogil:
-    return x.S < y.S or (x.S == y.S and x.ticket < y.ticket)
 
 
 cdef inline double _units0(int64_t sub) noexcept nogil:
@@ -172,6 +176,8 @@ cdef class Scheduler:
     cdef dict _index            # flow id -> slot (int)
     cdef object _base           # Python int: sub-units subtracted by renormalisation so far
     cdef readonly Py_ssize_t renormalisations  # how many times meters were renormalised
+    cdef PyObject* _ckey        # one-entry lookup cache: a live slot's own key object (borrowed from it)...
+    cdef int32_t _cslot         # ... and that slot; `enqueue(d.flow, ...)` after a dispatch skips the dict
 
     def __cinit__(self):
         self._index = {}
@@ -218,41 +224,6 @@ cdef class Scheduler:
         PyMem_Free(self._tval)
 
     # =================================================================== heaps
-    cdef inline void _sift_up(self, Heap* h, Py_ssize_t i, Entry e) noexcept nogil:
-        cdef Py_ssize_t p
-        cdef Entry* a = h.a
-        while i > 0:
-            p = (i - 1) >> 2
-            if not _less(&e, &a[p]):
-                break
-            a[i] = a[p]
-            self._pos[a[i].slot] = <int32_t>i
-            i = p
-        a[i] = e
-        self._pos[e.slot] = <int32_t>i
-
-    cdef inline void _sift_down(self, Heap* h, Py_ssize_t i, Entry e) noexcept nogil:
-        cdef Py_ssize_t c, m, end, n = h.n
-        cdef Entry* a = h.a
-        while True:
-            c = 4 * i + 1
-            if c >= n:
-                break
-            m = c
-            end = c + 4 if c + 4 <= n else n
-            c += 1
-            while c < end:
-                if _less(&a[c], &a[m]):
-                    m = c
-                c += 1
-            if not _less(&a[m], &e):
-                break
-            a[i] = a[m]
-            self._pos[a[i].slot] = <int32_t>i
-            i = m
-        a[i] = e
-        self._pos[e.slot] = <int32_t>i
-
     cdef int _heap_reserve(self, Heap* h) except -1:
         cdef Entry* a
         if h.n < h.cap:
@@ -271,7 +242,7 @@ cdef class Scheduler:
         e.ticket = ticket
         e.slot = slot
         h.n += 1
-        self._sift_up(h, h.n - 1, e)
+        sfq_sift_up(h.a, self._pos, h.n - 1, e)
 
     cdef inline void _heap_remove(self, Heap* h, Py_ssize_t i) noexcept nogil:
         cdef Entry last
@@ -280,10 +251,12 @@ cdef class Scheduler:
         if i == h.n:
             return
         last = h.a[h.n]
-        if _less(&last, &h.a[i]):
-            self._sift_up(h, i, last)
+        if i == 0:
+            sfq_sift_root(h.a, self._pos, h.n, last)
+        elif sfq_less(&last, &h.a[i]):
+            sfq_sift_up(h.a, self._pos, i, last)
         else:
-            self._sift_down(h, i, last)
+            sfq_sift_down(h.a, self._pos, h.n, i, last)
 
     # =================================================================== ticket table
     cdef inline uint64_t _thash(self, int64_t t) noexcept nogil:
@@ -426,14 +399,12 @@ cdef class Scheduler:
     cdef void _forget(self, int32_t slot):
         cdef Flow* f = &self._flows[slot]
         cdef object key = <object>f.key
+        if self._ckey == f.key:
+            self._ckey = NULL
         del self._index[key]
         Py_DECREF(key)
         f.key = NULL
         f.state = FREE
-        if f.cap > 64:  # a burst grew this ring: give the memory back
-            PyMem_Free(f.ring)
-            f.ring = NULL
-            f.cap = 0
         self._free[self._nfree] = slot
         self._nfree += 1
 
@@ -446,8 +417,12 @@ cdef class Scheduler:
     cdef int _leave(self, int32_t slot) except -1:
         """The flow has no waiting request left: out of the competition, meter kept."""
         cdef Flow* f = &self._flows[slot]
-        f.state = IDLE
         self._heap_reserve(&self._idle)
+        f.state = IDLE
+        PyMem_Free(f.ring)  # an idle flow keeps no buffer (memory per idle flow stays small)
+        f.ring = NULL
+        f.cap = 0
+        f.head = 0
         self._heap_push(&self._idle, f.S, 0, slot)
         if self._wait.n == 0 and self._max_finish > self._v:  # global idle: close the busy period
             self._v = self._max_finish
@@ -491,13 +466,19 @@ cdef class Scheduler:
     cdef inline int32_t _lookup(self, object flow) except -2:
         """The flow's slot, -1 if unknown; TypeError naming an unhashable flow id."""
         cdef object o
+        cdef int32_t slot
+        if <PyObject*>flow == self._ckey:
+            return self._cslot
         try:
             o = self._index.get(flow)
         except TypeError:
             raise _unhashable(flow) from None
         if o is None:
             return -1
-        return <int32_t>PyLong_AsSsize_t(o)
+        slot = <int32_t>PyLong_AsSsize_t(o)
+        self._ckey = self._flows[slot].key
+        self._cslot = slot
+        return slot
 
     # =================================================================== queries
     def __len__(self):
@@ -614,6 +595,8 @@ cdef class Scheduler:
         if f.S > self._max_finish:
             self._max_finish = f.S
         d.flow = <object>f.key
+        self._ckey = f.key
+        self._cslot = slot
         d.item = <object>r.item
         Py_DECREF(<object>r.item)
         d.cost = r.cost
@@ -626,7 +609,7 @@ cdef class Scheduler:
             e.S = f.S
             e.ticket = f.ring[f.head].ticket
             e.slot = slot
-            self._sift_down(&self._wait, 0, e)
+            sfq_sift_root(self._wait.a, self._pos, self._wait.n, e)
         else:
             self._heap_remove(&self._wait, 0)
             self._leave(slot)
@@ -678,7 +661,7 @@ cdef class Scheduler:
             self._drop_tombstones(f)
             if f.count:
                 self._wait.a[self._pos[slot]].ticket = f.ring[f.head].ticket
-                self._sift_down(&self._wait, self._pos[slot], self._wait.a[self._pos[slot]])
+                sfq_sift_down(self._wait.a, self._pos, self._wait.n, self._pos[slot], self._wait.a[self._pos[slot]])
             else:
                 self._heap_remove(&self._wait, self._pos[slot])
                 self._leave(slot)

@@ -1,37 +1,42 @@
 """The cost estimate the balancer-side policies (drr, wfq, sfq) order by.
 
-``cost = w_in * prompt + w_out * max_tokens * ratio`` (seed 000 §7.4), with ``ratio`` the
-total actual output over the total ``max_tokens`` of the requests completed so far (a
-prior until the first completion). The estimate is taken once, when the request reaches
-the balancer, and never corrected (seed 000 §5.1). Units: weighted tokens.
+``cost = w_p * prompt + w_q * max_tokens * ratio`` (seed 000 §7.4), ``ratio`` being the
+actual output over ``max_tokens`` of the requests completed so far (a prior before any).
+The estimate is stamped on a request when it reaches the balancer and never corrected
+(seed 000 §5.1); completions only change the estimates of later requests. Units:
+weighted tokens, the same units as the service ``W``.
 
-If the project's ``sfq.cost.CostEstimator`` is importable and has the methods used here
-(``estimate(prompt_tokens, max_tokens)`` and ``observe(max_tokens, output_tokens)``), it
-is used instead of :class:`RatioEstimator`, so the simulator exercises the real one.
+:func:`make_estimator` uses the project's own :class:`sfq.cost.CostEstimator` (calibrated
+per model and, after enough completions, per flow), fed the simulated request as an
+OpenAI body whose prompt has exactly ``prompt`` tokens; :class:`RatioEstimator` is the
+small local fallback used when ``sfq.cost`` is not importable.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
-__all__ = ["Estimator", "RatioEstimator", "make_estimator"]
+__all__ = ["Estimator", "RatioEstimator", "ProjectEstimator", "make_estimator"]
 
 
 class Estimator(Protocol):
-    def estimate(self, prompt_tokens: int, max_tokens: int) -> float: ...
+    def estimate(self, r: Any) -> float:
+        """The cost of request ``r`` (``r.prompt``, ``r.max_tokens``, ``r.flow``)."""
 
-    def observe(self, max_tokens: int, output_tokens: int) -> None: ...
+    def observe(self, r: Any) -> None:
+        """``r`` completed with ``r.output`` tokens."""
 
 
 class RatioEstimator:
-    """``w_in * prompt + w_out * max_tokens * ratio``, ``ratio`` calibrated from completions.
+    """``w_p * prompt + w_q * max_tokens * ratio``, one ratio calibrated from completions.
 
     ``prior`` is the ratio before any completion; ``calibrate=False`` keeps it fixed.
     """
 
-    def __init__(self, input_weight: float = 1.0, output_weight: float = 2.0, prior: float = 0.5, calibrate: bool = True):
+    def __init__(self, input_weight: float = 1.0, output_weight: float = 2.0, prior: float = 0.5,
+                 calibrate: bool = True):
         for name, v in (("input_weight", input_weight), ("output_weight", output_weight)):
-            if not (v >= 0.0) or v != v or v == float("inf"):
+            if not (v >= 0.0) or v == float("inf"):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
         if not (0.0 < prior <= 1.0):
             raise ValueError(f"prior ratio must be in (0, 1], got {prior!r}")
@@ -47,26 +52,48 @@ class RatioEstimator:
         """Expected output tokens per ``max_tokens`` token."""
         return self._out / self._max if self._max else self.prior
 
-    def estimate(self, prompt_tokens: int, max_tokens: int) -> float:
-        c = self.input_weight * prompt_tokens + self.output_weight * max_tokens * self.ratio
-        return c if c > 0.0 else 1.0
+    def estimate(self, r: Any) -> float:
+        c = self.input_weight * r.prompt + self.output_weight * r.max_tokens * self.ratio
+        return c if c >= 1.0 else 1.0
 
-    def observe(self, max_tokens: int, output_tokens: int) -> None:
+    def observe(self, r: Any) -> None:
         if self.calibrate:
-            self._out += output_tokens
-            self._max += max_tokens
+            self._out += r.output
+            self._max += r.max_tokens
+
+
+class ProjectEstimator:
+    """Adapts :class:`sfq.cost.CostEstimator` to simulated requests (exact prompt counts,
+    per-flow calibration after ``min_flow_samples`` completions of that flow)."""
+
+    MODEL = "sim"
+
+    def __init__(self, input_weight: float = 1.0, output_weight: float = 2.0, prior: float = 0.5,
+                 min_flow_samples: int = 20):
+        from sfq.cost import CostEstimator
+
+        self.inner = CostEstimator(
+            input_weight=input_weight,
+            output_weight=output_weight,
+            prior_ratio=prior,
+            tokenizer=len,  # the simulated prompt is `prompt` characters, one token each
+            min_flow_samples=min_flow_samples,
+        )
+        self._pending: dict[int, Any] = {}  # rid -> Estimate, until the request completes
+
+    def estimate(self, r: Any) -> float:
+        e = self.inner.estimate({"model": self.MODEL, "prompt": "x" * r.prompt, "max_tokens": r.max_tokens}, r.flow)
+        self._pending[r.rid] = e
+        return float(e.cost)
+
+    def observe(self, r: Any) -> None:
+        e = self._pending.pop(r.rid)
+        self.inner.observe(e, {"completion_tokens": r.output, "prompt_tokens": r.prompt}, r.flow)
 
 
 def make_estimator(input_weight: float, output_weight: float, prior: float = 0.5) -> Estimator:
-    """The project's ``sfq.cost.CostEstimator`` when it fits, else :class:`RatioEstimator`."""
-    try:  # pragma: no cover - depends on what has landed
-        from sfq.cost import CostEstimator  # type: ignore[import-not-found]
-    except ImportError:
+    """The project's estimator (``sfq.cost``) when importable, else :class:`RatioEstimator`."""
+    try:
+        return ProjectEstimator(input_weight, output_weight, prior)
+    except ImportError:  # pragma: no cover - only before sfq.cost exists
         return RatioEstimator(input_weight, output_weight, prior)
-    try:  # pragma: no cover
-        est = CostEstimator(input_weight=input_weight, output_weight=output_weight)
-        if callable(getattr(est, "estimate", None)) and callable(getattr(est, "observe", None)):
-            return est
-    except TypeError:
-        pass
-    return RatioEstimator(input_weight, output_weight, prior)

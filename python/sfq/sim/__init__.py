@@ -1,0 +1,1 @@
+"""Discrete-event simulator of an LLM-serving fleet (placeholder; filled below)."""

@@ -1,0 +1,141 @@
+"""PNG plots of a scenario (matplotlib's Agg canvas; no pyplot, no global backend change).
+
+Files written into ``out_dir``:
+``<scenario>-service.png``  cumulative service per flow over time, one panel per policy;
+``kv-sweep-drift.png``      max drift vs the KV budget M, with the bound;
+``rpm-sweep.png``           throughput vs max drift for each RPM limit and the fair policies;
+``teams-waits.png``         wait before start p50/p95/p99 per team and policy.
+The PNGs carry no timestamp or version metadata, so the same run writes the same bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from .scenarios import ScenarioResult
+
+__all__ = ["write_plots"]
+
+_META = {"Software": None}
+
+
+def _figure(w: float, h: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(w, h), dpi=100)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig, path: Path) -> Path:
+    fig.savefig(path, format="png", metadata=_META)
+    return path
+
+
+def _service_plot(res: ScenarioResult, path: Path, points: int = 400) -> Path:
+    runs = res.runs
+    n = len(runs)
+    cols = min(4, n)
+    rows = math.ceil(n / cols)
+    fig = _figure(3.6 * cols, 2.8 * rows + 0.4)
+    fig.suptitle(f"{res.scenario}: cumulative service per flow (weighted tokens)", fontsize=11)
+    mark = res.extra.get("return_step")
+    for k, (label, run) in enumerate(runs):
+        ax = fig.add_subplot(rows, cols, k + 1)
+        grid = np.linspace(0, run.end, points)
+        W = run.service
+        for f, spec in enumerate(run.flows):
+            ax.plot(grid, np.interp(grid, run.times, W[:, f]), label=spec.name, linewidth=1.3)
+        if mark is not None:
+            ax.axvline(mark, color="grey", linestyle=":", linewidth=1)
+        ax.set_title(label, fontsize=10)
+        ax.tick_params(labelsize=7)
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+        if k % cols == 0:
+            ax.set_ylabel("W", fontsize=8)
+        if k >= n - cols:
+            ax.set_xlabel("step", fontsize=8)
+        if k == 0:
+            ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _kv_plot(res: ScenarioResult, path: Path) -> Path:
+    fig = _figure(6.4, 4.4)
+    ax = fig.add_subplot(1, 1, 1)
+    pols = list(dict.fromkeys(r["policy"] for r in res.results))
+    for p in pols:
+        pts = [(r["kv_budget"], r["max_drift"]) for r in res.results if r["policy"] == p]
+        ax.plot([x for x, _ in pts], [max(y, 1.0) for _, y in pts], marker="o", label=p, linewidth=1.2)
+    bounds = sorted({(r["kv_budget"], r["bound"]) for r in res.results})
+    ax.plot([x for x, _ in bounds], [y for _, y in bounds], color="black", linestyle="--",
+            label="bound 2max(w_p L, w_q M)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("KV budget M (tokens)")
+    ax.set_ylabel("max drift (weighted tokens)")
+    ax.set_title("kv-sweep: drift vs M")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _rpm_plot(res: ScenarioResult, path: Path) -> Path:
+    fig = _figure(6.4, 4.4)
+    ax = fig.add_subplot(1, 1, 1)
+    for r in res.results:
+        lab = r["policy"] if r["policy"] != "fifo" else ("fifo (no limit)" if r["rpm"] is None else f"rpm {r['rpm']}")
+        color = "tab:blue" if r["policy"] == "fifo" else "tab:green"
+        ax.scatter([max(r["max_drift"], 1.0)], [r["throughput"]], color=color)
+        ax.annotate(lab, (max(r["max_drift"], 1.0), r["throughput"]), fontsize=8, xytext=(4, 4),
+                    textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel("max drift (weighted tokens)")
+    ax.set_ylabel("throughput (weighted tokens / step)")
+    ax.set_title("rpm-sweep: throughput vs fairness")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _waits_plot(res: ScenarioResult, path: Path) -> Path:
+    teams = list(res.results[0]["teams"]) if res.results else []
+    pols = [r["policy"] for r in res.results]
+    fig = _figure(max(6.4, 1.1 * len(pols) * len(teams) / 2), 4.4)
+    ax = fig.add_subplot(1, 1, 1)
+    width = 0.8 / max(1, len(teams))
+    x = np.arange(len(pols))
+    for k, t in enumerate(teams):
+        p50 = [max(r["teams"][t]["wait_p50"] or 0, 0.5) for r in res.results]
+        p99 = [max(r["teams"][t]["wait_p99"] or 0, 0.5) for r in res.results]
+        ax.bar(x + k * width, p99, width, alpha=0.35, color=f"C{k}")
+        ax.bar(x + k * width, p50, width, color=f"C{k}", label=f"{t} (p50 solid, p99 light)")
+    ax.set_xticks(x + width * (len(teams) - 1) / 2)
+    ax.set_xticklabels(pols)
+    ax.set_yscale("log")
+    ax.set_ylabel("wait before start (steps)")
+    ax.set_title("teams: waits per team")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def write_plots(res: ScenarioResult, out_dir: str | Path) -> list[Path]:
+    """Write the scenario's PNGs into ``out_dir`` (created); returns their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths: list[Path] = []
+    if res.scenario == "kv-sweep":
+        paths.append(_kv_plot(res, out / "kv-sweep-drift.png"))
+        return paths
+    if res.runs:
+        paths.append(_service_plot(res, out / f"{res.scenario}-service.png"))
+    if res.scenario == "rpm-sweep":
+        paths.append(_rpm_plot(res, out / "rpm-sweep.png"))
+    if res.scenario == "teams":
+        paths.append(_waits_plot(res, out / "teams-waits.png"))
+    return paths

@@ -1,0 +1,522 @@
+"""The scenarios of ``sfq simulate``: seed 003's experiments and seed 004's overload test.
+
+Each scenario builds its workload once from the seed, runs every chosen policy on it and
+returns a :class:`ScenarioResult`: ``params`` (everything that determines the run),
+``results`` (one row of metrics per run, the JSON document's rows) and the runs
+themselves for the plots. Units: steps, tokens, weighted tokens (``w_p``, ``w_q``).
+
+``drift``      two clients, both over their fair share from step 0 (Poisson at 0.9 and 0.6
+               of the engine's capacity), M = 8192: max drift, throughput, Jain.
+``return``     client 0 under its share (0.3 C) for 3000 steps, silent for 2000, back
+               overloaded (1.2 C); client 1 at 1.2 C throughout; the 600 steps after the
+               return: the returning client's share and the steady client's service.
+``kv-sweep``   ``drift`` for M = 2048 ... 32768 against the bound 2 max(w_p L_input, w_q M).
+``rpm-sweep``  ``drift`` under FIFO with per-client limits of 5, 20, 40, 80 requests per
+               "minute" (2000 steps) and none, beside the fair policies without limits.
+``teams``      seed 004: team A drops 400 long batch jobs at step 0, team B sends short
+               interactive requests (Poisson, 1 per 20 steps) from step 300, team C sends
+               bursts of 24 now and then; 8 slots (8 servers x 1); weights interactive 6,
+               batch 1; strict priority ranks interactive first.
+``trace``      a JSONL trace (see :mod:`sfq.sim.model`) on the fleet given by the options.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from .engine import Fleet, RunResult, Simulation
+from .estimate import make_estimator
+from .metrics import flow_summary, jain_index, max_drift, service_at, throughput, wait_quantiles
+from .model import FlowSpec, Workload, load_trace
+from .policies import POLICIES, make_policy
+from .workloads import Batch, Bursts, FlowLoad, Phases, Poisson, Sizes, build_workload, capacity
+
+__all__ = [
+    "Options",
+    "Progress",
+    "ScenarioResult",
+    "SCENARIOS",
+    "DEFAULT_POLICIES",
+    "run_scenario",
+    "run_headline",
+    "workload_for",
+]
+
+#: seed 003's request sizes: prompts U[64, 512], outputs U[32, 384], max_tokens 384
+SEED003_SIZES = Sizes(prompt=(64, 512), output=(32, 384), max_tokens=384)
+
+ALL_FAIR = ("fifo", "rr", "drr", "wfq", "sfq", "lcf", "vtc")
+DEFAULT_POLICIES: dict[str, tuple[str, ...]] = {
+    "drift": ALL_FAIR,
+    "return": ALL_FAIR,
+    "kv-sweep": ALL_FAIR,
+    "rpm-sweep": ("fifo", "vtc", "sfq"),
+    "teams": ("fifo", "prio", "rr", "drr", "wfq", "sfq", "lcf", "vtc"),
+    "trace": ALL_FAIR,
+}
+KV_SWEEP = (2048, 4096, 8192, 16384, 32768)
+RPM_SWEEP = (5, 20, 40, 80, None)
+
+
+@dataclass
+class Options:
+    """Knobs shared by the scenarios; ``None`` means the scenario's own default.
+
+    ``steps``: run length (drift, kv-sweep, rpm-sweep, teams; for ``return`` the length
+    of the first phase; for ``trace`` a horizon). ``kv_budget`` (tokens per server),
+    ``servers``, ``slots`` (max running requests per server), ``quantum`` (DRR, weighted
+    tokens), ``beta`` (vtc-h), ``w_p``/``w_q`` (service weights of prompt/output
+    tokens), ``prior`` (the estimator's output/max_tokens ratio before any completion),
+    ``rpm_window`` (steps per "minute"), ``trace``/``weights`` (trace replay), ``core``
+    (the scheduler class behind ``sfq``; default ``sfq.Scheduler``).
+    """
+
+    seed: int = 0
+    steps: int | None = None
+    kv_budget: int | None = None
+    servers: int | None = None
+    slots: int | None = None
+    quantum: float = 1024.0
+    beta: float = 0.01
+    w_p: float = 1.0
+    w_q: float = 2.0
+    prior: float = 0.5
+    rpm_window: int = 2000
+    trace: str | None = None
+    weights: dict[str, float] = field(default_factory=dict)
+    core: Any = None
+
+
+class Progress:
+    """Told about each run; the CLI draws a progress bar from it. No-op here."""
+
+    def begin(self, label: str, horizon: int | None) -> Callable[[int], None] | None:
+        return None
+
+    def end(self) -> None:
+        pass
+
+
+@dataclass
+class ScenarioResult:
+    scenario: str
+    params: dict
+    results: list[dict]
+    runs: list[tuple[str, RunResult]] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)
+
+    def document(self) -> dict:
+        """``{"scenario", "params", "results"}`` with floats rounded (the JSON output)."""
+        return {"scenario": self.scenario, "params": clean(self.params), "results": clean(self.results)}
+
+
+def clean(x: Any) -> Any:
+    """Plain JSON values: floats rounded to 4 decimals (NaN/inf -> None), tuples -> lists."""
+    if isinstance(x, dict):
+        return {str(k): clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [clean(v) for v in x]
+    if isinstance(x, bool) or x is None or isinstance(x, str):
+        return x
+    if isinstance(x, int):
+        return int(x)
+    try:
+        f = float(x)
+    except (TypeError, ValueError):
+        return str(x)
+    if math.isnan(f) or math.isinf(f):
+        return None
+    if f.is_integer() and abs(f) < 2**53 and not isinstance(x, float):
+        return int(f)
+    r = round(f, 4)
+    return 0.0 if r == 0 else r
+
+
+# ---------------------------------------------------------------------- helpers
+def _policies(names: Sequence[str] | None, scenario: str) -> list[str]:
+    names = list(names) if names else list(DEFAULT_POLICIES[scenario])
+    for n in names:
+        if n not in POLICIES:
+            raise ValueError(f"unknown policy {n!r}; choose from {', '.join(POLICIES)}")
+    seen: list[str] = []
+    for n in names:
+        if n not in seen:
+            seen.append(n)
+    return seen
+
+
+def _run(
+    workload: Workload,
+    name: str,
+    fleet: Fleet,
+    opts: Options,
+    progress: Progress,
+    horizon: int | None,
+    marks: Sequence[int] = (),
+    label: str | None = None,
+    **popts: Any,
+) -> RunResult:
+    policy = make_policy(name, quantum=opts.quantum, beta=opts.beta, core=opts.core, window=opts.rpm_window, **popts)
+    cb = progress.begin(label or policy.label, horizon)
+    try:
+        sim = Simulation(
+            workload,
+            policy,
+            fleet,
+            w_p=opts.w_p,
+            w_q=opts.w_q,
+            horizon=horizon,
+            marks=marks,
+            estimator=make_estimator(opts.w_p, opts.w_q, opts.prior),
+            progress=cb,
+        )
+        return sim.run()
+    finally:
+        progress.end()
+
+
+def bound_of(res: RunResult) -> float:
+    """Seed 003's drift bound ``2 max(w_p L_input, w_q M)``: ``L_input`` the largest
+    prompt that ran, ``M`` the fleet's total KV budget (tokens)."""
+    started = res.admit >= 0
+    l_in = int(res.prompt[started].max()) if started.any() else 0
+    m = res.fleet.kv_budget * res.fleet.servers
+    return 2.0 * max(res.w_p * l_in, res.w_q * m)
+
+
+def _row(scenario: str, res: RunResult, rpm: int | None = None, **extra: Any) -> dict:
+    drift = max_drift(res)
+    bound = bound_of(res)
+    row: dict[str, Any] = {
+        "scenario": scenario,
+        "policy": res.policy.split(" ")[0],
+        "kv_budget": res.fleet.kv_budget,
+        "rpm": rpm,
+        "max_drift": drift,
+        "bound": bound,
+        "drift_ratio": drift / bound if bound else None,
+        "max_drift_est": max_drift(res, charged=True),
+        "throughput": throughput(res),
+        "tokens_per_step": throughput(res, raw=True),
+        "jain": jain_index(res),
+        "returning_share": None,
+        "returning_dispatch_share": None,
+        "steady_service": None,
+    }
+    row.update(extra)
+    row["flows"] = flow_summary(res)
+    row.setdefault("teams", None)
+    return row
+
+
+def _fleet(opts: Options, servers: int, kv: int, slots: int | None) -> Fleet:
+    return Fleet(
+        servers=opts.servers if opts.servers is not None else servers,
+        kv_budget=opts.kv_budget if opts.kv_budget is not None else kv,
+        max_batch=opts.slots if opts.slots is not None else slots,
+    )
+
+
+def _fleet_params(fleet: Fleet) -> dict:
+    return {"servers": fleet.servers, "kv_budget": fleet.kv_budget, "slots": fleet.max_batch}
+
+
+def _common_params(opts: Options) -> dict:
+    return {"seed": opts.seed, "w_p": opts.w_p, "w_q": opts.w_q, "estimator_prior": opts.prior}
+
+
+# ---------------------------------------------------------------------- workloads
+def drift_workload(seed: int, kv_budget: int, steps: int, servers: int = 1) -> Workload:
+    """Two clients over their share from step 0: Poisson at 0.9 C and 0.6 C."""
+    c = capacity(kv_budget, SEED003_SIZES) * servers
+    return build_workload(
+        seed,
+        [
+            FlowLoad(FlowSpec("client-0"), Poisson(0.9 * c, 0, steps), SEED003_SIZES),
+            FlowLoad(FlowSpec("client-1"), Poisson(0.6 * c, 0, steps), SEED003_SIZES),
+        ],
+        meta={"rates_per_step": [0.9 * c, 0.6 * c]},
+    )
+
+
+def return_workload(seed: int, kv_budget: int, phase1: int, silence: int, window: int, servers: int = 1) -> Workload:
+    """Client 0: 0.3 C for ``phase1`` steps, silent ``silence`` steps, then 1.2 C; client 1:
+    1.2 C throughout; ends ``window`` steps after the return."""
+    c = capacity(kv_budget, SEED003_SIZES) * servers
+    back = phase1 + silence
+    end = back + window
+    return build_workload(
+        seed,
+        [
+            FlowLoad(FlowSpec("client-0"), Phases(((0, phase1, 0.3 * c), (back, end, 1.2 * c))), SEED003_SIZES),
+            FlowLoad(FlowSpec("client-1"), Poisson(1.2 * c, 0, end), SEED003_SIZES),
+        ],
+    )
+
+
+TEAM_SIZES = {
+    "team-a": Sizes(prompt=(500, 1500), output=(400, 1200), max_tokens=1536),
+    "team-b": Sizes(prompt=(50, 300), output=(10, 100), max_tokens=128),
+    "team-c": Sizes(prompt=(200, 800), output=(100, 400), max_tokens=512),
+}
+
+
+def teams_workload(
+    seed: int,
+    steps: int,
+    jobs: int = 400,
+    b_start: int = 300,
+    b_rate: float = 0.05,
+    c_burst: int = 24,
+    c_gap: float = 2500.0,
+    weights: tuple[float, float] = (6.0, 1.0),
+) -> Workload:
+    """Seed 004's overload test (flows are team + workload class)."""
+    w_int, w_batch = weights
+    return build_workload(
+        seed,
+        [
+            FlowLoad(FlowSpec("team-a/batch", w_batch, "batch", 1), Batch(jobs, 0), TEAM_SIZES["team-a"]),
+            FlowLoad(
+                FlowSpec("team-b/interactive", w_int, "interactive", 0),
+                Poisson(b_rate, b_start, steps),
+                TEAM_SIZES["team-b"],
+            ),
+            FlowLoad(
+                FlowSpec("team-c/batch", w_batch, "batch", 1),
+                Bursts(c_burst, c_gap, min(1000, steps), steps),
+                TEAM_SIZES["team-c"],
+            ),
+        ],
+    )
+
+
+# ---------------------------------------------------------------------- scenarios
+def run_drift(opts: Options, policies: Sequence[str] | None = None, progress: Progress | None = None) -> ScenarioResult:
+    progress = progress or Progress()
+    steps = opts.steps or 20_000
+    fleet = _fleet(opts, 1, 8192, None)
+    wl = drift_workload(opts.seed, fleet.kv_budget, steps, fleet.servers)
+    names = _policies(policies, "drift")
+    params = {
+        **_common_params(opts),
+        "steps": steps,
+        **_fleet_params(fleet),
+        "prompt_tokens": list(SEED003_SIZES.prompt),
+        "output_tokens": list(SEED003_SIZES.output),
+        "max_tokens": SEED003_SIZES.max_tokens,
+        "rates_per_step": wl.meta["rates_per_step"],
+        "requests": len(wl),
+        "policies": names,
+        "quantum": opts.quantum,
+    }
+    runs, rows = [], []
+    for n in names:
+        res = _run(wl, n, fleet, opts, progress, steps)
+        runs.append((res.policy, res))
+        rows.append(_row("drift", res))
+    return ScenarioResult("drift", params, rows, runs)
+
+
+def run_return(opts: Options, policies: Sequence[str] | None = None, progress: Progress | None = None,
+               silence: int = 2000, window: int = 600) -> ScenarioResult:
+    progress = progress or Progress()
+    phase1 = opts.steps or 3000
+    fleet = _fleet(opts, 1, 8192, None)
+    back = phase1 + silence
+    end = back + window
+    wl = return_workload(opts.seed, fleet.kv_budget, phase1, silence, window, fleet.servers)
+    names = _policies(policies, "return")
+    params = {
+        **_common_params(opts),
+        **_fleet_params(fleet),
+        "phase1_steps": phase1,
+        "silence_steps": silence,
+        "return_step": back,
+        "window_steps": window,
+        "requests": len(wl),
+        "policies": names,
+        "quantum": opts.quantum,
+    }
+    runs, rows = [], []
+    for n in names:
+        res = _run(wl, n, fleet, opts, progress, end, marks=(back,))
+        d = service_at(res, end) - service_at(res, back)
+        in_win = (res.admit >= back) & (res.admit < end)
+        est0 = float(res.est[in_win & (res.flow == 0)].sum())
+        est_all = float(res.est[in_win].sum())
+        runs.append((res.policy, res))
+        rows.append(
+            _row(
+                "return",
+                res,
+                returning_share=float(d[0] / d.sum()) if d.sum() > 0 else None,
+                returning_dispatch_share=est0 / est_all if est_all > 0 else None,
+                steady_service=float(d[1]),
+            )
+        )
+    return ScenarioResult("return", params, rows, runs, extra={"return_step": back, "window_end": end})
+
+
+def run_kv_sweep(opts: Options, policies: Sequence[str] | None = None, progress: Progress | None = None,
+                 budgets: Sequence[int] = KV_SWEEP) -> ScenarioResult:
+    progress = progress or Progress()
+    steps = opts.steps or 20_000
+    names = _policies(policies, "kv-sweep")
+    servers = opts.servers or 1
+    params = {
+        **_common_params(opts),
+        "steps": steps,
+        "servers": servers,
+        "kv_budgets": list(budgets),
+        "policies": names,
+        "quantum": opts.quantum,
+    }
+    runs, rows = [], []
+    for m in budgets:
+        fleet = Fleet(servers, int(m), opts.slots)
+        wl = drift_workload(opts.seed, int(m), steps, servers)
+        for n in names:
+            res = _run(wl, n, fleet, opts, progress, steps, label=f"{n} M={m}")
+            runs.append((f"{res.policy} M={m}", res))
+            rows.append(_row("kv-sweep", res))
+    return ScenarioResult("kv-sweep", params, rows, runs)
+
+
+def run_rpm_sweep(opts: Options, policies: Sequence[str] | None = None, progress: Progress | None = None,
+                  limits: Sequence[int | None] = RPM_SWEEP) -> ScenarioResult:
+    progress = progress or Progress()
+    steps = opts.steps or 20_000
+    fleet = _fleet(opts, 1, 8192, None)
+    wl = drift_workload(opts.seed, fleet.kv_budget, steps, fleet.servers)
+    names = _policies(policies, "rpm-sweep")
+    params = {
+        **_common_params(opts),
+        "steps": steps,
+        **_fleet_params(fleet),
+        "minute_steps": opts.rpm_window,
+        "rpm_limits": list(limits),
+        "policies": names,
+        "requests": len(wl),
+    }
+    runs, rows = [], []
+    for n in names:
+        for rpm in limits if n == "fifo" else (None,):
+            res = _run(wl, n, fleet, opts, progress, steps, rpm=rpm)
+            runs.append((res.policy, res))
+            rows.append(_row("rpm-sweep", res, rpm=rpm))
+    return ScenarioResult("rpm-sweep", params, rows, runs)
+
+
+def run_teams(opts: Options, policies: Sequence[str] | None = None, progress: Progress | None = None,
+              **workload_kw: Any) -> ScenarioResult:
+    progress = progress or Progress()
+    steps = opts.steps or 12_000
+    fleet = _fleet(opts, 8, 8192, 1)
+    wl = teams_workload(opts.seed, steps, **workload_kw)
+    names = _policies(policies, "teams")
+    params = {
+        **_common_params(opts),
+        "steps": steps,
+        **_fleet_params(fleet),
+        "flows": {f.name: {"weight": f.weight, "class": f.klass, "priority": f.priority} for f in wl.flows},
+        "team_a_jobs": int((wl.flow == 0).sum()),
+        "requests": len(wl),
+        "policies": names,
+        "quantum": opts.quantum,
+    }
+    runs, rows = [], []
+    for n in names:
+        res = _run(wl, n, fleet, opts, progress, steps)
+        total = float(res.service[-1].sum())
+        teams = {}
+        for f, spec in enumerate(wl.flows):
+            p50, p95, p99 = wait_quantiles(res, f)
+            m = (res.flow == f) & (res.arrival < res.end)
+            teams[spec.name.split("/")[0]] = {
+                "class": spec.klass,
+                "weight": spec.weight,
+                "wait_p50": p50,
+                "wait_p95": p95,
+                "wait_p99": p99,
+                "cost_share": float(res.service[-1, f] / total) if total > 0 else None,
+                "submitted": int(m.sum()),
+                "completed": int((m & (res.finish >= 0)).sum()),
+            }
+        runs.append((res.policy, res))
+        rows.append(_row("teams", res, teams=teams))
+    return ScenarioResult("teams", params, rows, runs)
+
+
+def run_trace(opts: Options, policies: Sequence[str] | None = None, progress: Progress | None = None) -> ScenarioResult:
+    if not opts.trace:
+        raise ValueError("the trace scenario needs a trace file (--trace FILE.jsonl)")
+    progress = progress or Progress()
+    wl = load_trace(opts.trace, opts.weights)
+    fleet = _fleet(opts, 1, 8192, None)
+    names = _policies(policies, "trace")
+    params = {
+        **_common_params(opts),
+        "trace": str(opts.trace),
+        "steps": opts.steps,
+        **_fleet_params(fleet),
+        "flows": {f.name: {"weight": f.weight} for f in wl.flows},
+        "requests": len(wl),
+        "policies": names,
+        "quantum": opts.quantum,
+    }
+    runs, rows = [], []
+    for n in names:
+        res = _run(wl, n, fleet, opts, progress, opts.steps)
+        runs.append((res.policy, res))
+        rows.append(_row("trace", res))
+    return ScenarioResult("trace", params, rows, runs)
+
+
+SCENARIOS: dict[str, Callable[..., ScenarioResult]] = {
+    "drift": run_drift,
+    "return": run_return,
+    "kv-sweep": run_kv_sweep,
+    "rpm-sweep": run_rpm_sweep,
+    "teams": run_teams,
+    "trace": run_trace,
+}
+
+
+def run_scenario(name: str, opts: Options | None = None, policies: Sequence[str] | None = None,
+                 progress: Progress | None = None) -> ScenarioResult:
+    """Run one scenario by name; ``ValueError`` names an unknown scenario or policy."""
+    try:
+        fn = SCENARIOS[name]
+    except KeyError:
+        raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}") from None
+    return fn(opts or Options(), policies, progress)
+
+
+HEADLINE = ("teams", "return")
+
+
+def run_headline(opts: Options | None = None, policies: Sequence[str] | None = None,
+                 progress: Progress | None = None) -> list[ScenarioResult]:
+    """The default run of ``sfq simulate``: ``teams`` and ``return``."""
+    return [run_scenario(n, opts, policies, progress) for n in HEADLINE]
+
+
+def workload_for(name: str, opts: Options | None = None) -> Workload:
+    """The workload a scenario runs (for ``--write-trace``); kv-sweep gives M = kv_budget."""
+    opts = opts or Options()
+    kv = opts.kv_budget or 8192
+    servers = opts.servers or (8 if name == "teams" else 1)
+    if name in ("drift", "kv-sweep", "rpm-sweep"):
+        return drift_workload(opts.seed, kv, opts.steps or 20_000, servers)
+    if name == "return":
+        return return_workload(opts.seed, kv, opts.steps or 3000, 2000, 600, servers)
+    if name == "teams":
+        return teams_workload(opts.seed, opts.steps or 12_000)
+    if name == "trace":
+        if not opts.trace:
+            raise ValueError("the trace scenario needs a trace file (--trace FILE.jsonl)")
+        return load_trace(opts.trace, opts.weights)
+    raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
