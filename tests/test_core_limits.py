@@ -342,3 +342,20 @@ def test_missing_extension_falls_back_with_one_warning():
     p = _run(code)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == ["reference", "1", "True", "a"]
+
+
+def test_renormalisation_inside_batches():
+    outs = []
+    for cls in (sfq.Scheduler, sfq.ReferenceScheduler):
+        s = cls()
+        s.set_weight("a", sfq.MIN_WEIGHT)
+        s.set_weight("b", sfq.MIN_WEIGHT)
+        s.enqueue_many(["a", "b", "c"] * 100, [sfq.MAX_COST, sfq.MAX_COST, 1.0] * 100, list(range(300)))
+        out = []
+        while len(s):
+            b = s.dispatch_many(7)
+            out.append((b.flows, b.items, b.tickets.tolist(), b.starts.tolist(), b.finishes.tolist()))
+        outs.append(out)
+        if cls is sfq.Scheduler and sfq.CORE == "compiled":
+            assert s.renormalisations > 10
+    assert outs[0] == outs[1]

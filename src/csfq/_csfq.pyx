@@ -107,6 +107,14 @@ cdef extern from "sfq_heap.h":
 
 ctypedef sfq_entry Entry
 
+ctypedef struct Popped:
+    PyObject* key       # new reference to the dispatched flow's id
+    PyObject* item      # new reference to the request's payload
+    double cost         # cost units, as enqueued
+    int64_t ticket      # the request's ticket
+    int64_t start       # start tag (= v), sub-units relative to _base
+    int64_t finish      # finish tag, sub-units relative to _base
+
 ctypedef struct Heap:
     Entry* a            # 4-ary min-heap on (S, ticket)
     Py_ssize_t n        # entries in use
@@ -175,6 +183,7 @@ cdef class Scheduler:
     cdef int64_t _next_ticket   # the next enqueue's ticket
     cdef dict _index            # flow id -> slot (int)
     cdef object _base           # Python int: sub-units subtracted by renormalisation so far
+    cdef int64_t _last_shift    # sub-units the latest renormalisation subtracted
     cdef readonly Py_ssize_t renormalisations  # how many times meters were renormalised
     cdef PyObject* _ckey        # one-entry lookup cache: a live slot's own key object (borrowed from it)...
     cdef int32_t _cslot         # ... and that slot; `enqueue(d.flow, ...)` after a dispatch skips the dict
@@ -460,6 +469,7 @@ cdef class Scheduler:
             self._idle.a[i].S -= d
         self._max_finish -= d
         self._v = 0
+        self._last_shift = d
         self._base = self._base + d
         self.renormalisations += 1
 
@@ -578,14 +588,15 @@ cdef class Scheduler:
         cdef double c = self._cost(cost)
         return self._enqueue(flow, c, item, slot)
 
-    cdef Dispatch _dispatch(self):
+    cdef int _pop(self, Popped* out) except -1:
+        """Dispatch the head of the flow with the smallest (S, head ticket); wait heap non-empty."""
         cdef Entry* top = &self._wait.a[0]
         cdef int32_t slot = top.slot
         cdef Flow* f = &self._flows[slot]
         cdef Req r = f.ring[f.head]
         cdef Entry e
         cdef int64_t start = top.S
-        cdef Dispatch d = Dispatch.__new__(Dispatch)
+        cdef Py_ssize_t renorms = self.renormalisations
         f.head = (f.head + 1) & (f.cap - 1)
         f.count -= 1
         f.live -= 1
@@ -594,16 +605,15 @@ cdef class Scheduler:
         f.S = start + <int64_t>ceil(r.cost * SCALE_D / f.weight)
         if f.S > self._max_finish:
             self._max_finish = f.S
-        d.flow = <object>f.key
+        Py_INCREF(<object>f.key)
+        out.key = f.key
+        out.item = r.item  # the ring's reference moves to the caller
+        out.cost = r.cost
+        out.ticket = r.ticket
+        out.start = start
+        out.finish = f.S
         self._ckey = f.key
         self._cslot = slot
-        d.item = <object>r.item
-        Py_DECREF(<object>r.item)
-        d.cost = r.cost
-        d.ticket = r.ticket
-        d._start = start
-        d._finish = f.S
-        d._base = self._base
         self._drop_tombstones(f)
         if f.count:
             e.S = f.S
@@ -614,6 +624,24 @@ cdef class Scheduler:
             self._heap_remove(&self._wait, 0)
             self._leave(slot)
         self._after_v_moved()
+        if self.renormalisations != renorms:  # keep start/finish relative to the new _base
+            out.start -= self._last_shift
+            out.finish -= self._last_shift
+        return 0
+
+    cdef Dispatch _dispatch(self):
+        cdef Popped p
+        cdef Dispatch d = Dispatch.__new__(Dispatch)
+        self._pop(&p)
+        d.flow = <object>p.key
+        Py_DECREF(<object>p.key)
+        d.item = <object>p.item
+        Py_DECREF(<object>p.item)
+        d.cost = p.cost
+        d.ticket = p.ticket
+        d._start = p.start
+        d._finish = p.finish
+        d._base = self._base
         return d
 
     def dispatch(self):
@@ -723,21 +751,17 @@ cdef class Scheduler:
         finishes = np.empty(m, dtype=np.float64)
         cdef int64_t[::1] tv = tickets
         cdef double[::1] cv = costs, sv = starts, fv = finishes
-        cdef Dispatch d
-        cdef object base
+        cdef Popped p
         for i in range(m):
-            d = self._dispatch()
-            Py_INCREF(d.flow)
-            PyList_SET_ITEM(flows, i, <PyObject*>d.flow)
-            Py_INCREF(d.item)
-            PyList_SET_ITEM(items, i, <PyObject*>d.item)
-            tv[i] = d.ticket
-            cv[i] = d.cost
-            base = d._base
-            if not base:
-                sv[i] = _units0(d._start)
-                fv[i] = _units0(d._finish)
+            self._pop(&p)
+            PyList_SET_ITEM(flows, i, p.key)  # steals the references
+            PyList_SET_ITEM(items, i, p.item)
+            tv[i] = p.ticket
+            cv[i] = p.cost
+            if not self._base:
+                sv[i] = _units0(p.start)
+                fv[i] = _units0(p.finish)
             else:
-                sv[i] = d.start
-                fv[i] = d.finish
+                sv[i] = _units(self._base, p.start)
+                fv[i] = _units(self._base, p.finish)
         return _DispatchBatch(flows, items, tickets, costs, starts, finishes)

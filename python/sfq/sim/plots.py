@@ -1,7 +1,8 @@
 """PNG plots of a scenario (matplotlib's Agg canvas; no pyplot, no global backend change).
 
 Files written into ``out_dir``:
-``<scenario>-service.png``  cumulative service per flow over time, one panel per policy;
+``<scenario>-service.png``  cumulative service per flow over time, one panel per policy
+                            (``return``: the service since the return, around it);
 ``kv-sweep-drift.png``      max drift vs the KV budget M, with the bound;
 ``rpm-sweep.png``           throughput vs max drift for each RPM limit and the fair policies;
 ``teams-waits.png``         wait before start p50/p95/p99 per team and policy.
@@ -44,12 +45,19 @@ def _service_plot(res: ScenarioResult, path: Path, points: int = 400) -> Path:
     fig = _figure(3.6 * cols, 2.8 * rows + 0.4)
     fig.suptitle(f"{res.scenario}: cumulative service per flow (weighted tokens)", fontsize=11)
     mark = res.extra.get("return_step")
+    if mark is not None:
+        fig.suptitle(f"{res.scenario}: service per flow since the return at step {mark:,} (weighted tokens)",
+                     fontsize=11)
     for k, (label, run) in enumerate(runs):
         ax = fig.add_subplot(rows, cols, k + 1)
-        grid = np.linspace(0, run.end, points)
+        lo = 0 if mark is None else max(0, mark - 300)
+        grid = np.linspace(lo, run.end, points)
         W = run.service
         for f, spec in enumerate(run.flows):
-            ax.plot(grid, np.interp(grid, run.times, W[:, f]), label=spec.name, linewidth=1.3)
+            y = np.interp(grid, run.times, W[:, f])
+            if mark is not None:
+                y = y - np.interp(mark, run.times, W[:, f])
+            ax.plot(grid, y, label=spec.name, linewidth=1.3)
         if mark is not None:
             ax.axvline(mark, color="grey", linestyle=":", linewidth=1)
         ax.set_title(label, fontsize=10)

@@ -1,0 +1,267 @@
+"""The ``sfq`` command.
+
+``sfq simulate [SCENARIO]`` runs the fleet simulator (:mod:`sfq.sim`) and prints a table
+per scenario, writes PNG plots, or with ``--json`` prints exactly one JSON document on
+stdout. Without a scenario it runs the headline pair, ``teams`` and ``return``.
+Same arguments, same output, byte for byte: the simulation runs on virtual time from
+its seed; only the progress bar (stderr, terminals only) looks at the wall clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+__all__ = ["main", "build_parser"]
+
+_SCENARIOS = ("drift", "return", "kv-sweep", "rpm-sweep", "teams", "trace")
+_POLICIES = ("fifo", "prio", "rr", "drr", "wfq", "sfq", "lcf", "vtc", "vtc-h")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return v
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return v
+
+
+def _nonneg_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (v >= 0) or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    v = _nonneg_float(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return v
+
+
+def _weight(text: str) -> tuple[str, float]:
+    name, sep, w = text.rpartition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected FLOW=WEIGHT, got {text!r}")
+    return name, _positive_float(w)
+
+
+def _policies(values: list[str] | None) -> list[str] | None:
+    if not values:
+        return None
+    out: list[str] = []
+    for v in values:
+        for name in v.split(","):
+            name = name.strip()
+            if not name:
+                continue
+            if name not in _POLICIES:
+                raise argparse.ArgumentTypeError(f"unknown policy {name!r}; choose from {', '.join(_POLICIES)}")
+            out.append(name)
+    return out or None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sfq", description="Start-time Fair Queueing for shared LLM-serving fleets.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sim = sub.add_parser(
+        "simulate",
+        help="compare scheduling policies on a simulated fleet",
+        description=(
+            "Simulate a fleet of continuous-batching engines under a fairness policy. "
+            "Scenarios: drift, return, kv-sweep, rpm-sweep (seed 003), teams (seed 004's overload test), "
+            "trace (replay a JSONL trace). No scenario: teams and return. Times are decode steps, "
+            "service is weighted tokens w_p*prompt + w_q*output."
+        ),
+    )
+    sim.add_argument("scenario", nargs="?", choices=_SCENARIOS, metavar="SCENARIO",
+                     help=f"one of {', '.join(_SCENARIOS)} (default: teams and return)")
+    sim.add_argument("--policy", "-p", action="append", metavar="NAME[,NAME]",
+                     help=f"policies to run (repeatable; default: all that apply): {', '.join(_POLICIES)}")
+    sim.add_argument("--seed", type=_nonneg_int, default=0, help="workload seed (default 0)")
+    sim.add_argument("--steps", type=_positive_int, help="run length in steps (return: length of the first phase)")
+    sim.add_argument("--kv", type=_positive_int, dest="kv_budget", metavar="M", help="KV budget per server, tokens")
+    sim.add_argument("--servers", type=_positive_int, help="servers in the fleet")
+    sim.add_argument("--slots", type=_positive_int, help="max running requests per server")
+    sim.add_argument("--quantum", type=_positive_float, default=1024.0, help="DRR quantum, weighted tokens (1024)")
+    sim.add_argument("--beta", type=_nonneg_float, default=0.01, help="vtc-h: decode charge per context token (0.01)")
+    sim.add_argument("--w-p", type=_nonneg_float, default=1.0, dest="w_p", help="service weight of a prompt token (1)")
+    sim.add_argument("--w-q", type=_nonneg_float, default=2.0, dest="w_q", help="service weight of an output token (2)")
+    sim.add_argument("--prior", type=_positive_float, default=0.5,
+                     help="estimator's output/max_tokens ratio before any completion (0.5)")
+    sim.add_argument("--trace", metavar="FILE", help="JSONL trace for the trace scenario")
+    sim.add_argument("--weight", type=_weight, action="append", metavar="FLOW=W", help="trace: a flow's weight")
+    sim.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    sim.add_argument("--markdown", action="store_true", help="print the tables as GitHub markdown")
+    sim.add_argument("--out", default="out/simulate", metavar="DIR", help="where the PNG plots go (out/simulate)")
+    sim.add_argument("--no-plots", action="store_true", help="do not write plots")
+    sim.add_argument("--write-trace", metavar="FILE", help="write the scenario's workload as a JSONL trace and exit")
+    return parser
+
+
+def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from rich.console import Console
+
+    from .sim.scenarios import HEADLINE, Options, run_scenario, workload_for
+
+    err = Console(stderr=True)
+    out = Console(width=None if sys.stdout.isatty() else 200, highlight=False)
+    try:
+        policies = _policies(args.policy)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
+    if args.prior > 1:
+        parser.error(f"--prior must be in (0, 1], got {args.prior!r}")
+    if args.scenario == "trace" and not args.trace:
+        parser.error("the trace scenario needs --trace FILE.jsonl")
+    if args.trace and args.scenario != "trace":
+        parser.error("--trace goes with the trace scenario: sfq simulate trace --trace FILE.jsonl")
+    if args.weight and not args.trace:
+        parser.error("--weight applies to trace replay (sfq simulate trace --trace FILE --weight FLOW=W)")
+    opts = Options(
+        seed=args.seed,
+        steps=args.steps,
+        kv_budget=args.kv_budget,
+        servers=args.servers,
+        slots=args.slots,
+        quantum=args.quantum,
+        beta=args.beta,
+        w_p=args.w_p,
+        w_q=args.w_q,
+        prior=args.prior,
+        trace=args.trace,
+        weights=dict(args.weight or []),
+    )
+    names = [args.scenario] if args.scenario else list(HEADLINE)
+
+    if args.write_trace:
+        from .sim.model import save_trace
+
+        if len(names) != 1:
+            parser.error("--write-trace needs a scenario")
+        try:
+            save_trace(workload_for(names[0], opts), args.write_trace)
+        except (OSError, ValueError) as exc:
+            err.print(f"sfq simulate: error: {exc}")
+            return 2
+        return 0
+
+    results = []
+    try:
+        with _progress(err) as progress:
+            for n in names:
+                results.append(run_scenario(n, opts, policies, progress))
+    except (OSError, ValueError) as exc:
+        err.print(f"sfq simulate: error: {exc}", markup=False, highlight=False)
+        return 2
+
+    plots: list[str] = []
+    if not args.no_plots:
+        from .sim.plots import write_plots
+
+        try:
+            for r in results:
+                plots += [str(p) for p in write_plots(r, args.out)]
+        except OSError as exc:
+            err.print(f"sfq simulate: error: cannot write plots to {args.out!r}: {exc}", markup=False)
+            return 2
+
+    if args.json:
+        if len(results) == 1:
+            doc = results[0].document()
+        else:
+            docs = [r.document() for r in results]
+            doc = {
+                "scenario": "headline",
+                "params": {d["scenario"]: d["params"] for d in docs},
+                "results": [row for d in docs for row in d["results"]],
+            }
+        sys.stdout.write(json.dumps(doc, indent=2, allow_nan=False) + "\n")
+        return 0
+
+    from .sim.report import markdown_table, rich_table
+
+    for r in results:
+        if args.markdown:
+            out.print(markdown_table(r), markup=False, highlight=False, soft_wrap=True)
+            out.print()
+        else:
+            out.print(rich_table(r))
+    if plots:
+        out.print("plots: " + "  ".join(plots), markup=False, highlight=False, soft_wrap=True)
+    return 0
+
+
+class _progress:
+    """A rich progress bar on stderr (terminals only): one line per run."""
+
+    def __init__(self, console):
+        from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
+
+        self.bar = Progress(
+            TextColumn("{task.description:<22}"),
+            BarColumn(),
+            TaskProgressColumn(),
+            TextColumn("{task.fields[runs]} runs done"),
+            console=console,
+            transient=True,
+            disable=not console.is_terminal,
+        )
+        self.task = None
+        self.runs = 0
+
+    def __enter__(self):
+        self.bar.__enter__()
+        self.task = self.bar.add_task("simulating", total=None, runs=0)
+        return self
+
+    def __exit__(self, *exc):
+        return self.bar.__exit__(*exc)
+
+    # the sfq.sim.scenarios.Progress protocol
+    def begin(self, label: str, horizon: int | None):
+        self.bar.reset(self.task, total=horizon, description=label, runs=self.runs)
+
+        def update(t: int) -> None:
+            self.bar.update(self.task, completed=t)
+
+        return update
+
+    def end(self) -> None:
+        self.runs += 1
+        self.bar.update(self.task, runs=self.runs)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``sfq`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if args.command == "simulate":
+        return _simulate(args, parser)
+    parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse rejects it first
+    return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
