@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .estimate import Estimator, RatioEstimator
-from .model import FlowSpec, Request, Workload
+from .model import FlowSpec, Workload
 
 __all__ = ["Fleet", "RunResult", "Simulation", "simulate"]
 
@@ -94,6 +94,7 @@ class RunResult:
     prompt: np.ndarray
     output: np.ndarray
     est: np.ndarray
+    server: np.ndarray  # the server it ran on, -1 if it never started
     rejected: np.ndarray  # bool per request
     events: int
 
@@ -149,8 +150,14 @@ class Simulation:
         self.running_prompt = [0] * nf  # sum of their prompts (tokens)
         self.running_admit = [0] * nf  # sum of their admit steps
         self.waiting = [0] * nf  # requests at the balancer (arrived, not started)
+        self._ran = False
 
     def run(self) -> RunResult:
+        """Run to the horizon (or until nothing is left). A Simulation runs once: the
+        policy and the estimator carry state, so make a new one for another run."""
+        if self._ran:
+            raise RuntimeError("this Simulation has already run; create a new one (with a fresh policy)")
+        self._ran = True
         reqs = self.workload.requests()
         policy = self.policy
         est = self.estimator
@@ -299,6 +306,7 @@ class Simulation:
             prompt=np.fromiter((r.prompt for r in reqs), dtype=np.int64, count=N),
             output=np.fromiter((r.output for r in reqs), dtype=np.int64, count=N),
             est=np.fromiter((r.est for r in reqs), dtype=float, count=N),
+            server=np.fromiter((r.server for r in reqs), dtype=np.int64, count=N),
             rejected=rejected,
             events=events,
         )

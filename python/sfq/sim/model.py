@@ -181,8 +181,11 @@ class Request:
 #   {"arrival": 12, "flow": "alice", "prompt_tokens": 310, "output_tokens": 95, "max_tokens": 256}
 # ``arrival`` is in decode steps (a float is accepted and rounded up: the request is
 # visible from the first step at or after it); ``max_tokens`` is optional (default:
-# ``output_tokens``). Blank lines and lines starting with ``#`` are skipped. Flows are
-# numbered in order of first appearance; weights come from the caller.
+# ``output_tokens``). Blank lines and lines starting with ``#`` are skipped. An optional
+# header line declares flows in order, with weight, class and priority:
+#   {"flows": [{"name": "alice", "weight": 2.0, "class": "interactive", "priority": 0}, ...]}
+# Undeclared flows follow in order of first appearance (weight 1); the caller's
+# ``weights`` override both.
 
 _TRACE_FIELDS = ("arrival", "flow", "prompt_tokens", "output_tokens")
 
@@ -193,6 +196,7 @@ def read_trace_lines(
     """Parse JSONL trace lines into a :class:`Workload`; ``ValueError`` names the bad line."""
     weights = dict(weights or {})
     names: dict[str, int] = {}
+    declared: dict[str, FlowSpec] = {}
     cols: list[list[int]] = [[], [], [], [], []]
     for lineno, raw in enumerate(lines, 1):
         line = raw.strip()
@@ -205,6 +209,25 @@ def read_trace_lines(
             raise ValueError(f"{where}: not valid JSON ({exc.msg}): {line[:80]!r}") from None
         if not isinstance(rec, dict):
             raise ValueError(f"{where}: expected a JSON object, got {rec!r}")
+        if "flows" in rec:
+            if names or declared:
+                raise ValueError(f"{where}: the flows header must come first and only once")
+            specs = rec["flows"]
+            if not isinstance(specs, list):
+                raise ValueError(f"{where}: 'flows' must be a list of objects, got {specs!r}")
+            for spec in specs:
+                if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+                    raise ValueError(f"{where}: every flow needs a string 'name', got {spec!r}")
+                try:
+                    fs = FlowSpec(spec["name"], float(spec.get("weight", 1.0)), str(spec.get("class", "default")),
+                                  spec.get("priority", 0))
+                except (TypeError, ValueError) as exc:
+                    raise ValueError(f"{where}: {exc}") from None
+                if fs.name in declared:
+                    raise ValueError(f"{where}: flow {fs.name!r} declared twice")
+                declared[fs.name] = fs
+                names[fs.name] = len(names)
+            continue
         for k in _TRACE_FIELDS:
             if k not in rec:
                 raise ValueError(f"{where}: missing field {k!r} in {line[:120]!r}")
@@ -233,7 +256,13 @@ def read_trace_lines(
     unknown = sorted(set(weights) - set(names))
     if unknown:
         raise ValueError(f"weights given for flows not in {source}: {unknown}")
-    flows = [FlowSpec(n, float(weights.get(n, 1.0))) for n in names]
+    flows = []
+    for n in names:
+        d = declared.get(n)
+        if d is None:
+            flows.append(FlowSpec(n, float(weights.get(n, 1.0))))
+        else:
+            flows.append(FlowSpec(n, float(weights.get(n, d.weight)), d.klass, d.priority))
     return Workload.from_arrays(flows, *cols, meta={"source": source})
 
 
@@ -245,9 +274,12 @@ def load_trace(path: str | Path, weights: dict[str, float] | None = None) -> Wor
 
 
 def save_trace(workload: Workload, out: str | Path | IO[str]) -> None:
-    """Write ``workload`` as a JSONL trace (replaying it gives the same requests)."""
+    """Write ``workload`` as a JSONL trace: a flows header, then one request per line.
+    Replaying it gives the same flows and requests, so the same runs."""
     names = workload.flow_names
-    lines = []
+    header = {"flows": [{"name": f.name, "weight": f.weight, "class": f.klass, "priority": f.priority}
+                        for f in workload.flows]}
+    lines = [json.dumps(header, separators=(", ", ": "))]
     for a, f, p, o, m in zip(
         workload.arrival.tolist(),
         workload.flow.tolist(),
@@ -261,7 +293,7 @@ def save_trace(workload: Workload, out: str | Path | IO[str]) -> None:
                 separators=(", ", ": "),
             )
         )
-    text = "\n".join(lines) + ("\n" if lines else "")
+    text = "\n".join(lines) + "\n"
     if isinstance(out, (str, Path)):
         Path(out).write_text(text, encoding="utf-8")
     else:

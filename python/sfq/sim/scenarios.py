@@ -9,14 +9,16 @@ themselves for the plots. Units: steps, tokens, weighted tokens (``w_p``, ``w_q`
                of the engine's capacity), M = 8192: max drift, throughput, Jain.
 ``return``     client 0 under its share (0.3 C) for 3000 steps, silent for 2000, back
                overloaded (1.2 C); client 1 at 1.2 C throughout; the 600 steps after the
-               return: the returning client's share and the steady client's service.
+               return: the returning client's share of the service delivered and of the
+               estimated cost started, and the steady client's service.
+               (C: the engine's capacity in requests per step, see ``workloads.capacity``.)
 ``kv-sweep``   ``drift`` for M = 2048 ... 32768 against the bound 2 max(w_p L_input, w_q M).
 ``rpm-sweep``  ``drift`` under FIFO with per-client limits of 5, 20, 40, 80 requests per
                "minute" (2000 steps) and none, beside the fair policies without limits.
 ``teams``      seed 004: team A drops 400 long batch jobs at step 0, team B sends short
-               interactive requests (Poisson, 1 per 20 steps) from step 300, team C sends
-               bursts of 24 now and then; 8 slots (8 servers x 1); weights interactive 6,
-               batch 1; strict priority ranks interactive first.
+               interactive requests (Poisson, 1 per 20 steps) from step 300, team C sends a
+               burst of 24 every 2500 steps or so from step 1000; 8 slots (8 servers x 1);
+               weights interactive 6, batch 1; strict priority ranks interactive first.
 ``trace``      a JSONL trace (see :mod:`sfq.sim.model`) on the fleet given by the options.
 """
 
@@ -270,7 +272,7 @@ def teams_workload(
     b_start: int = 300,
     b_rate: float = 0.05,
     c_burst: int = 24,
-    c_gap: float = 2500.0,
+    c_gap: int = 2500,
     weights: tuple[float, float] = (6.0, 1.0),
 ) -> Workload:
     """Seed 004's overload test (flows are team + workload class)."""
@@ -286,7 +288,7 @@ def teams_workload(
             ),
             FlowLoad(
                 FlowSpec("team-c/batch", w_batch, "batch", 1),
-                Bursts(c_burst, c_gap, min(1000, steps), steps),
+                Bursts(c_burst, c_gap, min(1000, steps), steps, jitter=c_gap // 2),
                 TEAM_SIZES["team-c"],
             ),
         ],

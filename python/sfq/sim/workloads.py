@@ -89,18 +89,21 @@ class Batch:
 
 @dataclass(frozen=True)
 class Bursts:
-    """Bursts of ``size`` simultaneous requests; burst times are Poisson with mean gap
-    ``mean_gap`` steps in ``[start, end)``."""
+    """Bursts of ``size`` simultaneous requests, one every ``gap`` steps from ``start``
+    (each moved later by a uniform jitter in ``[0, jitter)`` steps), before ``end``."""
 
     size: int
-    mean_gap: float
+    gap: int
     start: int = 0
     end: int = 10_000
+    jitter: int = 0
 
     def times(self, rng: np.random.Generator) -> np.ndarray:
-        n = int(rng.poisson((self.end - self.start) / self.mean_gap))
-        at = np.sort(np.floor(rng.uniform(self.start, self.end, size=n)).astype(np.int64))
-        return np.repeat(at, self.size)
+        base = np.arange(self.start, self.end, self.gap, dtype=np.int64)
+        if self.jitter > 0:
+            base = base + rng.integers(0, self.jitter, size=base.size)
+        base = base[base < self.end]
+        return np.repeat(base, self.size)
 
 
 # ---------------------------------------------------------------------- sizes

@@ -1,0 +1,75 @@
+"""Metrics on hand-built run records."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sfq.sim import metrics as m
+from sfq.sim.engine import Fleet, RunResult
+from sfq.sim.model import FlowSpec
+
+
+def fake(times, W, backlog, weights=(1.0, 1.0), end=None, requests=()):
+    """Service given directly as prefill (w_p=1, w_q=0). requests: (flow, arrival, admit)."""
+    W = np.asarray(W, dtype=np.int64).T
+    req = np.array(requests, dtype=np.int64).reshape(-1, 3)
+    n = req.shape[0]
+    return RunResult(
+        policy="x", flows=tuple(FlowSpec(f"f{i}", w) for i, w in enumerate(weights)), fleet=Fleet(1, 100),
+        w_p=1.0, w_q=0.0, end=end if end is not None else times[-1], times=np.asarray(times, dtype=np.int64),
+        prefill=W, decoded=np.zeros_like(W), backlog=np.asarray(backlog, dtype=bool).T,
+        charged=W.astype(float), arrival=req[:, 1], admit=req[:, 2], finish=np.full(n, -1), flow=req[:, 0],
+        prompt=np.ones(n, dtype=np.int64), output=np.ones(n, dtype=np.int64), est=np.ones(n),
+        server=np.zeros(n, dtype=np.int64), rejected=np.zeros(n, dtype=bool), events=len(times),
+    )
+
+
+def test_max_drift_is_the_spread_inside_each_co_backlogged_interval():
+    times = [0, 10, 20, 30, 40]
+    W0 = [0, 100, 200, 200, 400]
+    W1 = [0, 50, 100, 250, 260]
+    # segments starting at samples 0, 1 and 3 have both flows waiting; 2 does not
+    b0 = [1, 1, 1, 1, 1]
+    b1 = [1, 1, 0, 1, 1]
+    res = fake(times, [W0, W1], [b0, b1])
+    # D = W0 - W1 = [0, 50, 100, -50, 140]; interval [0, 20]: 100; interval [30, 40]: 190
+    assert m.max_drift(res) == 190.0
+    assert m.max_drift(res, 0, 20) == 100.0
+    # a drift that happens while one flow is not waiting does not count
+    res2 = fake(times, [W0, W1], [b0, [0, 0, 0, 0, 0]])
+    assert m.max_drift(res2) == 0.0
+
+
+def test_max_drift_normalises_by_weight():
+    res = fake([0, 10], [[0, 200], [0, 100]], [[1, 1], [1, 1]], weights=(2.0, 1.0))
+    assert m.max_drift(res) == 0.0
+
+
+def test_jain_index_among_backlogged_flows():
+    times = [0, 10, 20]
+    even = fake(times, [[0, 10, 20], [0, 10, 20]], [[1, 1, 1], [1, 1, 1]])
+    assert m.jain_index(even) == pytest.approx(1.0)
+    starved = fake(times, [[0, 10, 20], [0, 0, 0]], [[1, 1, 1], [1, 1, 1]])
+    assert m.jain_index(starved) == pytest.approx(0.5)
+    # a flow that never waits is not counted: one backlogged flow left, no index
+    lone = fake(times, [[0, 10, 20], [0, 0, 0]], [[1, 1, 1], [0, 0, 0]])
+    assert m.jain_index(lone) is None
+    # rates while backlogged: flow 1 waited only during [10, 20] and got 10 then
+    part = fake(times, [[0, 10, 20], [0, 0, 10]], [[1, 1, 1], [0, 1, 1]])
+    assert m.jain_index(part) == pytest.approx(1.0)
+
+
+def test_waits_count_unstarted_requests_until_the_end():
+    res = fake([0, 100], [[0, 1], [0, 1]], [[0, 0], [0, 0]], end=100,
+               requests=[(0, 0, 5), (0, 10, 10), (1, 20, -1), (1, 100, -1)])
+    assert m.waits(res).tolist() == [5, 0, 80]  # the request arriving at the end is not counted
+    assert m.waits(res, 1).tolist() == [80]
+    assert m.wait_quantiles(res, 0, (50,)) == [2.5]
+
+
+def test_throughput_and_service_at_interpolate_between_samples():
+    res = fake([0, 10, 20], [[0, 100, 300], [0, 0, 100]], [[0, 0, 0], [0, 0, 0]])
+    assert m.service_at(res, 15).tolist() == [200.0, 50.0]
+    assert m.throughput(res) == pytest.approx(400 / 20)
+    assert m.throughput(res, 10, 20) == pytest.approx(300 / 10)
