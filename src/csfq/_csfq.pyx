@@ -233,10 +233,13 @@ cdef class Scheduler:
         PyMem_Free(self._tval)
 
     # =================================================================== heaps
-    cdef int _heap_reserve(self, Heap* h) except -1:
-        cdef Entry* a
+    cdef inline int _heap_reserve(self, Heap* h) except -1:
         if h.n < h.cap:
             return 0
+        return self._heap_grow(h)
+
+    cdef int _heap_grow(self, Heap* h) except -1:
+        cdef Entry* a
         a = <Entry*>PyMem_Realloc(h.a, 2 * h.cap * sizeof(Entry))
         if a == NULL:
             raise MemoryError()
@@ -272,8 +275,13 @@ cdef class Scheduler:
         cdef uint64_t h = <uint64_t>t * <uint64_t>0x9E3779B97F4A7C15ULL  # Fibonacci hashing
         return h ^ (h >> 31)
 
-    cdef int _treserve(self) except -1:
+    cdef inline int _treserve(self) except -1:
         # keep the load factor <= 1/2
+        if <uint64_t>(self._tcount + 1) * 2 <= self._tmask + 1:
+            return 0
+        return self._tgrow()
+
+    cdef int _tgrow(self) except -1:
         cdef uint64_t oldsize = self._tmask + 1, newsize, i, j, mask
         cdef int64_t* ok = self._tkey
         cdef int32_t* ov = self._tval
@@ -347,11 +355,14 @@ cdef class Scheduler:
             self._tdel_at(<uint64_t>j)
 
     # =================================================================== flows
-    cdef int _ring_reserve(self, Flow* f) except -1:
-        cdef uint32_t newcap, k
-        cdef Req* r
+    cdef inline int _ring_reserve(self, Flow* f) except -1:
         if f.count < f.cap:
             return 0
+        return self._ring_grow(f)
+
+    cdef int _ring_grow(self, Flow* f) except -1:
+        cdef uint32_t newcap, k
+        cdef Req* r
         newcap = f.cap * 2 if f.cap else 4
         r = <Req*>PyMem_Malloc(newcap * sizeof(Req))
         if r == NULL:
@@ -437,8 +448,13 @@ cdef class Scheduler:
             self._v = self._max_finish
         return 0
 
-    cdef int _after_v_moved(self) except -1:
+    cdef inline int _after_v_moved(self) except -1:
         """Forget idle flows that v has reached; renormalise if v grew large."""
+        if (self._idle.n and self._idle.a[0].S <= self._v) or self._v >= RENORM_AT:
+            return self._after_v_moved_slow()
+        return 0
+
+    cdef int _after_v_moved_slow(self) except -1:
         cdef int32_t slot
         cdef Heap* h = &self._idle
         while h.n and h.a[0].S <= self._v:
