@@ -1,23 +1,83 @@
-"""sfq: Start-time Fair Queueing for shared LLM-serving fleets."""
+"""sfq: Start-time Fair Queueing for shared LLM-serving fleets.
+
+The scheduler core (``Scheduler``, ``ReferenceScheduler``) imports nothing heavy; the
+dispatch layer (``Dispatcher``, ``OpenAIBackend``, ``CostEstimator``, ...) is loaded on
+first use, so embedding only the core does not import aiohttp.
+"""
 
 from __future__ import annotations
 
-from ._common import MAX_COST, MAX_WEIGHT, MIN_WEIGHT, SCALE
+import importlib
+from typing import Any
+
+from ._common import MAX_COST, MAX_WEIGHT, MIN_WEIGHT, SCALE, DispatchBatch
 from ._core import CORE, Dispatch, ReferenceDispatch, ReferenceScheduler, Scheduler
-from .errors import SFQError
+from .errors import (
+    BackendError,
+    BackendHTTPError,
+    BackendTimeout,
+    BackendUnavailable,
+    DispatcherClosed,
+    RequestTooLarge,
+    SFQError,
+    StreamInterrupted,
+    UnknownModel,
+)
 
 __version__ = "0.1.0"
 
+_LAZY = {
+    "Backend": ".backends",
+    "OpenAIBackend": ".backends",
+    "ProbeReading": ".backends",
+    "SaturationProbe": ".backends",
+    "CostEstimator": ".cost",
+    "Estimate": ".cost",
+    "Dispatcher": ".dispatch",
+    "DispatchRecord": ".dispatch",
+}
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'sfq' has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
 __all__ = [
     "CORE",
-    "Dispatch",
     "MAX_COST",
     "MAX_WEIGHT",
     "MIN_WEIGHT",
+    "SCALE",
+    "Backend",
+    "BackendError",
+    "BackendHTTPError",
+    "BackendTimeout",
+    "BackendUnavailable",
+    "CostEstimator",
+    "Dispatch",
+    "DispatchBatch",
+    "DispatchRecord",
+    "Dispatcher",
+    "DispatcherClosed",
+    "Estimate",
+    "OpenAIBackend",
+    "ProbeReading",
     "ReferenceDispatch",
     "ReferenceScheduler",
-    "SCALE",
+    "RequestTooLarge",
     "SFQError",
+    "SaturationProbe",
     "Scheduler",
+    "StreamInterrupted",
+    "UnknownModel",
     "__version__",
 ]

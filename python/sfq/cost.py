@@ -233,27 +233,34 @@ class CostEstimator:
 
         Raises ``ValueError``/``TypeError`` naming the bad field for a malformed body.
         """
-        if not isinstance(body, Mapping):
+        # fast paths use exact type checks (type(True) is bool, not int); the slow paths validate
+        if type(body) is not dict and not isinstance(body, Mapping):
             raise TypeError(f"the request body must be a mapping (a JSON object), got {type(body).__name__}")
         model = body.get("model")
-        if model is None:
+        if type(model) is not str:
+            if model is not None:
+                raise ValueError(f"'model' must be a string, got {model!r}")
             model = ""
-        elif not isinstance(model, str):
-            raise ValueError(f"'model' must be a string, got {model!r}")
         mt = body.get("max_tokens")
-        if mt is None:
-            mt = body.get("max_completion_tokens")
-        if mt is None:
-            mt = self.default_max_tokens
-        elif isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
-            raise ValueError(f"'max_tokens' must be an integer >= 1, got {mt!r}")
-        n = body.get("n", 1)
+        if type(mt) is not int or mt < 1:
+            if mt is None:
+                mt = body.get("max_completion_tokens")
+            if mt is None:
+                mt = self.default_max_tokens
+            elif isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
+                raise ValueError(f"'max_tokens' must be an integer >= 1, got {mt!r}")
+        n = body.get("n")
         if n is None:
-            n = 1
-        elif isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            cap = mt
+        elif type(n) is int and n >= 1:
+            cap = mt * n
+        else:
             raise ValueError(f"'n' must be an integer >= 1, got {n!r}")
-        cap = mt * n
-        text, ids = prompt_of(body)
+        p = body.get("prompt")
+        if type(p) is str and "messages" not in body:
+            text, ids = p, 0
+        else:
+            text, ids = prompt_of(body)
         if ids or not text:
             prompt, exact, chars = float(ids), True, 0
         elif self.tokenizer is not None:
@@ -276,8 +283,8 @@ class CostEstimator:
         """Feed one completed request's ``usage`` (OpenAI: ``prompt_tokens``, ``completion_tokens``)
         into the calibration. Returns False (and counts it in ``ignored``) when ``usage`` is missing
         or malformed. Changes only the costs of later estimates."""
-        comp = usage.get("completion_tokens") if isinstance(usage, Mapping) else None
-        if isinstance(comp, bool) or not isinstance(comp, int) or comp < 0:
+        comp = usage.get("completion_tokens") if type(usage) is dict or isinstance(usage, Mapping) else None
+        if type(comp) is not int or comp < 0:
             self.ignored += 1
             return False
         self.observed += 1
@@ -297,8 +304,7 @@ class CostEstimator:
             f.cap += estimate.max_tokens
             f.n_out += 1
         pt = usage.get("prompt_tokens")  # type: ignore[union-attr]
-        if (not estimate.prompt_exact and estimate.prompt_chars > 0 and isinstance(pt, int)
-                and not isinstance(pt, bool) and pt > 0):
+        if not estimate.prompt_exact and estimate.prompt_chars > 0 and type(pt) is int and pt > 0:
             m.chars += estimate.prompt_chars
             m.tokens += pt
             m.n_prompt += 1

@@ -31,6 +31,7 @@ Time: waits are measured with the injected ``clock`` (seconds, default ``time.mo
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Mapping
@@ -41,11 +42,14 @@ import numpy as np
 from ._common import unhashable_flow
 from ._core import Scheduler
 from .backends.base import CHAT_COMPLETIONS, COMPLETIONS, Backend
+from .backends.openai import OpenAIBackend
 from .backends.probe import ProbeReading
 from .cost import CostEstimator, Estimate
 from .errors import BackendError, DispatcherClosed, RequestTooLarge, UnknownModel
 
 __all__ = ["Dispatcher", "DispatchRecord"]
+
+log = logging.getLogger("sfq.dispatch")
 
 # job states
 _WAITING, _HELD, _PLACED, _DONE, _CANCELLED, _REJECTED = range(6)
@@ -162,8 +166,9 @@ class Dispatcher:
     Parameters
     ----------
     backends:
-        the fleet. Backends with the same ``model`` form a pool with one scheduler; backends
-        with ``model=None`` form the default pool, which takes every model name no other pool
+        the fleet: ``Backend`` instances, or URLs (each becomes ``OpenAIBackend(url)``).
+        Backends with the same ``model`` form a pool with one scheduler; backends with
+        ``model=None`` form the default pool, which takes every model name no other pool
         serves. Names must be unique.
     estimator:
         the ``CostEstimator`` (default: ``CostEstimator()``, cost in tokens).
@@ -187,7 +192,7 @@ class Dispatcher:
 
     def __init__(
         self,
-        backends: Iterable[Backend],
+        backends: Iterable[Backend | str],
         *,
         estimator: CostEstimator | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -199,12 +204,12 @@ class Dispatcher:
         wait_window: int = 10_000,
         close_grace: float = 30.0,
     ) -> None:
-        backends = list(backends)
+        backends = [OpenAIBackend(b) if isinstance(b, str) else b for b in backends]
         if not backends:
             raise ValueError("a Dispatcher needs at least one backend")
         for b in backends:
             if not isinstance(b, Backend):
-                raise TypeError(f"backends must be sfq.backends.Backend instances, got {b!r}")
+                raise TypeError(f"backends must be sfq.backends.Backend instances or URLs, got {b!r}")
         names = [b.name for b in backends]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
@@ -551,8 +556,11 @@ class Dispatcher:
         if fut is not None and not fut.done():
             fut.set_result(None)
         if self.on_dispatch is not None:
-            self.on_dispatch(DispatchRecord(job.flow, job.ticket, job.cost, job.start, job.finish,
-                                            job.pool.model, bs.name, wait))
+            try:
+                self.on_dispatch(DispatchRecord(job.flow, job.ticket, job.cost, job.start, job.finish,
+                                                job.pool.model, bs.name, wait))
+            except Exception:  # a broken hook must not break the loop (or another caller's request)
+                log.exception("sfq: the on_dispatch hook raised; ignored")
 
     def _finish(self, job: _Job, outcome: int, err: BackendError | None = None,
                 usage: Mapping[str, Any] | None = None) -> None:
@@ -594,6 +602,7 @@ class Dispatcher:
         bs.healthy = False
         bs.unhealthy_spells += 1
         delay = bs.backoff
+        log.warning("sfq: backend %r is unhealthy (%s); health check in %.3g s", bs.name, bs.last_error, delay)
         bs.backoff = min(bs.backoff * 2, self.max_backoff)
         if bs.recover_task is None:
             bs.recover_task = asyncio.get_running_loop().create_task(self._recover(bs, delay),
@@ -610,6 +619,7 @@ class Dispatcher:
                     ok = False
                 if ok:
                     bs.healthy = True
+                    log.info("sfq: backend %r passed its health check; back in rotation", bs.name)
                     if not self._closed:
                         self._pump(bs.pool)
                     return

