@@ -86,4 +86,13 @@ static inline void sfq_sift_root(sfq_entry *a, int32_t *pos, ptrdiff_t n, sfq_en
     sfq_sift_up(a, pos, i, e);
 }
 
+/* a hint to start loading a cache line that the next call will need; no effect on results */
+static inline void sfq_prefetch(const void *p) {
+#if defined(__GNUC__) || defined(__clang__)
+    __builtin_prefetch(p, 1, 3);
+#else
+    (void)p;
+#endif
+}
+
 #endif /* SFQ_HEAP_H */
