@@ -54,7 +54,9 @@ class Watcher:
         return t
 
     def dispatch(self) -> Any:
+        waiting = len(self.s)
         d = self.s.dispatch()
+        assert (d is None) == (waiting == 0), "work-conserving: a request waits, so one is dispatched"
         if d is not None:
             charged = d.finish - d.start
             self.c_max = max(self.c_max, charged)
