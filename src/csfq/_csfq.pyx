@@ -614,6 +614,7 @@ cdef class Scheduler:
         cdef Entry e
         cdef int64_t start = top.S
         cdef Py_ssize_t renorms = self.renormalisations
+        self._heap_reserve(&self._idle)  # the one allocation a pop may need, before any change
         f.head = (f.head + 1) & (f.cap - 1)
         f.count -= 1
         f.live -= 1
