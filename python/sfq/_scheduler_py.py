@@ -107,34 +107,22 @@ class ReferenceScheduler:
         return len(self._flows)
 
     def meter(self, flow: Hashable) -> float:
-        try:
-            f = self._flows.get(flow)
-        except TypeError:
-            raise unhashable_flow(flow) from None
+        f = self._get(flow)
         if f is None:
             return to_units(self._v)
         return to_units(max(f.S, self._v))
 
     def pending(self, flow: Hashable) -> int:
-        try:
-            f = self._flows.get(flow)
-        except TypeError:
-            raise unhashable_flow(flow) from None
+        f = self._get(flow)
         return 0 if f is None else f.live
 
     def weight(self, flow: Hashable) -> float:
-        try:
-            f = self._flows.get(flow)
-        except TypeError:
-            raise unhashable_flow(flow) from None
+        f = self._get(flow)
         return DEFAULT_WEIGHT if f is None else f.weight
 
     # ----------------------------------------------------------------- events
     def enqueue(self, flow: Hashable, cost: float, item: Any = None) -> int:
-        try:
-            f = self._flows.get(flow)
-        except TypeError:
-            raise unhashable_flow(flow) from None
+        f = self._get(flow)
         c = check_cost(cost)
         if f is None:
             f = self._flows[flow] = _Flow(flow, self._v)
@@ -195,10 +183,7 @@ class ReferenceScheduler:
         return True
 
     def set_weight(self, flow: Hashable, weight: float) -> None:
-        try:
-            f = self._flows.get(flow)
-        except TypeError:
-            raise unhashable_flow(flow) from None
+        f = self._get(flow)
         w = check_weight(weight)
         if f is None:
             if w == DEFAULT_WEIGHT:
@@ -242,6 +227,13 @@ class ReferenceScheduler:
         )
 
     # ----------------------------------------------------------------- internals
+    def _get(self, flow: Hashable) -> _Flow | None:
+        """The flow's record, None if it has none; TypeError naming an unhashable flow id."""
+        try:
+            return self._flows.get(flow)
+        except TypeError:
+            raise unhashable_flow(flow) from None
+
     def _drop_cancelled_heads(self, f: _Flow) -> None:
         q, reqs = f.queue, self._requests
         while q and q[0] not in reqs:
