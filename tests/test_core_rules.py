@@ -316,3 +316,13 @@ def test_reset_on_return_would_fail_the_watcher():
             d = w.dispatch()
             if d.flow == "trickle":
                 w.enqueue("trickle", 10)
+
+
+def test_cancel_accepts_tickets_from_enqueue_many(make):
+    s = make()
+    tickets = s.enqueue_many(["a", "b", "a"], [1.0, 2.0, 3.0], ["x", "y", "z"])
+    assert s.cancel(tickets[0]) is True  # a numpy int64
+    assert s.cancel(int(tickets[2])) is True
+    assert s.cancel(tickets[0]) is False
+    d = s.dispatch()
+    assert (d.item, s.dispatch()) == ("y", None)
