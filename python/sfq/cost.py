@@ -3,7 +3,7 @@
 A request's cost is fixed when it is dispatched and never corrected afterwards::
 
     cost = input_weight * prompt_tokens + output_weight * expected_output_tokens
-    expected_output_tokens = n * max_tokens * ratio
+    expected_output_tokens = n * max_tokens * ratio     (times the prompts of a batch prompt)
 
 ``ratio`` is "total actual output / total max_tokens" over completed requests: per model
 once the model has ``min_model_samples`` completions, per (model, flow) once that flow has
@@ -45,14 +45,16 @@ class Estimate:
 
     ``prompt_tokens`` is exact when ``prompt_exact`` (tokenizer or token ids), otherwise
     ``prompt_chars / chars_per_token``. ``max_tokens`` is the request's total output cap
-    (``n * max_tokens``); ``expected_output = max_tokens * ratio``.
+    (``copies * max_tokens``); ``expected_output = max_tokens * ratio``. ``copies`` is the
+    number of sequences the server generates: ``n`` times the number of prompts of a batch
+    (``prompt`` as a list of strings or of token-id lists).
     """
 
     __slots__ = ("model", "cost", "prompt_tokens", "prompt_exact", "prompt_chars", "max_tokens", "ratio",
-                 "expected_output")
+                 "expected_output", "copies")
 
     def __init__(self, model: str, cost: float, prompt_tokens: float, prompt_exact: bool, prompt_chars: int,
-                 max_tokens: int, ratio: float, expected_output: float) -> None:
+                 max_tokens: int, ratio: float, expected_output: float, copies: int = 1) -> None:
         self.model = model
         self.cost = cost
         self.prompt_tokens = prompt_tokens
@@ -61,6 +63,7 @@ class Estimate:
         self.max_tokens = max_tokens
         self.ratio = ratio
         self.expected_output = expected_output
+        self.copies = copies
 
     def __repr__(self) -> str:
         return (f"Estimate(model={self.model!r}, cost={self.cost!r}, prompt_tokens={self.prompt_tokens!r}, "
@@ -91,7 +94,7 @@ class _Sums:
         try:
             s.output, s.cap, s.chars, s.tokens = (float(d[k]) for k in ("output", "cap", "chars", "tokens"))
             s.n_out, s.n_prompt = int(d["n_out"]), int(d["n_prompt"])
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int(Infinity)
             raise ValueError(f"bad calibration entry {where}: {d!r} ({exc})") from None
         if min(s.output, s.cap, s.chars, s.tokens, s.n_out, s.n_prompt) < 0 or not all(
                 math.isfinite(x) for x in (s.output, s.cap, s.chars, s.tokens)):
@@ -251,9 +254,9 @@ class CostEstimator:
                 raise ValueError(f"'max_tokens' must be an integer >= 1, got {mt!r}")
         n = body.get("n")
         if n is None:
-            cap = mt
+            copies = 1
         elif type(n) is int and n >= 1:
-            cap = mt * n
+            copies = n
         else:
             raise ValueError(f"'n' must be an integer >= 1, got {n!r}")
         p = body.get("prompt")
@@ -261,6 +264,9 @@ class CostEstimator:
             text, ids = p, 0
         else:
             text, ids = prompt_of(body)
+            if "messages" not in body and type(p) is list and len(p) > 1 and not isinstance(p[0], int):
+                copies *= len(p)  # a batch of prompts: the server generates n completions for each
+        cap = mt * copies
         if ids or not text:
             prompt, exact, chars = float(ids), True, 0
         elif self.tokenizer is not None:
@@ -277,7 +283,7 @@ class CostEstimator:
             cost = self.min_cost
         elif cost > MAX_COST:
             raise OverflowError(f"estimated cost {cost!r} of this request exceeds the largest cost {MAX_COST:.0f}")
-        return Estimate(model, cost, prompt, exact, chars, cap, ratio, expected)
+        return Estimate(model, cost, prompt, exact, chars, cap, ratio, expected, copies)
 
     def observe(self, estimate: Estimate, usage: Mapping[str, Any] | None, flow: Hashable = None) -> bool:
         """Feed one completed request's ``usage`` (OpenAI: ``prompt_tokens``, ``completion_tokens``)

@@ -142,6 +142,28 @@ class _Job:
         self.finish = 0.0
 
 
+class _Placement(asyncio.Future):  # type: ignore[type-arg]
+    """The future a waiting request's task awaits until the request is placed.
+
+    ``Task.cancel()`` cancels the future the task waits on synchronously, before the task runs
+    again; a pump that runs in between (another request completes) must not select a request
+    whose caller has already given up. So ``cancel()`` withdraws a still-waiting request from
+    the scheduler at once, uncharged.
+    """
+
+    __slots__ = ("_dispatcher", "_job")
+
+    def __init__(self, dispatcher: Dispatcher, job: _Job, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop=loop)
+        self._dispatcher = dispatcher
+        self._job = job
+
+    def cancel(self, msg: Any = None) -> bool:
+        if not self.done():
+            self._dispatcher._withdraw(self._job)
+        return super().cancel(msg)
+
+
 class _FlowStats:
     __slots__ = ("waiting", "held", "in_flight", "dispatched", "completed", "failed", "cancelled", "aborted",
                  "rejected", "charged", "waits")
@@ -372,8 +394,9 @@ class Dispatcher:
         wants_usage = isinstance(so, Mapping) and bool(so.get("include_usage"))
         usage = None
         outcome, err = _ABORTED, None
-        agen = bs.backend.stream(job.endpoint, job.body)
+        agen = None
         try:
+            agen = bs.backend.stream(job.endpoint, job.body)  # may raise before returning an iterator
             async for event in agen:
                 u = event.get("usage")
                 if u:
@@ -433,11 +456,12 @@ class Dispatcher:
                 if pool is None:
                     raise UnknownModel(f"no backend serves model {est.model!r}; pools: "
                                        f"{sorted(str(m) for m in self._pools)}")
-        need = est.prompt_tokens + est.max_tokens
+        per_seq = est.max_tokens // est.copies  # context is per sequence: n (and a batch) do not add up
+        need = est.prompt_tokens + per_seq
         if need > pool.largest_context:
             raise RequestTooLarge(
                 f"the request needs about {need:.0f} tokens (prompt {est.prompt_tokens:.0f} + max_tokens "
-                f"{est.max_tokens}), more than any backend of pool {pool.model!r} takes "
+                f"{per_seq}), more than any backend of pool {pool.model!r} takes "
                 f"(largest max_context {pool.largest_context:.0f})")
         c = est.cost if cost is None else cost
         job = _Job(flow, body, endpoint, est, c, pool, self.clock(), need)
@@ -455,17 +479,13 @@ class Dispatcher:
     async def _wait_placed(self, job: _Job) -> None:
         if job.state == _REJECTED:
             raise DispatcherClosed("the dispatcher closed before this request was sent")
-        fut = job.fut = asyncio.get_running_loop().create_future()
+        fut = job.fut = _Placement(self, job, asyncio.get_running_loop())
         try:
             await fut
         except asyncio.CancelledError:
             pool = job.pool
-            if job.state == _WAITING:  # never dispatched: uncharged
-                pool.sched.cancel(job.ticket)
-                del pool.waiting[job.ticket]
-                job.state = _CANCELLED
-                job.fs.waiting -= 1
-                job.fs.cancelled += 1
+            if job.state in (_WAITING, _CANCELLED):  # never dispatched: uncharged
+                self._withdraw(job)  # (already done when the cancellation went through the future)
                 self._pump(pool)  # the head may have changed (overtake / stalls)
             elif job.state == _HELD:  # selected and charged, not sent
                 pool.aside.remove(job)
@@ -476,6 +496,17 @@ class Dispatcher:
             elif job.state == _PLACED:  # placed while the cancellation was on its way
                 self._finish(job, _ABORTED)
             raise
+
+    def _withdraw(self, job: _Job) -> None:
+        """Remove a still-waiting job from its pool's scheduler, uncharged (its caller gave up)."""
+        if job.state != _WAITING:
+            return
+        pool = job.pool
+        pool.sched.cancel(job.ticket)
+        del pool.waiting[job.ticket]
+        job.state = _CANCELLED
+        job.fs.waiting -= 1
+        job.fs.cancelled += 1
 
     # ================================================================= the loop
     def _room(self, pool: _Pool) -> _BState | None:
@@ -579,7 +610,10 @@ class Dispatcher:
             fs.completed += 1
             bs.backoff = self.backoff
             if usage is not None and job.est is not None:
-                self.estimator.observe(job.est, usage, job.flow)
+                try:
+                    self.estimator.observe(job.est, usage, job.flow)
+                except Exception:  # a bad usage report must not fail a served request or stop the loop
+                    log.exception("sfq: calibrating from the usage of backend %r failed; ignored", bs.name)
         elif outcome == _FAILED:
             bs.errors += 1
             fs.failed += 1
