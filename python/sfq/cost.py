@@ -293,6 +293,9 @@ class CostEstimator:
         if type(comp) is not int or comp < 0:
             self.ignored += 1
             return False
+        # no server generates more than the cap it was given: a larger report is clamped, so one
+        # absurd usage report cannot drive the ratio above 1 (or to infinity) for everyone
+        comp = min(comp, estimate.max_tokens)
         self.observed += 1
         model = estimate.model
         m = self._models.get(model)

@@ -231,3 +231,15 @@ def test_a_state_with_infinite_counts_is_a_value_error(tmp_path):
     with pytest.raises(ValueError, match="bad calibration entry"):
         est.load(bad)
     assert est.state() == before
+
+
+def test_an_absurd_usage_report_is_clamped_to_the_cap():
+    from sfq.cost import CostEstimator
+
+    est = CostEstimator(1.0, 2.0, prior_ratio=0.5)
+    body = {"model": "m", "prompt": "hello", "max_tokens": 100}
+    e = est.estimate(body)
+    assert est.observe(e, {"prompt_tokens": 5, "completion_tokens": 10**300})
+    assert est.ratio("m") <= 1.0
+    later = est.estimate(body)
+    assert later.expected_output <= 100 and later.cost < float("inf")
