@@ -20,24 +20,21 @@ _SCENARIOS = ("drift", "return", "kv-sweep", "rpm-sweep", "teams", "trace")
 _POLICIES = ("fifo", "prio", "rr", "drr", "wfq", "sfq", "lcf", "vtc", "vtc-h")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return v
+def _int_at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}")
+        return v
+
+    return parse
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return v
+_positive_int = _int_at_least(1)
+_nonneg_int = _int_at_least(0)
 
 
 def _nonneg_float(text: str) -> float:

@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+import sfq
 from sfq.backends import Backend
 
 HERE = Path(__file__).resolve().parent
@@ -330,3 +331,13 @@ def llama(tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(params=["compiled", "reference"])
+def sched(request):
+    """The scheduler class a Dispatcher runs on: each test runs on both twins."""
+    if request.param == "compiled":
+        if sfq.CORE != "compiled":
+            pytest.skip("the compiled core is not loaded")
+        return sfq.Scheduler
+    return sfq.ReferenceScheduler

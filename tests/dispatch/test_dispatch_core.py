@@ -9,7 +9,6 @@ import itertools
 import pytest
 from conftest import GateBackend, settle
 
-import sfq
 from sfq.cost import CostEstimator
 from sfq.dispatch import Dispatcher, DispatchRecord
 from sfq.errors import BackendError, BackendUnavailable, DispatcherClosed, RequestTooLarge, UnknownModel
@@ -25,15 +24,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.t
-
-
-@pytest.fixture(params=["compiled", "reference"])
-def sched(request):
-    if request.param == "compiled":
-        if sfq.CORE != "compiled":
-            pytest.skip("the compiled core is not loaded")
-        return sfq.Scheduler
-    return sfq.ReferenceScheduler
 
 
 async def test_submit_returns_the_reply_and_calibrates(sched):

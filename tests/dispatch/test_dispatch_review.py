@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 from conftest import FakeServer, GateBackend, settle
 
-import sfq
 from sfq.backends import OpenAIBackend
 from sfq.cost import CostEstimator
 from sfq.dispatch import Dispatcher
@@ -30,15 +29,6 @@ async def wait_until(cond, what: str, limit: float = 5.0) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"timed out waiting for {what}")
-
-
-@pytest.fixture(params=["compiled", "reference"])
-def sched(request):
-    if request.param == "compiled":
-        if sfq.CORE != "compiled":
-            pytest.skip("the compiled core is not loaded")
-        return sfq.Scheduler
-    return sfq.ReferenceScheduler
 
 
 async def test_cancel_requested_before_selection_is_never_charged(sched):
