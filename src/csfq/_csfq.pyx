@@ -26,7 +26,16 @@ _base, so the meters and times this class reports never jump.
 
 Memory. An idle flow with the default weight and S <= v would rejoin at v: it carries no
 information, and its slot is recycled. Idle flows wait in a second heap keyed on S until v
-passes them, so a stream of distinct one-request flows uses bounded memory.
+passes them, so a stream of distinct one-request flows uses bounded memory (as long as v
+moves: fresh flows arriving exactly at the dispatch rate all start at v, are served first
+and each still owes its charge, which is information).
+
+Layout. Waiting flows sit in a 4-ary min-heap of (S, head ticket, slot) entries over a C
+array (sfq_heap.h), with a per-slot position index so that the dispatched flow is re-keyed
+by one in-place sift. Each flow's requests are a ring buffer of (ticket, cost, item); a
+cancelled request becomes a tombstone until it reaches the head. An open-addressing table
+maps the ticket of every waiting request to its flow's slot, for cancel(). All C memory is
+PyMem_* so that tracemalloc accounts for it.
 
 The pure-Python twin, sfq/_scheduler_py.py, is the readable specification; the tests run
 both and compare them event by event.
