@@ -293,7 +293,10 @@ def main(argv: list[str] | None = None) -> int:
                                  epilog="Arguments after -- go to pytest (e.g. -- -k steady).")
     ap.add_argument("--from-json", type=Path, nargs="?", const=DEFAULT_JSON, default=None, metavar="FILE",
                     help=f"regenerate from an existing pytest-benchmark JSON (default {DEFAULT_JSON.relative_to(ROOT)}); runs nothing")
-    ap.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where the run saves its JSON")
+    ap.add_argument("--json", type=Path, default=None,
+                    help=f"where the run saves its JSON (default {DEFAULT_JSON.relative_to(ROOT)}; "
+                         "a partial, quick or no-readme run defaults to a scratch file beside it, "
+                         "so the JSON behind the README is only replaced by a full run)")
     ap.add_argument("--readme", type=Path, default=ROOT / "README.md")
     ap.add_argument("--plot", type=Path, default=ROOT / "docs" / "bench.png")
     ap.add_argument("--no-readme", action="store_true", help="print the section, do not touch README.md or the plot")
@@ -308,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
         argv, extra = argv[:i], argv[i + 1:]
     a = ap.parse_args(argv)
 
+    if a.json is None:
+        partial = a.quick or a.no_readme or a.sizes or extra or a.impls != "compiled,twin,heapq"
+        a.json = DEFAULT_JSON.with_name("bench-scratch.json") if partial else DEFAULT_JSON
     json_path = a.from_json if a.from_json is not None else a.json
     if a.from_json is None:
         pytest_args = [f"--sfq-impls={a.impls}"]
