@@ -210,6 +210,10 @@ class Dispatcher:
         the last this-many waits per flow are kept for the percentiles in ``stats()``.
     close_grace:
         seconds ``close()`` waits for requests in flight before closing the backends (aborting them).
+    max_flow_stats:
+        per-flow statistics are kept for at most about this many flows: beyond it, the flows with
+        nothing waiting, held or in flight are forgotten, oldest first (a proxy keyed by API key
+        must not grow with every key it ever saw). Flows with work in progress are always kept.
     """
 
     def __init__(
@@ -225,6 +229,7 @@ class Dispatcher:
         on_dispatch: Callable[[DispatchRecord], None] | None = None,
         wait_window: int = 10_000,
         close_grace: float = 30.0,
+        max_flow_stats: int = 100_000,
     ) -> None:
         backends = [OpenAIBackend(b) if isinstance(b, str) else b for b in backends]
         if not backends:
@@ -245,6 +250,9 @@ class Dispatcher:
             raise ValueError(f"max_backoff ({max_backoff!r}) must be >= backoff ({backoff!r})")
         if isinstance(wait_window, bool) or not isinstance(wait_window, int) or wait_window < 1:
             raise ValueError(f"wait_window must be an integer >= 1, got {wait_window!r}")
+        if isinstance(max_flow_stats, bool) or not isinstance(max_flow_stats, int) or max_flow_stats < 1:
+            raise ValueError(f"max_flow_stats must be an integer >= 1, got {max_flow_stats!r}")
+        self._max_flow_stats = max_flow_stats
         if not callable(clock):
             raise TypeError(f"clock must be callable, got {clock!r}")
         if estimator is not None and not isinstance(estimator, CostEstimator):
@@ -468,6 +476,8 @@ class Dispatcher:
         ticket = pool.sched.enqueue(flow, c, job)  # checks the cost; nothing changed if it raises
         fs = self._flows.get(flow)
         if fs is None:
+            if len(self._flows) >= self._max_flow_stats:
+                self._forget_idle_flow_stats()
             fs = self._flows[flow] = _FlowStats(self._window)
         job.fs = fs
         job.ticket = ticket
@@ -475,6 +485,14 @@ class Dispatcher:
         pool.waiting[ticket] = job
         self._pump(pool)
         return job
+
+    def _forget_idle_flow_stats(self) -> None:
+        """Drop the statistics of idle flows, oldest first, down to 90% of ``max_flow_stats``
+        (amortised: one sweep per tenth of the limit of new flows)."""
+        excess = len(self._flows) - int(self._max_flow_stats * 0.9)
+        idle = [f for f, fs in self._flows.items() if not (fs.waiting or fs.held or fs.in_flight)][:excess]
+        for f in idle:
+            del self._flows[f]
 
     async def _wait_placed(self, job: _Job) -> None:
         if job.state == _REJECTED:

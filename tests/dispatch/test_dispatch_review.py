@@ -233,3 +233,19 @@ def test_an_absurd_usage_report_is_clamped_to_the_cap():
     assert est.ratio("m") <= 1.0
     later = est.estimate(body)
     assert later.expected_output <= 100 and later.cost < float("inf")
+
+
+async def test_flow_stats_are_bounded_under_key_churn(sched):
+    """A proxy keyed by API key sees endless distinct flows: idle flows' stats are forgotten."""
+    class Instant(GateBackend):
+        async def complete(self, endpoint, body):
+            return {"usage": {"prompt_tokens": 1, "completion_tokens": 2}}
+
+    b = Instant("b", max_in_flight=4)
+    async with Dispatcher([b], scheduler=sched, max_flow_stats=50) as d:
+        for k in range(400):
+            await d.submit(("key", k), {"model": "m", "prompt": "p", "max_tokens": 2})
+        flows = d.stats()["flows"]
+        assert len(flows) <= 50 and ("key", 399) in flows
+    with pytest.raises(ValueError, match="max_flow_stats"):
+        Dispatcher([GateBackend("c")], max_flow_stats=0)
