@@ -193,6 +193,7 @@ class CostEstimator:
         tokenizer: Tokenizer | None = None,
         default_max_tokens: int = 1024,
         min_cost: float = 1.0,
+        max_flows: int = 100_000,
     ) -> None:
         self.input_weight = _positive("input_weight", input_weight, allow_zero=True)
         self.output_weight = _positive("output_weight", output_weight, allow_zero=True)
@@ -207,6 +208,7 @@ class CostEstimator:
         self.tokenizer = tokenizer
         self.default_max_tokens = _count("default_max_tokens", default_max_tokens, 1)
         self.min_cost = _positive("min_cost", min_cost)
+        self.max_flows = _count("max_flows", max_flows, 1)
         self._models: dict[str, _Sums] = {}
         self._flows: dict[tuple[str, Hashable], _Sums] = {}
         self.observed = 0  # completions observed
@@ -308,6 +310,8 @@ class CostEstimator:
             key = (model, flow)
             f = self._flows.get(key)
             if f is None:
+                if len(self._flows) >= self.max_flows:
+                    self._prune_flows()
                 f = self._flows[key] = _Sums()
             f.output += comp
             f.cap += estimate.max_tokens
@@ -318,6 +322,19 @@ class CostEstimator:
             m.tokens += pt
             m.n_prompt += 1
         return True
+
+    def _prune_flows(self) -> None:
+        """Keep per-flow calibration bounded (``max_flows``): drop down to 90% of it, first the
+        flows with too few samples to be used yet, then the oldest; estimates for a dropped
+        flow fall back to its model's ratio."""
+        excess = len(self._flows) - int(self.max_flows * 0.9)
+        unused = [k for k, f in self._flows.items() if f.n_out < self.min_flow_samples][:excess]
+        for k in unused:
+            del self._flows[k]
+        excess -= len(unused)
+        if excess > 0:
+            for k in list(self._flows)[:excess]:
+                del self._flows[k]
 
     # ---------------------------------------------------------------- persistence
     def state(self) -> dict[str, Any]:

@@ -249,3 +249,16 @@ async def test_flow_stats_are_bounded_under_key_churn(sched):
         assert len(flows) <= 50 and ("key", 399) in flows
     with pytest.raises(ValueError, match="max_flow_stats"):
         Dispatcher([GateBackend("c")], max_flow_stats=0)
+
+
+def test_estimator_per_flow_calibration_is_bounded():
+    est = CostEstimator(1.0, 1.0, min_flow_samples=2, max_flows=10)
+    body = {"model": "m", "prompt": "x", "max_tokens": 10}
+    for _ in range(3):  # "steady" has enough samples to be used
+        est.observe(est.estimate(body, flow="steady"), {"completion_tokens": 2}, flow="steady")
+    for k in range(100):  # a stream of one-shot keys
+        est.observe(est.estimate(body, flow=k), {"completion_tokens": 9}, flow=k)
+    assert len(est._flows) <= 10
+    assert est.ratio("m", "steady") == pytest.approx(0.2)  # the calibrated flow survived
+    with pytest.raises(ValueError, match="max_flows"):
+        CostEstimator(max_flows=0)
