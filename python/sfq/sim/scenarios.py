@@ -296,12 +296,18 @@ def teams_workload(
 
 
 # ---------------------------------------------------------------------- scenarios
-def run_drift(opts: Options, policies: Sequence[str] | None = None, progress: Progress | None = None) -> ScenarioResult:
-    progress = progress or Progress()
+def _two_overloaded_clients(opts: Options, policies: Sequence[str] | None, scenario: str) -> tuple[int, Any, Any, list]:
+    """Seed 003's setting shared by drift and rpm-sweep: one server, M = 8192 by default,
+    two clients always over their share."""
     steps = opts.steps or 20_000
     fleet = _fleet(opts, 1, 8192, None)
     wl = drift_workload(opts.seed, fleet.kv_budget, steps, fleet.servers)
-    names = _policies(policies, "drift")
+    return steps, fleet, wl, _policies(policies, scenario)
+
+
+def run_drift(opts: Options, policies: Sequence[str] | None = None, progress: Progress | None = None) -> ScenarioResult:
+    progress = progress or Progress()
+    steps, fleet, wl, names = _two_overloaded_clients(opts, policies, "drift")
     params = {
         **_common_params(opts),
         "steps": steps,
@@ -390,10 +396,7 @@ def run_kv_sweep(opts: Options, policies: Sequence[str] | None = None, progress:
 def run_rpm_sweep(opts: Options, policies: Sequence[str] | None = None, progress: Progress | None = None,
                   limits: Sequence[int | None] = RPM_SWEEP) -> ScenarioResult:
     progress = progress or Progress()
-    steps = opts.steps or 20_000
-    fleet = _fleet(opts, 1, 8192, None)
-    wl = drift_workload(opts.seed, fleet.kv_budget, steps, fleet.servers)
-    names = _policies(policies, "rpm-sweep")
+    steps, fleet, wl, names = _two_overloaded_clients(opts, policies, "rpm-sweep")
     params = {
         **_common_params(opts),
         "steps": steps,
