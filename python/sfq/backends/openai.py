@@ -41,6 +41,9 @@ from .probe import SaturationProbe
 __all__ = ["OpenAIBackend"]
 
 _BODY_SNIPPET = 2000  # characters of an error body kept on the exception
+#: failures of session.post() that mean "a stale pooled connection", retried on a new one
+_STALE_CONNECTION = (aiohttp.ClientConnectionResetError, aiohttp.ClientOSError, aiohttp.ServerDisconnectedError)
+_STALE_RETRIES = 2
 
 
 class OpenAIBackend(Backend):
@@ -166,10 +169,20 @@ class OpenAIBackend(Backend):
     async def _post(self, url: str, body: Mapping[str, Any], timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
         """POST and return a response with a 2xx status; every failure mapped to an sfq error."""
         session = await self._sess()
-        try:
-            resp = await session.post(url, json=body, timeout=timeout)
-        except Exception as exc:
-            raise self._map(exc, url, "POST") from exc
+        for attempt in range(_STALE_RETRIES + 1):
+            try:
+                resp = await session.post(url, json=body, timeout=timeout)
+                break
+            except aiohttp.ClientConnectorError as exc:  # refused, unreachable: not a stale connection
+                raise self._map(exc, url, "POST") from exc
+            except _STALE_CONNECTION as exc:
+                # A pooled keep-alive connection that the server closed just as we reused it:
+                # the request never got through (writing it failed, or the server hung up
+                # before any reply), so sending it again on another connection is safe.
+                if attempt == _STALE_RETRIES or session.closed:  # closed: we are shutting down
+                    raise self._map(exc, url, "POST") from exc
+            except Exception as exc:
+                raise self._map(exc, url, "POST") from exc
         if resp.status >= 400:
             try:
                 text = await resp.text(errors="replace")
