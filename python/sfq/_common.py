@@ -105,7 +105,7 @@ class DispatchBatch(NamedTuple):
 
 
 def check_batch(
-    flows: object, costs: object, items: object, check_flows: bool = True
+    flows: Any, costs: Any, items: Any, check_flows: bool = True
 ) -> tuple[list, Any, list | None]:
     """Validate ``enqueue_many``'s arguments as a whole, before anything is enqueued.
 

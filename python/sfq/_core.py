@@ -1,25 +1,30 @@
 """Selects the scheduler core: the compiled extension, or the pure-Python twin.
 
 ``SFQ_NO_EXTENSIONS=1`` forces the twin. If the extension is missing (a failed build),
-the twin is used and one ``RuntimeWarning`` says so.
+the twin is used and one ``RuntimeWarning`` says so. Type checkers see the compiled
+core's surface (``_csfq.pyi``), which the twin shares.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from typing import TYPE_CHECKING
 
 from ._scheduler_py import ReferenceDispatch, ReferenceScheduler
 
 NO_EXTENSIONS = os.environ.get("SFQ_NO_EXTENSIONS", "") not in ("", "0")
+CORE: str
 
-if NO_EXTENSIONS:
+if TYPE_CHECKING:
+    from ._csfq import Dispatch, Scheduler
+elif NO_EXTENSIONS:
     Scheduler = ReferenceScheduler
     Dispatch = ReferenceDispatch
     CORE = "reference"
 else:
     try:
-        from ._csfq import Dispatch, Scheduler  # type: ignore[no-redef]
+        from ._csfq import Dispatch, Scheduler
     except ImportError as exc:  # pragma: no cover - depends on the build
         warnings.warn(
             f"sfq: the compiled core is not available ({exc}); using the pure-Python reference scheduler",

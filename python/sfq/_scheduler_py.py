@@ -211,7 +211,7 @@ class ReferenceScheduler:
 
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
-        ds = []
+        ds: list[ReferenceDispatch] = []
         while len(ds) < n:
             d = self.dispatch()
             if d is None:
