@@ -231,7 +231,8 @@ class Dispatcher:
         close_grace: float = 30.0,
         max_flow_stats: int = 100_000,
     ) -> None:
-        backends = [OpenAIBackend(b) if isinstance(b, str) else b for b in backends]
+        fleet: list[Backend] = [OpenAIBackend(b) if isinstance(b, str) else b for b in backends]
+        backends = fleet
         if not backends:
             raise ValueError("a Dispatcher needs at least one backend")
         for b in backends:
@@ -278,7 +279,8 @@ class Dispatcher:
         for pool in self._pools.values():
             ctx = [bs.max_context for bs in pool.backends]
             pool.limited = any(c is not None for c in ctx)
-            pool.largest_context = float("inf") if any(c is None for c in ctx) else float(max(ctx))  # type: ignore[type-var]
+            sizes = [c for c in ctx if c is not None]
+            pool.largest_context = float("inf") if len(sizes) < len(ctx) else float(max(sizes))
         self._default = self._pools.get(None)
         self._only = self._default if len(self._pools) == 1 else None
         self._flows: dict[Hashable, _FlowStats] = {}
@@ -721,6 +723,9 @@ class Dispatcher:
         """
         flows = {}
         for flow, fs in self._flows.items():
+            p50: float | None
+            p95: float | None
+            p99: float | None
             if fs.waits:
                 p50, p95, p99 = (float(x) for x in np.percentile(np.fromiter(fs.waits, float, len(fs.waits)),
                                                                  (50, 95, 99)))
