@@ -78,6 +78,15 @@ class GateBackend(Backend):
         return sum(1 for _, _, f in self.calls if not f.done())
 
 
+async def wait_until(cond, what: str, limit: float = 5.0) -> None:
+    """Poll ``cond`` every 10 ms; fail naming ``what`` after ``limit`` seconds (a safety net, not a timing check)."""
+    for _ in range(int(limit / 0.01)):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 async def settle(n: int = 5) -> None:
     """Let the event loop run ``n`` rounds (tasks started, futures propagated)."""
     for _ in range(n):

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 
 import pytest
-from conftest import FakeServer
+from conftest import FakeServer, wait_until
 
 from sfq.backends import OpenAIBackend, SaturationProbe
 from sfq.cost import CostEstimator
@@ -24,13 +24,6 @@ BODY = {"model": "m", "prompt": "hello", "max_tokens": 4}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
 
 
-async def wait_until(cond, what: str, limit: float = 5.0) -> None:
-    """Poll ``cond`` every 10 ms; fail naming ``what`` after ``limit`` seconds (a safety net, not a timing check)."""
-    for _ in range(int(limit / 0.01)):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 async def test_plain_and_chat_replies_with_usage(fake: FakeServer):

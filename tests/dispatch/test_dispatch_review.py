@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from conftest import FakeServer, GateBackend, settle
+from conftest import FakeServer, GateBackend, settle, wait_until
 
 from sfq.backends import OpenAIBackend
 from sfq.cost import CostEstimator
@@ -21,14 +21,6 @@ from sfq.errors import BackendError, BackendUnavailable, DispatcherClosed
 
 def body(n: int = 4, **kw: Any) -> dict[str, Any]:
     return {"model": "m", "prompt": "p", "max_tokens": n, **kw}
-
-
-async def wait_until(cond, what: str, limit: float = 5.0) -> None:
-    for _ in range(int(limit / 0.01)):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 async def test_cancel_requested_before_selection_is_never_charged(sched):

@@ -206,7 +206,7 @@ class RoundRobin(Policy):
             self.active.append(f)
 
 
-class DRR(Policy):
+class DRR(RoundRobin):
     """Deficit round robin (Shreedhar & Varghese) on the estimated cost.
 
     Active flows sit in a circular list. A visit to a flow adds ``quantum * weight`` to
@@ -224,18 +224,10 @@ class DRR(Policy):
         self.quantum = float(quantum)
 
     def bind(self, sim: Any) -> None:
-        super().bind(sim)
-        self.qs = [deque() for _ in range(self.nflows)]
+        super().bind(sim)  # round robin's per-flow queues and circular list of active flows
         self.deficit = [0.0] * self.nflows
         self.visiting = [False] * self.nflows  # the current visit's quantum was granted
-        self.active: deque = deque()
         self.chosen = None
-
-    def arrive(self, r, t: int) -> None:
-        q = self.qs[r.flow]
-        if not q:
-            self.active.append(r.flow)
-        q.append(r)
 
     def peek(self, t: int):
         if self.chosen is not None:
