@@ -62,7 +62,6 @@ cdef extern from "Python.h":
     PyObject* PyList_GET_ITEM(object, Py_ssize_t)
     object PyList_New(Py_ssize_t)
     void PyList_SET_ITEM(object, Py_ssize_t, PyObject*)
-    Py_ssize_t PyObject_Hash(object) except? -1
 
 # --------------------------------------------------------------------------- limits
 # One place per fact: the values come from sfq._common, which the twin uses too.
@@ -759,22 +758,31 @@ cdef class Scheduler:
         cdef list fl
         cdef double[::1] cv
         cdef Py_ssize_t i, n
+        cdef int32_t slot
+        cdef int32_t* slots
         cdef object flow, item = None
         cdef int64_t first = self._next_ticket
         fl, arr, its = _check_batch(flows, costs, items, False)
         n = len(fl)
-        for i in range(n):
-            flow = <object>PyList_GET_ITEM(fl, i)
-            try:
-                PyObject_Hash(flow)
-            except TypeError:
-                raise _unhashable(flow) from None
         cv = arr
-        for i in range(n):
-            flow = <object>PyList_GET_ITEM(fl, i)
-            if its is not None:
-                item = <object>PyList_GET_ITEM(its, i)
-            self._enqueue(flow, cv[i], item, self._lookup(flow))
+        slots = <int32_t*>PyMem_Malloc(max(n, 1) * sizeof(int32_t))
+        if slots == NULL:
+            raise MemoryError()
+        try:
+            # pass 1: look every flow up (a TypeError for an unhashable id, before any change)
+            for i in range(n):
+                slots[i] = self._lookup(<object>PyList_GET_ITEM(fl, i))
+            # pass 2: enqueue; a flow unknown in pass 1 may have been created by an earlier entry
+            for i in range(n):
+                flow = <object>PyList_GET_ITEM(fl, i)
+                if its is not None:
+                    item = <object>PyList_GET_ITEM(its, i)
+                slot = slots[i]
+                if slot < 0:
+                    slot = self._lookup(flow)
+                self._enqueue(flow, cv[i], item, slot)
+        finally:
+            PyMem_Free(slots)
         return np.arange(first, first + n, dtype=np.int64)
 
     def dispatch_many(self, Py_ssize_t n):
