@@ -12,6 +12,8 @@ __all__ = [
     "DispatcherClosed",
     "UnknownModel",
     "RequestTooLarge",
+    "PolicyError",
+    "Refused",
 ]
 
 
@@ -86,3 +88,30 @@ class UnknownModel(SFQError, LookupError):
 class RequestTooLarge(SFQError, ValueError):
     """No backend of the pool could ever take the request (its prompt plus ``max_tokens``
     exceed every backend's ``max_context``)."""
+
+
+# ---------------------------------------------------------------- policy layer
+class PolicyError(SFQError, ValueError):
+    """A policy file (or mapping) is invalid. ``path`` is the dotted path of the bad field
+    (``classes.batch.weight``); the message starts with it."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        super().__init__(f"{path}: {problem}" if path else problem)
+        self.path = path
+        self.problem = problem
+
+
+class Refused(SFQError):
+    """The policy refused a request, or dropped it before it reached a backend.
+
+    ``reason`` is one of ``unauthenticated``, ``class_not_allowed``, ``unknown_model``,
+    ``rate_limited``, ``queue_full``, ``queue_timeout``, ``deadline``, ``retry_budget`` (never
+    raised to callers: a retry that is refused ends the request as failed), ``closed``.
+    ``retry_after`` is seconds after which trying again may succeed (``rate_limited``,
+    ``queue_full``), else ``None``.
+    """
+
+    def __init__(self, reason: str, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after = retry_after
