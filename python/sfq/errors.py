@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "SFQError",
+    "SchedulerBusy",
     "BackendError",
     "BackendUnavailable",
     "BackendTimeout",
@@ -19,6 +20,13 @@ __all__ = [
 
 class SFQError(Exception):
     """Base class of every library error sfq raises."""
+
+
+class SchedulerBusy(SFQError, RuntimeError):
+    """A scheduler method was called while another method of the same scheduler was running:
+    re-entrantly (from a flow id's ``__hash__``/``__eq__``, a cost's ``__float__``, a payload's
+    ``__del__``, ...) or from another thread. The call was refused and changed nothing; the
+    running call goes on unharmed (the way a dict refuses to change during iteration)."""
 
 
 # ---------------------------------------------------------------- dispatch adapter
