@@ -1,0 +1,65 @@
+"""Start and shutdown: start the backends and probes; on close, reject what was not sent,
+give what is in flight ``close_grace`` seconds, then stop the probes and close the backends."""
+
+from __future__ import annotations
+
+import asyncio
+
+from ..errors import DispatcherClosed
+from ._state import REJECTED, DispatcherBase, Job
+
+
+class Lifecycle(DispatcherBase):
+    async def start(self) -> None:
+        """Start the backends and the saturation probes (``async with`` does this)."""
+        if self._closed:
+            raise DispatcherClosed("this dispatcher is closed")
+        if self._started:
+            return
+        self._started = True
+        await asyncio.gather(*(bs.backend.start() for bs in self._bstates))
+        for bs in self._bstates:
+            if bs.backend.probe is not None:
+                bs.probe_task = asyncio.create_task(self._probe_loop(bs), name=f"sfq-probe-{bs.name}")
+
+    async def close(self) -> None:
+        """Stop accepting requests; reject those not yet sent (``DispatcherClosed``; uncharged
+        unless already selected); wait up to ``close_grace`` seconds for requests in flight;
+        then stop the probes and close the backends (aborting what is still running)."""
+        if self._close_task is None:
+            self._close_task = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._close_task)
+
+    async def _close(self) -> None:
+        self._closed = True
+        for pool in self._pools.values():
+            for ticket, job in list(pool.waiting.items()):
+                pool.sched.cancel(ticket)
+                job.fs.waiting -= 1
+                self._reject(job)
+            pool.waiting.clear()
+            for job in pool.aside:
+                job.fs.held -= 1
+                self._reject(job)
+            pool.aside.clear()
+        if self._in_flight:
+            self._drained = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._drained.wait(), self.close_grace)
+            except asyncio.TimeoutError:
+                pass
+        tasks = [t for bs in self._bstates for t in (bs.recover_task, bs.probe_task) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(bs.backend.close() for bs in self._bstates), return_exceptions=True)
+
+    def _reject(self, job: Job) -> None:
+        job.state = REJECTED
+        job.fs.rejected += 1
+        if job.fut is not None and not job.fut.done():
+            job.fut.set_exception(DispatcherClosed("the dispatcher closed before this request was sent"))
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
