@@ -1,11 +1,24 @@
-"""The public surface: everything in __all__ resolves, and the core imports no aiohttp."""
+"""The public surface: everything in __all__ resolves, ``import sfq`` is light, optional
+dependencies name their extra, and the package ships its type information."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
+import pytest
+
 import sfq
+
+# what a plain ``import sfq`` must not load: the dispatcher's and the simulator's libraries
+HEAVY = ("aiohttp", "yaml", "matplotlib", "rich", "prometheus_client")
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env}, timeout=120
+    )
 
 
 def test_all_names_resolve():
@@ -14,13 +27,106 @@ def test_all_names_resolve():
     assert issubclass(sfq.BackendError, sfq.SFQError)
 
 
-def test_core_import_is_light():
-    code = "import sys, sfq; s = sfq.Scheduler(); s.enqueue('a', 1); print('aiohttp' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+def test_unknown_attribute_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'Dispatchr'"):
+        sfq.Dispatchr  # noqa: B018
+
+
+@pytest.mark.parametrize("no_ext", ["0", "1"])
+def test_core_import_is_light(no_ext):
+    code = (
+        "import sys, sfq\n"
+        "s = sfq.Scheduler(); s.enqueue('a', 1); s.dispatch()\n"
+        f"print(' '.join(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    out = _python(code, SFQ_NO_EXTENSIONS=no_ext)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ""
+
+
+def test_twin_import_leaves_numpy_unloaded():
+    # the pure-Python twin needs numpy only for the batch API, and imports it there
+    code = (
+        "import sys, sfq\n"
+        "s = sfq.Scheduler(); s.enqueue('a', 1); s.dispatch()\n"
+        "print('numpy' in sys.modules)\n"
+        "s.enqueue_many(['a', 'b'], [1.0, 2.0]); print('numpy' in sys.modules)\n"
+    )
+    out = _python(code, SFQ_NO_EXTENSIONS="1")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True"]
+
+
+@pytest.mark.parametrize(
+    "blocked, argv",
+    [
+        ("rich", ["simulate", "teams", "--steps", "50", "--no-plots"]),
+        ("matplotlib", ["simulate", "teams", "--steps", "50"]),
+    ],
+)
+def test_missing_sim_extra_names_it(blocked, argv):
+    code = (
+        "import sys\n"
+        f"sys.modules[{blocked!r}] = None  # as if not installed\n"
+        "from sfq.cli import main\n"
+        f"sys.exit(main({argv!r}))\n"
+    )
+    out = _python(code)
+    assert out.returncode == 2
+    assert f"needs {blocked!r}" in out.stderr
+    assert "pip install 'sfq-scheduler[sim]'" in out.stderr
+    assert out.stdout == ""
+
+
+def test_missing_extra_in_the_library_is_an_import_error():
+    code = (
+        "import sys\n"
+        "sys.modules['matplotlib'] = None\n"
+        "from sfq._optional import MissingExtra\n"
+        "from sfq.sim.plots import _figure\n"
+        "try:\n"
+        "    _figure(1, 1)\n"
+        "except ImportError as exc:\n"
+        "    print(type(exc).__name__, exc.name, str(exc))\n"
+    )
+    out = _python(code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("MissingExtra matplotlib ")
+    assert "sfq-scheduler[sim]" in out.stdout
 
 
 def test_py_typed_shipped():
     import importlib.resources
 
     assert importlib.resources.files("sfq").joinpath("py.typed").is_file()
+
+
+def test_failed_compile_leaves_no_stale_extension(tmp_path):
+    """A reused tree keeps the last build's .so in build/; a failed compile must remove it,
+    or the wheel ships a module that was not built from its sources."""
+    import shutil
+    import sysconfig
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "setup.py").is_file():
+        pytest.skip("needs the source tree (the tests run here against an installed wheel)")
+    pytest.importorskip("Cython")
+    tree = tmp_path / "tree"
+    for name in ("setup.py", "pyproject.toml", "README.md", "LICENSE"):
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(root / name, tree / name)
+    shutil.copytree(root / "src" / "csfq", tree / "src" / "csfq", ignore=shutil.ignore_patterns("*.c", "*.html"))
+    shutil.copytree(root / "python", tree / "python", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    stale = tree / "build" / "lib" / "sfq" / ("_csfq" + sysconfig.get_config_var("EXT_SUFFIX"))
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"an old build")
+    os.utime(stale, (0, 0))  # older than the sources, as after an edit
+    env = {**os.environ, "CC": "false", "SFQ_REQUIRE_EXTENSIONS": "0", "SFQ_NO_EXTENSIONS": "0"}
+    out = subprocess.run(
+        [sys.executable, "setup.py", "build_ext", "--build-lib", "build/lib"],
+        cwd=tree, capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr  # optional build: the install goes on
+    assert "the pure-Python twin will be used" in out.stdout
+    assert not stale.exists()

@@ -115,6 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from ._optional import MissingExtra, require
+
+    try:  # checked before the run, not after it
+        require("rich.console", "sim", "sfq simulate")
+        if not args.no_plots and not args.write_trace:
+            require("matplotlib.figure", "sim", "sfq simulate's plots (or pass --no-plots)")
+    except MissingExtra as exc:
+        print(f"sfq simulate: error: {exc}", file=sys.stderr)
+        return 2
     from rich.console import Console
 
     from .sim.scenarios import HEADLINE, Options, run_scenario, workload_for

@@ -24,6 +24,9 @@ _META = {"Software": None}
 
 
 def _figure(w: float, h: float):
+    from .._optional import require
+
+    require("matplotlib.figure", "sim", "sfq.sim's plots")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -91,6 +91,9 @@ def table_rows(res: ScenarioResult) -> tuple[str, list[str], list[list[str]], st
 
 def rich_table(res: ScenarioResult):
     """A ``rich.table.Table`` of the scenario."""
+    from .._optional import require
+
+    require("rich.table", "sim", "sfq.sim's terminal tables")
     from rich.table import Table
 
     title, headers, rows, caption = table_rows(res)
