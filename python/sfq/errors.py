@@ -9,7 +9,9 @@ __all__ = [
     "BackendUnavailable",
     "BackendTimeout",
     "BackendHTTPError",
+    "BackendRateLimited",
     "StreamInterrupted",
+    "NoHealthyBackend",
     "DispatcherClosed",
     "UnknownModel",
     "RequestTooLarge",
@@ -36,8 +38,9 @@ class BackendError(SFQError):
     The request was charged when it was dispatched and stays charged (meters never change
     after dispatch). ``backend`` names the backend, ``status`` is the HTTP status when there
     was one, ``body`` the start of the response body when there was one. ``unhealthy`` says
-    whether the failure points at the backend (the dispatcher then takes it out of rotation
-    until a health probe passes) rather than at the request.
+    whether the failure counts against the backend's health (transport failures, 5xx) rather
+    than only against the request (4xx, an error event in a stream); the dispatcher takes a
+    backend out of rotation only when its transport or its error rate says it is down.
     """
 
     #: default for ``unhealthy``; subclasses override
@@ -51,12 +54,16 @@ class BackendError(SFQError):
         status: int | None = None,
         body: str | None = None,
         unhealthy: bool | None = None,
+        never_sent: bool = False,
     ) -> None:
         super().__init__(message)
         self.backend = backend
         self.status = status
         self.body = body
         self.unhealthy = self.marks_unhealthy if unhealthy is None else unhealthy
+        #: True when the request provably never reached the server (it could not connect, or
+        #: the connection failed before the request was written): resending it is safe
+        self.never_sent = never_sent
 
 
 class BackendUnavailable(BackendError, ConnectionError):
@@ -64,15 +71,30 @@ class BackendUnavailable(BackendError, ConnectionError):
     (connection refused, reset, closed)."""
 
 
-class BackendTimeout(BackendError, TimeoutError):
-    """The backend did not connect, answer or send the next bytes within the configured time."""
+class BackendTimeout(BackendError):
+    """The backend did not connect, answer or send the next bytes within the configured time,
+    or a stream outlived its total deadline. Deliberately not a ``TimeoutError``: an
+    ``except TimeoutError`` around the caller's own ``asyncio.timeout()`` must not catch it."""
 
 
 class BackendHTTPError(BackendError):
-    """The backend answered with an HTTP error status (``status``). A 5xx marks the backend
-    unhealthy; a 4xx is the request's fault and does not."""
+    """The backend answered with an HTTP error status (``status``; ``headers``: the reply's
+    headers; ``retry_after``: its ``Retry-After`` in seconds, or ``None``). The failure is the
+    request's: a 5xx counts towards the backend's error rate (``unhealthy`` is True), a 4xx
+    does not."""
 
     marks_unhealthy = False
+
+    def __init__(self, message: str, *, headers: dict[str, str] | None = None,
+                 retry_after: float | None = None, **kw: object) -> None:
+        super().__init__(message, **kw)  # type: ignore[arg-type]
+        self.headers: dict[str, str] = dict(headers) if headers else {}
+        self.retry_after = retry_after
+
+
+class BackendRateLimited(BackendHTTPError):
+    """HTTP 429: the backend asks to slow down; ``retry_after`` (seconds) when it said when.
+    The dispatcher sends that backend nothing new until then."""
 
 
 class StreamInterrupted(BackendError):
@@ -82,6 +104,11 @@ class StreamInterrupted(BackendError):
     def __init__(self, message: str, *, chunks: int = 0, **kw: object) -> None:
         super().__init__(message, **kw)  # type: ignore[arg-type]
         self.chunks = chunks
+
+
+class NoHealthyBackend(SFQError):
+    """The request waited the dispatcher's ``unavailable_timeout`` while no backend of its pool
+    was healthy; it was removed from the queue (uncharged unless it had been selected)."""
 
 
 class DispatcherClosed(SFQError):
