@@ -1,0 +1,85 @@
+"""Trusted classification: credential -> org, stated class -> checked class, model -> pool.
+
+The flow of a request is ``(org, class, pool)``; it is decided here from the trusted policy,
+never from the request body. The class a client states is checked against what its org may
+use and refused when not allowed: it is never silently upgraded (nor downgraded).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import NamedTuple
+
+from ..errors import Refused
+from .config import OrgSpec, Policy
+
+__all__ = ["Classifier", "Flow"]
+
+
+class Flow(NamedTuple):
+    """A flow: who owns the share (org), what kind of work (class), which resource (pool)."""
+
+    org: str
+    cls: str
+    pool: str
+
+
+class Classifier:
+    """Classifies requests by a policy. Credentials are compared in constant time: the SHA-256
+    of the presented key is compared with every configured digest (no early exit), so the time
+    taken does not depend on which key, if any, matched, nor on how much of it did."""
+
+    __slots__ = ("policy", "_digests")
+
+    def __init__(self, policy: Policy) -> None:
+        if not isinstance(policy, Policy):
+            raise TypeError(f"policy must be an sfq.policy.Policy, got {policy!r}")
+        self.policy = policy
+        self._digests: tuple[tuple[bytes, OrgSpec], ...] = tuple(
+            (bytes.fromhex(d), o) for o in policy.orgs.values() for d in o.key_digests)
+
+    def org_of(self, credential: str | None) -> OrgSpec:
+        """The org owning ``credential`` (a bearer key). ``Refused("unauthenticated")`` if none."""
+        if not isinstance(credential, str) or not credential:
+            raise Refused("unauthenticated", "a key is required (Authorization: Bearer KEY)")
+        presented = hashlib.sha256(credential.encode("utf-8")).digest()
+        found: OrgSpec | None = None
+        for digest, org in self._digests:
+            if hmac.compare_digest(presented, digest):
+                found = org
+        if found is None:
+            raise Refused("unauthenticated", "unknown key")
+        return found
+
+    def class_for(self, org: OrgSpec, stated: str | None) -> str:
+        """The class of a request of ``org`` that states ``stated`` (``None``: the org's default).
+        ``Refused("class_not_allowed")`` when the org may not use it (or it does not exist)."""
+        if stated is None or stated == "":
+            return org.default_class
+        if stated not in org.classes:
+            known = "" if stated in self.policy.classes else " (no such class)"
+            raise Refused("class_not_allowed",
+                          f"org {org.name!r} may not use class {stated!r}{known}; allowed: {', '.join(org.classes)}")
+        return stated
+
+    def pool_for(self, model: object) -> str:
+        """The pool serving ``model``. ``Refused("unknown_model")`` when none does."""
+        if not isinstance(model, str) or not model:
+            raise Refused("unknown_model", f"the request must name a model, got {model!r}")
+        p = self.policy.pool_of(model)
+        if p is None:
+            models = sorted(m for pool in self.policy.pools.values() for m in pool.models)
+            raise Refused("unknown_model", f"no pool serves model {model!r}; models: {', '.join(models)}")
+        return p.name
+
+    def classify(self, credential: str | None, stated_class: str | None, model: object) -> Flow:
+        """The flow of a request: ``(org, class, pool)``. Raises ``Refused`` with reason
+        ``unauthenticated``, ``class_not_allowed`` or ``unknown_model``."""
+        org = self.org_of(credential)
+        cls = self.class_for(org, stated_class)
+        return Flow(org.name, cls, self.pool_for(model))
+
+    def weight(self, flow: Flow) -> float:
+        """The flow's weight: org weight x class weight."""
+        return self.policy.flow_weight(flow.org, flow.cls)

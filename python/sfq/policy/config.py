@@ -1,0 +1,477 @@
+"""The policy file: YAML into typed, immutable objects.
+
+Every field is checked; unknown keys and repeated keys are errors (a typo is caught, not
+ignored), and every error is a :class:`sfq.errors.PolicyError` whose message starts with the
+path of the bad field, e.g. ``classes.batch.weight: must be a number > 0, got -1``. List
+items are written ``pools.gpu.backends[0].url``. The format is documented field by field in
+``docs/policy.md``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import yaml
+
+from ..errors import PolicyError
+
+__all__ = [
+    "BackendSpec",
+    "ClassSpec",
+    "CostSpec",
+    "OrgSpec",
+    "Policy",
+    "PoolLimits",
+    "PoolSpec",
+    "RetrySpec",
+    "StateSpec",
+    "BACKOFFS",
+    "load_policy",
+    "parse_policy",
+    "policy_from_mapping",
+]
+
+#: retry backoff shapes: full jitter (uniform in [0, cap]), plain doubling, a constant delay
+BACKOFFS = ("exponential_with_jitter", "exponential", "constant")
+_HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
+_URL = re.compile(r"^https?://[^\s/]+(/\S*)?$")
+_REDIS = re.compile(r"^(redis|rediss|unix)://\S+$")
+
+
+# ===================================================================== the objects
+@dataclass(frozen=True)
+class BackendSpec:
+    """One inference server of a pool."""
+
+    url: str
+    max_in_flight: int = 8
+    name: str = ""  # unique within the policy; default: the URL
+    max_context: int | None = None
+
+
+@dataclass(frozen=True)
+class PoolLimits:
+    """A pool's own limits (each ``None`` = no limit). Token buckets start full, refill
+    continuously and hold at most the per-minute figure."""
+
+    requests_per_minute: float | None = None
+    tokens_per_minute: float | None = None
+    max_in_flight: int | None = None
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """A resource pool: the models it serves, its backends, its limits; its own queue."""
+
+    name: str
+    models: tuple[str, ...]
+    backends: tuple[BackendSpec, ...]
+    limits: PoolLimits = PoolLimits()
+
+
+@dataclass(frozen=True)
+class ClassSpec:
+    """A workload class. ``strict`` classes are served before the weighted ones, each capped
+    by ``max_in_flight``; weighted classes share the rest by cost in proportion to ``weight``
+    (times the org's weight). ``small_cost``/``small_picks``: within one flow, requests whose
+    estimated cost is at most ``small_cost`` go first, but after ``small_picks`` small ones in
+    a row the oldest large one goes (``small_cost`` ``None``: one FIFO per flow)."""
+
+    name: str
+    strict: bool = False
+    weight: float = 1.0
+    max_in_flight: int | None = None
+    max_queue_length: int | None = None
+    max_queue_age_seconds: float | None = None
+    small_cost: float | None = 2048.0
+    small_picks: int = 4
+
+
+@dataclass(frozen=True)
+class OrgSpec:
+    """An organisation: its credentials, the classes it may use (the first is its default),
+    its weight and its own limits. ``key_digests`` holds the SHA-256 (hex) of every key, the
+    plain ``keys`` hashed at load time plus ``key_sha256``; the plain keys are not kept."""
+
+    name: str
+    key_digests: tuple[str, ...]
+    classes: tuple[str, ...]
+    weight: float = 1.0
+    max_in_flight: int | None = None
+    requests_per_minute: float | None = None
+
+    @property
+    def default_class(self) -> str:
+        return self.classes[0]
+
+
+@dataclass(frozen=True)
+class CostSpec:
+    """The cost estimator's weights: cost = input_weight * prompt + output_weight * output."""
+
+    input_weight: float = 1.0
+    output_weight: float = 2.0
+    default_max_tokens: int = 1024
+    prior_ratio: float = 1.0
+
+
+@dataclass(frozen=True)
+class RetrySpec:
+    """Retries: ``max_attempts`` counts the first try; at most ``budget_per_flow_percent`` of
+    a flow's attempts over the last minute may be retries (one is always allowed)."""
+
+    max_attempts: int = 3
+    budget_per_flow_percent: float = 10.0
+    backoff: str = "exponential_with_jitter"
+    base_seconds: float = 0.5
+    max_seconds: float = 30.0
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """Shared state for several gateways (``sfq serve`` replicas). An in-process policy keeps
+    its state in memory and does not connect anywhere."""
+
+    redis: str
+    prefix: str = "sfq:"
+    lease_seconds: float = 10.0
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A validated policy: build it with :func:`load_policy` or :func:`parse_policy`."""
+
+    pools: Mapping[str, PoolSpec]
+    classes: Mapping[str, ClassSpec]
+    orgs: Mapping[str, OrgSpec]
+    cost: CostSpec = CostSpec()
+    retry: RetrySpec = RetrySpec()
+    state: StateSpec | None = None
+    source: str = field(default="<mapping>", compare=False)
+
+    # ------------------------------------------------------------ derived facts
+    def pool_of(self, model: str) -> PoolSpec | None:
+        """The pool serving ``model``, or ``None``."""
+        for p in self.pools.values():
+            if model in p.models:
+                return p
+        return None
+
+    def flow_weight(self, org: str, cls: str) -> float:
+        """A flow's weight: the org's weight times the class's (strict classes: the org's)."""
+        c = self.classes[cls]
+        return self.orgs[org].weight * (1.0 if c.strict else c.weight)
+
+    def flows(self, pool: str | None = None) -> list[tuple[str, str, str]]:
+        """Every flow ``(org, class, pool)`` the file allows, in file order."""
+        pools = [pool] if pool is not None else list(self.pools)
+        return [(o.name, c, p) for p in pools for o in self.orgs.values() for c in o.classes]
+
+    def share(self, flow: tuple[str, str, str]) -> float | None:
+        """The flow's share of its pool's weighted capacity when every weighted flow of the
+        pool is backlogged (``None`` for a strict class's flow)."""
+        org, cls, pool = flow
+        if self.classes[cls].strict:
+            return None
+        total = sum(self.flow_weight(o, c) for o, c, _ in self.flows(pool) if not self.classes[c].strict)
+        return self.flow_weight(org, cls) / total
+
+    @property
+    def strict_classes(self) -> tuple[str, ...]:
+        """Strict classes in file order (the order they are served in)."""
+        return tuple(c.name for c in self.classes.values() if c.strict)
+
+
+# ===================================================================== loading
+def load_policy(path: str | Path) -> Policy:
+    """Read and validate a policy file (YAML). Raises ``PolicyError`` (naming the field) or
+    ``OSError`` when the file cannot be read."""
+    p = Path(path)
+    text = p.read_text(encoding="utf-8")
+    return parse_policy(text, source=str(p))
+
+
+def parse_policy(text: str, *, source: str = "<string>") -> Policy:
+    """Validate a policy given as YAML text."""
+    if not isinstance(text, str):
+        raise TypeError(f"the policy text must be a str, got {type(text).__name__}")
+    try:
+        loader = yaml.SafeLoader(text)
+        try:
+            node = loader.get_single_node()
+            data = _plain(loader, node, "") if node is not None else None
+        finally:
+            loader.dispose()
+    except yaml.YAMLError as exc:
+        raise PolicyError("", f"{source}: not valid YAML: {exc}") from None
+    return policy_from_mapping(data, source=source)
+
+
+def _plain(loader: yaml.SafeLoader, node: yaml.Node, path: str) -> Any:
+    """A composed YAML node as plain Python, refusing repeated keys (PyYAML keeps the last)."""
+    if isinstance(node, yaml.MappingNode):
+        out: dict[Any, Any] = {}
+        for knode, vnode in node.value:
+            key = loader.construct_object(knode, deep=True)  # type: ignore[no-untyped-call]
+            if not isinstance(key, str):
+                raise PolicyError(path, f"keys must be strings, got {key!r} (line {knode.start_mark.line + 1})")
+            sub = f"{path}.{key}" if path else key
+            if key in out:
+                raise PolicyError(sub, f"appears twice (line {knode.start_mark.line + 1})")
+            out[key] = _plain(loader, vnode, sub)
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        return [_plain(loader, v, f"{path}[{i}]") for i, v in enumerate(node.value)]
+    return loader.construct_object(node, deep=True)  # type: ignore[no-untyped-call]
+
+
+# ===================================================================== field checks
+def _desc(v: object) -> str:
+    return repr(v) if not isinstance(v, (dict, list)) else f"a {'mapping' if isinstance(v, dict) else 'list'}"
+
+
+def _section(v: object, path: str, allowed: tuple[str, ...]) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise PolicyError(path, f"must be a mapping, got {_desc(v)}")
+    for k in v:
+        if k not in allowed:
+            raise PolicyError(f"{path}.{k}" if path else k,
+                              f"unknown key (expected one of: {', '.join(allowed)})")
+    return v
+
+
+def _named(v: object, path: str) -> dict[str, Any]:
+    """A mapping of names to entries (pools, classes, orgs): non-empty, names non-empty."""
+    if not isinstance(v, dict):
+        raise PolicyError(path, f"must be a mapping of names to entries, got {_desc(v)}")
+    if not v:
+        raise PolicyError(path, "must name at least one entry")
+    for k in v:
+        if not k.strip():
+            raise PolicyError(f"{path}.{k}", "names must be non-empty")
+    return v
+
+
+def _number(v: object, path: str, *, minimum: float = 0.0, strict_min: bool = True,
+            maximum: float | None = None) -> float:
+    want = f"a number {'>' if strict_min else '>='} {minimum:g}" + (f" and <= {maximum:g}" if maximum else "")
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise PolicyError(path, f"must be {want}, got {_desc(v)}")
+    x = float(v)
+    if not math.isfinite(x) or x < minimum or (strict_min and x == minimum) or (maximum is not None and x > maximum):
+        raise PolicyError(path, f"must be {want}, got {_desc(v)}")
+    return x
+
+
+def _integer(v: object, path: str, minimum: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise PolicyError(path, f"must be an integer >= {minimum}, got {_desc(v)}")
+    return v
+
+
+def _string(v: object, path: str) -> str:
+    if not isinstance(v, str) or not v:
+        raise PolicyError(path, f"must be a non-empty string, got {_desc(v)}")
+    return v
+
+
+def _strings(v: object, path: str, *, allow_empty: bool = False) -> list[str]:
+    if not isinstance(v, list):
+        raise PolicyError(path, f"must be a list of strings, got {_desc(v)}")
+    if not v and not allow_empty:
+        raise PolicyError(path, "must not be empty")
+    out = [_string(x, f"{path}[{i}]") for i, x in enumerate(v)]
+    for i, x in enumerate(out):
+        if x in out[:i]:
+            raise PolicyError(f"{path}[{i}]", f"{x!r} is listed twice")
+    return out
+
+
+def _opt(d: Mapping[str, Any], key: str) -> Any:
+    """A key's value, ``None`` when absent (an explicit ``null`` also means "no limit")."""
+    return d.get(key)
+
+
+# ===================================================================== sections
+def policy_from_mapping(data: object, *, source: str = "<mapping>") -> Policy:
+    """Validate a policy given as plain data (what ``yaml.safe_load`` returns)."""
+    top = _section(data if data is not None else {}, "", ("pools", "classes", "orgs", "cost", "retry", "state"))
+    for need in ("pools", "classes", "orgs"):
+        if need not in top:
+            raise PolicyError(need, "is required")
+    classes = {name: _class(name, v, f"classes.{name}") for name, v in _named(top["classes"], "classes").items()}
+    pools: dict[str, PoolSpec] = {}
+    model_owner: dict[str, str] = {}
+    backend_owner: dict[str, str] = {}
+    for name, v in _named(top["pools"], "pools").items():
+        p = _pool(name, v, f"pools.{name}")
+        for i, m in enumerate(p.models):
+            if m in model_owner:
+                raise PolicyError(f"pools.{name}.models[{i}]", f"model {m!r} is already served by pool "
+                                                               f"{model_owner[m]!r} (a model has one pool)")
+            model_owner[m] = name
+        for i, b in enumerate(p.backends):
+            if b.name in backend_owner:
+                raise PolicyError(f"pools.{name}.backends[{i}]",
+                                  f"backend {b.name!r} is already declared (in pool {backend_owner[b.name]!r}); "
+                                  "give each backend a unique name")
+            backend_owner[b.name] = name
+        pools[name] = p
+    orgs: dict[str, OrgSpec] = {}
+    key_owner: dict[str, str] = {}
+    for name, v in _named(top["orgs"], "orgs").items():
+        o, where = _org(name, v, f"orgs.{name}", classes)
+        for digest, at in zip(o.key_digests, where):
+            if digest in key_owner:
+                raise PolicyError(at, f"this key is already the key of org {key_owner[digest]!r}")
+            key_owner[digest] = name
+        orgs[name] = o
+    cost = _cost(top.get("cost"), "cost") if "cost" in top else CostSpec()
+    retry = _retry(top.get("retry"), "retry") if "retry" in top else RetrySpec()
+    state = _state(top.get("state"), "state") if "state" in top else None
+    return Policy(MappingProxyType(pools), MappingProxyType(classes), MappingProxyType(orgs), cost, retry, state,
+                  source)
+
+
+def _class(name: str, v: object, path: str) -> ClassSpec:
+    d = _section(v, path, ("strict", "weight", "max_in_flight", "max_queue_length", "max_queue_age_seconds",
+                           "small_cost", "small_picks"))
+    strict = d.get("strict", False)
+    if not isinstance(strict, bool):
+        raise PolicyError(f"{path}.strict", f"must be true or false, got {_desc(strict)}")
+    if strict and "weight" in d:
+        raise PolicyError(f"{path}.weight", "a strict class has no weight: it is served before the weighted "
+                                            "classes, capped by its max_in_flight")
+    weight = _number(d["weight"], f"{path}.weight") if "weight" in d else 1.0
+    mif = _integer(d["max_in_flight"], f"{path}.max_in_flight") if _opt(d, "max_in_flight") is not None else None
+    mql = (_integer(d["max_queue_length"], f"{path}.max_queue_length")
+           if _opt(d, "max_queue_length") is not None else None)
+    age = (_number(d["max_queue_age_seconds"], f"{path}.max_queue_age_seconds")
+           if _opt(d, "max_queue_age_seconds") is not None else None)
+    if strict and mif is None:
+        raise PolicyError(f"{path}.max_in_flight", "a strict class needs one, so urgent work can never take the "
+                                                   "whole pool")
+    if strict and mql is None and age is None:
+        raise PolicyError(path, "a strict class needs max_queue_length or max_queue_age_seconds, so stale "
+                                "urgent work cannot pile up")
+    small_cost: float | None = 2048.0
+    if "small_cost" in d:
+        small_cost = None if d["small_cost"] is None else _number(d["small_cost"], f"{path}.small_cost")
+    picks = _integer(d["small_picks"], f"{path}.small_picks") if "small_picks" in d else 4
+    return ClassSpec(name, strict, weight, mif, mql, age, small_cost, picks)
+
+
+def _pool(name: str, v: object, path: str) -> PoolSpec:
+    d = _section(v, path, ("models", "backends", "limits"))
+    for need in ("models", "backends"):
+        if need not in d:
+            raise PolicyError(f"{path}.{need}", "is required")
+    models = tuple(_strings(d["models"], f"{path}.models"))
+    bl = d["backends"]
+    if not isinstance(bl, list) or not bl:
+        raise PolicyError(f"{path}.backends", f"must be a non-empty list of backends, got {_desc(bl)}")
+    backends: list[BackendSpec] = []
+    for i, b in enumerate(bl):
+        bp = f"{path}.backends[{i}]"
+        bd = _section(b, bp, ("url", "max_in_flight", "name", "max_context"))
+        if "url" not in bd:
+            raise PolicyError(f"{bp}.url", "is required")
+        url = _string(bd["url"], f"{bp}.url")
+        if not _URL.match(url):
+            raise PolicyError(f"{bp}.url", f"must be an http:// or https:// URL, got {url!r}")
+        mif = _integer(bd["max_in_flight"], f"{bp}.max_in_flight") if "max_in_flight" in bd else 8
+        bname = _string(bd["name"], f"{bp}.name") if "name" in bd else url
+        ctx = (_integer(bd["max_context"], f"{bp}.max_context")
+               if _opt(bd, "max_context") is not None else None)
+        backends.append(BackendSpec(url.rstrip("/"), mif, bname.rstrip("/") if "name" not in bd else bname, ctx))
+    limits = PoolLimits()
+    if d.get("limits") is not None:
+        lp = f"{path}.limits"
+        ld = _section(d["limits"], lp, ("requests_per_minute", "tokens_per_minute", "max_in_flight"))
+        limits = PoolLimits(
+            _number(ld["requests_per_minute"], f"{lp}.requests_per_minute")
+            if _opt(ld, "requests_per_minute") is not None else None,
+            _number(ld["tokens_per_minute"], f"{lp}.tokens_per_minute")
+            if _opt(ld, "tokens_per_minute") is not None else None,
+            _integer(ld["max_in_flight"], f"{lp}.max_in_flight") if _opt(ld, "max_in_flight") is not None else None,
+        )
+    return PoolSpec(name, models, tuple(backends), limits)
+
+
+def _org(name: str, v: object, path: str, classes: Mapping[str, ClassSpec]) -> tuple[OrgSpec, list[str]]:
+    d = _section(v, path, ("keys", "key_sha256", "classes", "weight", "max_in_flight", "requests_per_minute"))
+    digests: list[str] = []
+    where: list[str] = []
+    if "keys" in d:
+        for i, k in enumerate(_strings(d["keys"], f"{path}.keys", allow_empty=True)):
+            digests.append(hashlib.sha256(k.encode("utf-8")).hexdigest())
+            where.append(f"{path}.keys[{i}]")
+    if "key_sha256" in d:
+        for i, h in enumerate(_strings(d["key_sha256"], f"{path}.key_sha256", allow_empty=True)):
+            if not _HEX64.match(h):
+                raise PolicyError(f"{path}.key_sha256[{i}]", f"must be 64 hexadecimal digits (a SHA-256), got {h!r}")
+            digests.append(h.lower())
+            where.append(f"{path}.key_sha256[{i}]")
+    if not digests:
+        raise PolicyError(f"{path}.keys", "an org needs at least one key (keys or key_sha256)")
+    for i, dg in enumerate(digests):
+        if dg in digests[:i]:
+            raise PolicyError(where[i], "this key is listed twice")
+    if "classes" not in d:
+        raise PolicyError(f"{path}.classes", "is required (the classes the org may use; the first is its default)")
+    cls = _strings(d["classes"], f"{path}.classes")
+    for i, c in enumerate(cls):
+        if c not in classes:
+            raise PolicyError(f"{path}.classes[{i}]", f"unknown class {c!r} (classes: {', '.join(classes)})")
+    weight = _number(d["weight"], f"{path}.weight") if "weight" in d else 1.0
+    mif = _integer(d["max_in_flight"], f"{path}.max_in_flight") if _opt(d, "max_in_flight") is not None else None
+    rpm = (_number(d["requests_per_minute"], f"{path}.requests_per_minute")
+           if _opt(d, "requests_per_minute") is not None else None)
+    return OrgSpec(name, tuple(digests), tuple(cls), weight, mif, rpm), where
+
+
+def _cost(v: object, path: str) -> CostSpec:
+    d = _section(v, path, ("input_weight", "output_weight", "default_max_tokens", "prior_ratio"))
+    iw = _number(d["input_weight"], f"{path}.input_weight", strict_min=False) if "input_weight" in d else 1.0
+    ow = _number(d["output_weight"], f"{path}.output_weight", strict_min=False) if "output_weight" in d else 2.0
+    if iw == 0 and ow == 0:
+        raise PolicyError(path, "input_weight and output_weight cannot both be 0")
+    dm = _integer(d["default_max_tokens"], f"{path}.default_max_tokens") if "default_max_tokens" in d else 1024
+    pr = _number(d["prior_ratio"], f"{path}.prior_ratio", maximum=1.0) if "prior_ratio" in d else 1.0
+    return CostSpec(iw, ow, dm, pr)
+
+
+def _retry(v: object, path: str) -> RetrySpec:
+    d = _section(v, path, ("max_attempts", "budget_per_flow_percent", "backoff", "base_seconds", "max_seconds"))
+    ma = _integer(d["max_attempts"], f"{path}.max_attempts") if "max_attempts" in d else 3
+    bp = (_number(d["budget_per_flow_percent"], f"{path}.budget_per_flow_percent", strict_min=False, maximum=100.0)
+          if "budget_per_flow_percent" in d else 10.0)
+    bo = d.get("backoff", "exponential_with_jitter")
+    if bo not in BACKOFFS:
+        raise PolicyError(f"{path}.backoff", f"must be one of {', '.join(BACKOFFS)}, got {_desc(bo)}")
+    base = _number(d["base_seconds"], f"{path}.base_seconds") if "base_seconds" in d else 0.5
+    mx = _number(d["max_seconds"], f"{path}.max_seconds") if "max_seconds" in d else max(30.0, base)
+    if mx < base:
+        raise PolicyError(f"{path}.max_seconds", f"must be >= base_seconds ({base:g}), got {mx:g}")
+    return RetrySpec(ma, bp, str(bo), base, mx)
+
+
+def _state(v: object, path: str) -> StateSpec:
+    d = _section(v, path, ("redis", "prefix", "lease_seconds"))
+    if "redis" not in d:
+        raise PolicyError(f"{path}.redis", "is required (a redis:// URL)")
+    url = _string(d["redis"], f"{path}.redis")
+    if not _REDIS.match(url):
+        raise PolicyError(f"{path}.redis", f"must be a redis://, rediss:// or unix:// URL, got {url!r}")
+    prefix = d.get("prefix", "sfq:")
+    if not isinstance(prefix, str):
+        raise PolicyError(f"{path}.prefix", f"must be a string, got {_desc(prefix)}")
+    lease = _number(d["lease_seconds"], f"{path}.lease_seconds") if "lease_seconds" in d else 10.0
+    return StateSpec(url, prefix, lease)

@@ -1,0 +1,114 @@
+"""Pure, clock-free building blocks: token buckets and concurrency counters.
+
+Every method that depends on time takes ``now`` (seconds, any monotonic origin) so the
+callers inject their clock and the tests step it by hand. A clock that goes backwards is
+treated as standing still (nothing refills, nothing is lost).
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["TokenBucket", "Slots"]
+
+
+class TokenBucket:
+    """A token bucket for a per-minute limit: it holds at most ``per_minute`` tokens, starts
+    full and refills continuously at ``per_minute / 60`` tokens per second.
+
+    ``take(n)`` debits ``n`` when at least ``min(n, capacity)`` tokens are there: a request
+    larger than the whole bucket waits until the bucket is full and then goes, leaving it in
+    debt, so it is neither refused forever nor let through early. ``credit(n)`` gives tokens
+    back (a usage report smaller than the estimate); ``debit(n)`` takes more (larger), and may
+    leave the bucket in debt.
+    """
+
+    __slots__ = ("capacity", "rate", "level", "_t")
+
+    def __init__(self, per_minute: float, now: float) -> None:
+        if isinstance(per_minute, bool) or not isinstance(per_minute, (int, float)) or not (
+                math.isfinite(per_minute) and per_minute > 0):
+            raise ValueError(f"per_minute must be a finite number > 0, got {per_minute!r}")
+        self.capacity = float(per_minute)
+        self.rate = self.capacity / 60.0
+        self.level = self.capacity
+        self._t = float(now)
+
+    def _refill(self, now: float) -> None:
+        if now > self._t:
+            self.level = min(self.capacity, self.level + (now - self._t) * self.rate)
+            self._t = now
+
+    def available(self, now: float) -> float:
+        """Tokens in the bucket at ``now`` (negative while in debt)."""
+        self._refill(now)
+        return self.level
+
+    def _need(self, n: float) -> float:
+        if isinstance(n, bool) or not isinstance(n, (int, float)) or not (math.isfinite(n) and n >= 0):
+            raise ValueError(f"a token count must be a finite number >= 0, got {n!r}")
+        return min(float(n), self.capacity)
+
+    def can_take(self, n: float, now: float) -> bool:
+        need = self._need(n)
+        self._refill(now)
+        return self.level >= need - 1e-9
+
+    def take(self, n: float, now: float) -> bool:
+        """Debit ``n`` if allowed now; returns whether it was."""
+        if not self.can_take(n, now):
+            return False
+        self.level -= float(n)
+        return True
+
+    def wait(self, n: float, now: float) -> float:
+        """Seconds from ``now`` until ``take(n)`` would succeed (0 if it would now)."""
+        need = self._need(n)
+        self._refill(now)
+        missing = need - self.level
+        return 0.0 if missing <= 1e-9 else missing / self.rate
+
+    def credit(self, n: float, now: float) -> None:
+        """Give ``n`` tokens back (capped at the capacity)."""
+        self._need(n)
+        self._refill(now)
+        self.level = min(self.capacity, self.level + float(n))
+
+    def debit(self, n: float, now: float) -> None:
+        """Take ``n`` more tokens unconditionally (a usage report above the estimate)."""
+        self._need(n)
+        self._refill(now)
+        self.level -= float(n)
+
+    def __repr__(self) -> str:
+        return f"TokenBucket(per_minute={self.capacity:g}, level={self.level:.3f})"
+
+
+class Slots:
+    """A concurrency counter: ``used`` of ``limit`` (``None`` = unlimited)."""
+
+    __slots__ = ("name", "limit", "used")
+
+    def __init__(self, name: str, limit: int | None) -> None:
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"{name}: limit must be an integer >= 1 or None, got {limit!r}")
+        self.name = name
+        self.limit = limit
+        self.used = 0
+
+    @property
+    def full(self) -> bool:
+        return self.limit is not None and self.used >= self.limit
+
+    def acquire(self) -> None:
+        if self.full:
+            raise RuntimeError(f"{self.name}: no free slot ({self.used}/{self.limit})")
+        self.used += 1
+
+    def release(self) -> None:
+        if self.used <= 0:
+            raise RuntimeError(f"{self.name}: release without acquire")
+        self.used -= 1
+
+    def __repr__(self) -> str:
+        return f"Slots({self.name!r}, {self.used}/{self.limit})"

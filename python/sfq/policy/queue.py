@@ -1,0 +1,543 @@
+"""One pool's queue under a policy: strict FIFOs, the SFQ core, limits and deadlines.
+
+A :class:`PolicyQueue` answers two questions, synchronously and on an injected clock:
+"which request may start now, and on which backend?" (:meth:`PolicyQueue.pop`) and "this
+request ended" (:meth:`PolicyQueue.finish`). It is the same code under the asyncio
+dispatcher, the simulator and the tests.
+
+Order within a pool:
+
+1. **Strict classes**, in the order the policy lists them, first come first served, each
+   capped by its ``max_in_flight`` (so urgent work never takes the whole pool).
+2. **Weighted classes** share the rest by cost on the SFQ core (``sfq.Scheduler``): every
+   flow ``(org, class, pool)`` has weight org x class. The core holds one entry per flow (the
+   flow's next turn); when the flow wins, the request that goes is chosen inside the flow by
+   the size buckets (small first, but after ``small_picks`` small ones in a row the oldest
+   large one), and the flow is charged that request's cost (``adjust`` corrects the entry's
+   provisional cost), so the flow's share does not depend on the order within it. SFQ picks
+   by start tag, which does not depend on the head's cost, so choosing the request at
+   dispatch time changes no decision between flows.
+
+Limits: a flow whose org (or class) is at its ``max_in_flight`` leaves the competition
+(``suspend``) and rejoins at ``max(S, v)`` when a slot frees (``resume``): it blocks no one
+and banks no credit. Pool-wide limits (the pool's ``max_in_flight``, backend slots, the
+``requests_per_minute`` and ``tokens_per_minute`` buckets, backends paused by a 429) hold
+the whole pool: requests keep their places in the fair queue until the limit allows the next.
+A waiting request is dropped the moment its class's ``max_queue_age_seconds`` or its own
+deadline runs out (:meth:`PolicyQueue.expire`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any
+
+from .._core import Scheduler
+from ..errors import Refused
+from .classify import Flow
+from .config import ClassSpec, Policy, PoolSpec
+from .limits import Slots, TokenBucket
+
+__all__ = ["PolicyQueue", "Request", "SharedLimits", "WAITING", "RUNNING", "BACKOFF", "ENDED"]
+
+# request states
+WAITING, RUNNING, BACKOFF, ENDED = "waiting", "running", "backoff", "ended"
+_INF = math.inf
+_ids = itertools.count(1)
+
+
+class Request:
+    """One request as the policy tracks it. ``cost`` is in cost units (the scheduler's),
+    ``tokens`` the token estimate debited from ``tokens_per_minute`` at start; ``deadline``
+    is absolute (the clock's seconds) or ``None``; ``item`` is the caller's."""
+
+    __slots__ = ("id", "flow", "cost", "tokens", "need", "arrival", "queued_at", "deadline", "drop_at",
+                 "drop_reason", "item", "state", "backend", "started_at", "tries", "idempotency_key",
+                 "outcome", "reason", "small", "retrying")
+
+    def __init__(self, flow: Flow, cost: float, tokens: float, arrival: float, *, deadline: float | None = None,
+                 item: Any = None, need: float = 0.0, idempotency_key: str | None = None) -> None:
+        self.id = next(_ids)
+        self.flow = flow
+        self.cost = cost
+        self.tokens = tokens
+        self.need = need  # prompt + max_tokens of one sequence (backend max_context)
+        self.arrival = arrival
+        self.queued_at = arrival
+        self.deadline = deadline
+        self.drop_at = _INF
+        self.drop_reason = ""
+        self.item = item
+        self.state = WAITING
+        self.backend: str | None = None
+        self.started_at: float | None = None
+        self.tries = 0  # attempts started
+        self.idempotency_key = idempotency_key
+        self.outcome: str | None = None
+        self.reason: str | None = None
+        self.small = True
+        self.retrying = False  # the current attempt is a retry (counted in the retry budget)
+
+    def __repr__(self) -> str:
+        return (f"Request(#{self.id} {self.flow.org}/{self.flow.cls}/{self.flow.pool} cost={self.cost:g} "
+                f"state={self.state}{' outcome=' + self.outcome if self.outcome else ''})")
+
+
+class SharedLimits:
+    """Limits that span pools: every org's and class's ``max_in_flight`` (and their members
+    in each pool's queue, to suspend and resume them)."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.slots: dict[tuple[str, str], Slots] = {}
+        for o in policy.orgs.values():
+            if o.max_in_flight is not None:
+                self.slots[("org", o.name)] = Slots(f"orgs.{o.name}.max_in_flight", o.max_in_flight)
+        for c in policy.classes.values():
+            if c.max_in_flight is not None:
+                self.slots[("class", c.name)] = Slots(f"classes.{c.name}.max_in_flight", c.max_in_flight)
+        self.queues: list[PolicyQueue] = []
+
+    def groups(self, flow: Flow) -> tuple[tuple[str, str], ...]:
+        return tuple(g for g in (("org", flow.org), ("class", flow.cls)) if g in self.slots)
+
+    def room(self, flow: Flow) -> bool:
+        """Whether the flow's org and class have a free slot."""
+        s = self.slots
+        o = s.get(("org", flow.org))
+        if o is not None and o.full:
+            return False
+        c = s.get(("class", flow.cls))
+        return c is None or not c.full
+
+    def acquire(self, flow: Flow) -> None:
+        for g in self.groups(flow):
+            sl = self.slots[g]
+            sl.acquire()
+            if sl.full:
+                for q in self.queues:
+                    q._group_full(g)
+
+    def release(self, flow: Flow) -> None:
+        for g in self.groups(flow):
+            sl = self.slots[g]
+            was_full = sl.full
+            sl.release()
+            if was_full:
+                for q in self.queues:
+                    q._group_free(g)
+
+
+class _FlowQ:
+    """A weighted flow's waiting requests in two size buckets (both FIFO), and its entry in
+    the core (``token``: the core's ticket, ``None`` when it has none)."""
+
+    __slots__ = ("flow", "spec", "small", "large", "n", "run", "token", "token_cost", "groups")
+
+    def __init__(self, flow: Flow, spec: ClassSpec, groups: tuple[tuple[str, str], ...]) -> None:
+        self.flow = flow
+        self.spec = spec
+        self.small: deque[Request] = deque()
+        self.large: deque[Request] = deque()
+        self.n = 0  # live waiting requests
+        self.run = 0  # small picks in a row since the last large one
+        self.token: int | None = None
+        self.token_cost = 0.0
+        self.groups = groups
+
+    @staticmethod
+    def _head(d: deque[Request]) -> Request | None:
+        while d and d[0].state != WAITING:
+            d.popleft()
+        return d[0] if d else None
+
+    def preferred(self) -> Request | None:
+        """The request that goes when the flow next wins (does not remove it)."""
+        s = self._head(self.small)
+        big = self._head(self.large)
+        if s is None:
+            return big
+        if big is None or self.run < self.spec.small_picks:
+            return s
+        return big
+
+    def take(self, r: Request) -> None:
+        d = self.small if r.small else self.large
+        assert d[0] is r
+        d.popleft()
+        self.n -= 1
+        self.run = self.run + 1 if r.small else 0
+
+    def oldest_arrival(self) -> float:
+        heads = [h.queued_at for h in (self._head(self.small), self._head(self.large)) if h is not None]
+        return min(heads) if heads else _INF
+
+
+class _Backend:
+    __slots__ = ("name", "limit", "in_flight", "paused_until", "healthy", "max_context")
+
+    def __init__(self, name: str, limit: int, max_context: int | None) -> None:
+        self.name = name
+        self.limit = limit
+        self.in_flight = 0
+        self.paused_until = -_INF
+        self.healthy = True
+        self.max_context = max_context
+
+
+class PolicyQueue:
+    """A pool's queue and limits. ``clock`` gives seconds; ``scheduler`` makes the core
+    (default ``sfq.Scheduler``). Not thread-safe; call it from one thread (one event loop)."""
+
+    def __init__(self, policy: Policy, pool: str, *, clock: Callable[[], float],
+                 shared: SharedLimits | None = None, scheduler: Callable[[], Any] | None = None) -> None:
+        if pool not in policy.pools:
+            raise ValueError(f"unknown pool {pool!r}; pools: {', '.join(policy.pools)}")
+        if not callable(clock):
+            raise TypeError(f"clock must be callable, got {clock!r}")
+        self.policy = policy
+        self.spec: PoolSpec = policy.pools[pool]
+        self.name = pool
+        self.clock = clock
+        self.shared = shared if shared is not None else SharedLimits(policy)
+        self.shared.queues.append(self)
+        now = clock()
+        lim = self.spec.limits
+        self.rpm = TokenBucket(lim.requests_per_minute, now) if lim.requests_per_minute else None
+        self.tpm = TokenBucket(lim.tokens_per_minute, now) if lim.tokens_per_minute else None
+        self.slots = Slots(f"pools.{pool}.limits.max_in_flight", lim.max_in_flight)
+        self.backends: dict[str, _Backend] = {
+            b.name: _Backend(b.name, b.max_in_flight, b.max_context) for b in self.spec.backends}
+        self.largest_context = (_INF if any(b.max_context is None for b in self.spec.backends)
+                                else float(max(b.max_context or 0 for b in self.spec.backends)))
+        self.sched = (scheduler or Scheduler)()
+        self.strict = {c: deque[Request]() for c in policy.strict_classes}
+        self._strict_n = dict.fromkeys(self.strict, 0)
+        self.flows: dict[Flow, _FlowQ] = {}
+        self._group_members: dict[tuple[str, str], list[_FlowQ]] = {}
+        for org, cls, _ in policy.flows(pool):
+            f = Flow(org, cls, pool)
+            spec = policy.classes[cls]
+            if spec.strict:
+                continue
+            fq = self.flows[f] = _FlowQ(f, spec, self.shared.groups(f))
+            self.sched.set_weight(f, policy.flow_weight(org, cls))
+            for g in fq.groups:
+                self._group_members.setdefault(g, []).append(fq)
+                if self.shared.slots[g].full:
+                    self.sched.suspend(f)
+        self.waiting_by_class = dict.fromkeys(policy.classes, 0)
+        self.in_flight = 0
+        self._drops: list[tuple[float, int, Request]] = []  # (drop_at, id, request), lazily cleaned
+        self._dropped: list[Request] = []  # dropped by pop(), not yet handed out by expire()
+        self._starts: dict[str, deque[float]] = {c: deque() for c in policy.classes}  # last minute's starts
+        self.blocked_until = -_INF  # when a bucket or a paused backend next allows a start
+
+    # ------------------------------------------------------------ admission
+    def __len__(self) -> int:
+        return sum(self.waiting_by_class.values())
+
+    def check_room(self, cls: str) -> None:
+        """Raise ``Refused("queue_full")`` (with an honest ``retry_after``) when the class's
+        ``max_queue_length`` is reached in this pool."""
+        spec = self.policy.classes[cls]
+        if spec.max_queue_length is None or self.waiting_by_class[cls] < spec.max_queue_length:
+            return
+        raise Refused("queue_full", f"class {cls!r} already has {self.waiting_by_class[cls]} requests waiting in "
+                                    f"pool {self.name!r} (max_queue_length {spec.max_queue_length})",
+                      retry_after=self.place_frees_in(cls))
+
+    def place_frees_in(self, cls: str) -> float:
+        """Seconds until a waiting place of ``cls`` is expected to free: the sooner of the
+        class's mean gap between starts over the last minute and the time at which its oldest
+        waiting request runs out of queue age (by then it has started or been dropped); the
+        window (60 s) when neither is known."""
+        now = self.clock()
+        best = _INF
+        st = self._starts[cls]
+        while st and st[0] <= now - 60.0:
+            st.popleft()
+        if st:
+            best = 60.0 / len(st) if now - st[0] >= 1.0 else (now - st[0] + 1.0) / len(st)
+        age = self.policy.classes[cls].max_queue_age_seconds
+        if age is not None:
+            oldest = self._oldest(cls)
+            if oldest < _INF:
+                best = min(best, max(0.0, oldest + age - now))
+        return 60.0 if best == _INF else best
+
+    def _oldest(self, cls: str) -> float:
+        if cls in self.strict:
+            d = self.strict[cls]
+            return d[0].queued_at if d else _INF
+        return min((fq.oldest_arrival() for f, fq in self.flows.items() if f.cls == cls), default=_INF)
+
+    def push(self, r: Request, *, check_length: bool = True) -> None:
+        """Queue ``r`` (state WAITING) in its flow. ``Refused("queue_full")`` when the class is
+        at its ``max_queue_length`` (``check_length=False`` for a retry of an accepted request);
+        ``ValueError`` when no backend of the pool could ever take it (``max_context``)."""
+        flow = r.flow
+        if flow.pool != self.name:
+            raise ValueError(f"request of pool {flow.pool!r} pushed to pool {self.name!r}")
+        spec = self.policy.classes.get(flow.cls)
+        if spec is None or (not spec.strict and flow not in self.flows):
+            raise ValueError(f"flow {flow!r} is not allowed by the policy")
+        if r.need > self.largest_context:
+            raise ValueError(f"the request needs about {r.need:.0f} tokens, more than any backend of pool "
+                             f"{self.name!r} takes ({self.largest_context:.0f})")
+        if not (math.isfinite(r.cost) and r.cost > 0):
+            raise ValueError(f"cost must be a finite number > 0, got {r.cost!r}")
+        if check_length:
+            self.check_room(flow.cls)
+        now = self.clock()
+        r.state = WAITING
+        r.queued_at = now
+        age = spec.max_queue_age_seconds
+        at_age = now + age if age is not None else _INF
+        at_deadline = r.deadline if r.deadline is not None else _INF
+        r.drop_at = min(at_age, at_deadline)
+        r.drop_reason = "deadline" if at_deadline <= at_age else "queue_timeout"
+        if spec.strict:
+            self.strict[flow.cls].append(r)
+            self._strict_n[flow.cls] += 1
+        else:
+            fq = self.flows[flow]
+            r.small = spec.small_cost is None or r.cost <= spec.small_cost
+            (fq.small if r.small else fq.large).append(r)
+            fq.n += 1
+            if fq.token is None:
+                self._enter(fq)
+        self.waiting_by_class[flow.cls] += 1
+        if r.drop_at < _INF:
+            heapq.heappush(self._drops, (r.drop_at, r.id, r))
+
+    def _enter(self, fq: _FlowQ) -> None:
+        head = fq.preferred()
+        assert head is not None
+        fq.token_cost = head.cost
+        fq.token = self.sched.enqueue(fq.flow, head.cost, fq)
+
+    def _unqueue(self, r: Request) -> None:
+        """Bookkeeping for a waiting request that leaves without starting."""
+        r.state = ENDED
+        cls = r.flow.cls
+        self.waiting_by_class[cls] -= 1
+        if cls in self.strict:
+            self._strict_n[cls] -= 1
+            self.strict[cls].remove(r)
+            return
+        fq = self.flows[r.flow]
+        fq.n -= 1
+        if fq.n == 0 and fq.token is not None:
+            self.sched.cancel(fq.token)
+            fq.token = None
+            fq.small.clear()
+            fq.large.clear()
+
+    def cancel(self, r: Request) -> bool:
+        """Remove a waiting request, uncharged. ``False`` if it is not waiting here."""
+        if r.state != WAITING or r.flow.pool != self.name:
+            return False
+        self._unqueue(r)
+        return True
+
+    def expire(self) -> list[Request]:
+        """Drop every waiting request whose queue age or deadline has run out by now; each gets
+        ``reason`` ``queue_timeout`` or ``deadline``. Returns them, and those :meth:`pop`
+        dropped since the last call (oldest deadline first)."""
+        self._drop_expired(self.clock())
+        out, self._dropped = self._dropped, []
+        return out
+
+    def _drop_expired(self, now: float) -> None:
+        drops = self._drops
+        while drops and drops[0][0] <= now:
+            at, _, r = heapq.heappop(drops)
+            if r.state == WAITING and r.drop_at == at:
+                self._unqueue(r)
+                r.reason = r.drop_reason
+                self._dropped.append(r)
+
+    def next_drop(self) -> float | None:
+        """When the next waiting request runs out of queue age or deadline (``None``: never)."""
+        drops = self._drops
+        while drops and (drops[0][2].state != WAITING or drops[0][2].drop_at != drops[0][0]):
+            heapq.heappop(drops)
+        return drops[0][0] if drops else None
+
+    # ------------------------------------------------------------ limits and suspension
+    def _group_full(self, g: tuple[str, str]) -> None:
+        for fq in self._group_members.get(g, ()):
+            self.sched.suspend(fq.flow)
+
+    def _group_free(self, g: tuple[str, str]) -> None:
+        slots = self.shared.slots
+        for fq in self._group_members.get(g, ()):
+            if not any(slots[h].full for h in fq.groups):
+                self.sched.resume(fq.flow)
+
+    def pause_backend(self, name: str, seconds: float) -> None:
+        """An upstream 429: send nothing to backend ``name`` for ``seconds`` (its Retry-After)."""
+        b = self.backends[name]
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"seconds must be a finite number >= 0, got {seconds!r}")
+        b.paused_until = max(b.paused_until, self.clock() + seconds)
+
+    def set_healthy(self, name: str, healthy: bool) -> None:
+        self.backends[name].healthy = bool(healthy)
+
+    def _backend_for(self, r: Request, now: float) -> _Backend | None:
+        best: _Backend | None = None
+        load = 2.0
+        for b in self.backends.values():
+            if (b.healthy and b.in_flight < b.limit and b.paused_until <= now
+                    and (b.max_context is None or r.need <= b.max_context)):
+                x = b.in_flight / b.limit
+                if x < load:
+                    best, load = b, x
+        return best
+
+    def _pool_room(self, now: float) -> bool:
+        if self.slots.full:
+            return False
+        if self.rpm is not None and not self.rpm.can_take(1, now):
+            self.blocked_until = now + self.rpm.wait(1, now)
+            return False
+        for b in self.backends.values():
+            if b.healthy and b.in_flight < b.limit and b.paused_until <= now:
+                return True
+        paused = [b.paused_until for b in self.backends.values() if b.healthy and b.in_flight < b.limit]
+        if paused:
+            self.blocked_until = min(paused)
+        return False
+
+    def _tokens_ok(self, r: Request, now: float) -> bool:
+        if self.tpm is None or self.tpm.can_take(r.tokens, now):
+            return True
+        self.blocked_until = now + self.tpm.wait(r.tokens, now)
+        return False
+
+    # ------------------------------------------------------------ start and end
+    def pop(self) -> Request | None:
+        """The next request that may start now, marked RUNNING on its backend (``backend``),
+        with every counter and bucket debited; ``None`` when nothing may start now. Drop
+        expired requests first (:meth:`expire`): ``pop`` never starts one past its time."""
+        now = self.clock()
+        self._drop_expired(now)
+        self.blocked_until = -_INF
+        if not self._pool_room(now):
+            return None
+        shared = self.shared
+        for cls, d in self.strict.items():
+            if not self._strict_n[cls]:
+                continue
+            cslots = shared.slots[("class", cls)]
+            if cslots.full:
+                continue
+            for r in d:
+                if not shared.room(r.flow):
+                    continue  # its org is at its limit: it must not hold the others back
+                if not self._tokens_ok(r, now):
+                    return None  # the pool's token bucket holds everyone, in order
+                b = self._backend_for(r, now)
+                if b is None:
+                    return None  # no backend with room fits it: it waits first in line
+                d.remove(r)
+                self._strict_n[cls] -= 1
+                return self._start(r, b, now)
+        sched = self.sched
+        peek = sched.peek()
+        if peek is None:
+            return None
+        fq: _FlowQ = peek.item
+        r = fq.preferred()
+        assert r is not None, "a flow in the core has a waiting request"
+        if not self._tokens_ok(r, now):
+            return None
+        b = self._backend_for(r, now)
+        if b is None:
+            return None
+        sched.work_started()
+        disp = sched.dispatch()
+        assert disp is not None and disp.item is fq
+        fq.take(r)
+        fq.token = None
+        delta = r.cost - fq.token_cost
+        if delta:
+            sched.adjust(fq.flow, delta)
+        if fq.n:
+            self._enter(fq)
+        else:
+            fq.small.clear()
+            fq.large.clear()
+        return self._start(r, b, now, core=True)
+
+    def _start(self, r: Request, b: _Backend, now: float, core: bool = False) -> Request:
+        cls = r.flow.cls
+        self.waiting_by_class[cls] -= 1
+        r.state = RUNNING
+        r.backend = b.name
+        r.started_at = now
+        r.tries += 1
+        b.in_flight += 1
+        self.in_flight += 1
+        self.slots.acquire()
+        if self.rpm is not None:
+            self.rpm.take(1, now)
+        if self.tpm is not None:
+            self.tpm.debit(r.tokens, now)
+        self.shared.acquire(r.flow)
+        self._starts[cls].append(now)
+        if not core:
+            self.sched.work_started()
+        return r
+
+    def finish(self, r: Request, *, actual_tokens: float | None = None, retry_after: float | None = None) -> None:
+        """A started request's attempt ended (any outcome): free its slots; correct the token
+        bucket by ``actual_tokens`` (the usage report) when given; ``retry_after`` (an upstream
+        429) pauses its backend that long."""
+        if r.state != RUNNING or r.flow.pool != self.name or r.backend is None:
+            raise ValueError(f"finish({r!r}): the request is not running in pool {self.name!r}")
+        now = self.clock()
+        b = self.backends[r.backend]
+        b.in_flight -= 1
+        self.in_flight -= 1
+        self.slots.release()
+        r.state = ENDED
+        if actual_tokens is not None and self.tpm is not None and math.isfinite(actual_tokens) and actual_tokens >= 0:
+            diff = actual_tokens - r.tokens
+            if diff < 0:
+                self.tpm.credit(-diff, now)
+            elif diff > 0:
+                self.tpm.debit(diff, now)
+        if retry_after is not None:
+            self.pause_backend(b.name, retry_after)
+        self.sched.work_done()
+        self.shared.release(r.flow)
+
+    # ------------------------------------------------------------ views
+    def wake_at(self) -> float | None:
+        """The earliest clock time at which :meth:`pop` or :meth:`expire` may have something new
+        without any other event (a bucket refills, a pause ends, a request runs out of time)."""
+        t = self.next_drop()
+        cands = [x for x in (t, self.blocked_until if self.blocked_until > -_INF else None) if x is not None]
+        return min(cands) if cands else None
+
+    def waiting(self, flow: Flow) -> int:
+        if flow.cls in self.strict:
+            return sum(1 for r in self.strict[flow.cls] if r.state == WAITING and r.flow == flow)
+        fq = self.flows.get(flow)
+        return 0 if fq is None else fq.n
+
+    def iter_waiting(self) -> Iterator[Request]:
+        for d in self.strict.values():
+            yield from (r for r in d if r.state == WAITING)
+        for fq in self.flows.values():
+            yield from (r for r in fq.small if r.state == WAITING)
+            yield from (r for r in fq.large if r.state == WAITING)
+
+    def meter(self, flow: Hashable) -> float:
+        return float(self.sched.meter(flow))

@@ -1,0 +1,202 @@
+"""Retries by five rules, as a pure planner (times are passed in; randomness is injected).
+
+1. Only where it is safe: the request never reached a model (connection refused, 429, 503),
+   or it carries an ``Idempotency-Key``.
+2. Back into the request's own flow (the caller re-queues it there; it waits its turn).
+3. Exponential backoff with full jitter (uniform in ``[0, min(max, base * 2**(n-1))]``),
+   never shorter than the upstream's ``Retry-After``.
+4. At most ``max_attempts`` tries, the first one included.
+5. Within the flow's retry budget (at most ``budget_per_flow_percent`` of its attempts over
+   the last minute are retries, but one retry waiting or running per flow is always allowed),
+   and never past the request's deadline.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Hashable
+from typing import Generic, NamedTuple, TypeVar
+
+from ..errors import BackendError, BackendHTTPError, BackendUnavailable
+from .config import RetrySpec
+
+__all__ = ["RetryDecision", "RetryPlanner", "IdempotencyIndex", "retry_safe", "retry_after_of"]
+
+#: HTTP statuses that say the request was not processed (it never reached a model)
+NOT_PROCESSED = frozenset({429, 503})
+
+V = TypeVar("V")
+
+
+def retry_after_of(error: BaseException, now_wall: float | None = None) -> float | None:
+    """Seconds the upstream asked us to wait (``Retry-After``: seconds or an HTTP date), from
+    an error's ``retry_after`` attribute or its ``headers``; ``None`` when absent or bad."""
+    ra = getattr(error, "retry_after", None)
+    if ra is None:
+        headers = getattr(error, "headers", None)
+        if headers is not None:
+            try:
+                ra = headers.get("Retry-After")
+            except Exception:
+                ra = None
+    if ra is None:
+        return None
+    if isinstance(ra, (int, float)) and not isinstance(ra, bool):
+        return float(ra) if math.isfinite(ra) and ra >= 0 else None
+    if isinstance(ra, str):
+        s = ra.strip()
+        try:
+            v = float(s)
+            return v if math.isfinite(v) and v >= 0 else None
+        except ValueError:
+            pass
+        try:
+            when = email.utils.parsedate_to_datetime(s).timestamp()
+        except (TypeError, ValueError, IndexError, OverflowError):
+            return None
+        return max(0.0, when - (time.time() if now_wall is None else now_wall))
+    return None
+
+
+def _never_connected(error: BaseException) -> bool:
+    """True when a ``BackendUnavailable`` comes from a connection that was never made."""
+    cause = error.__cause__
+    try:
+        import aiohttp
+    except ImportError:  # pragma: no cover - aiohttp is a base dependency
+        return isinstance(cause, ConnectionRefusedError)
+    return isinstance(cause, (aiohttp.ClientConnectorError, ConnectionRefusedError)) or bool(
+        getattr(error, "never_sent", False))
+
+
+def retry_safe(error: BaseException, idempotency_key: str | None = None) -> bool:
+    """Whether a failed attempt may be tried again (rule 1)."""
+    if not isinstance(error, BackendError):
+        return False
+    if idempotency_key:
+        return True
+    if isinstance(error, BackendHTTPError):
+        return error.status in NOT_PROCESSED
+    if isinstance(error, BackendUnavailable):
+        return _never_connected(error)
+    return False
+
+
+class RetryDecision(NamedTuple):
+    """``retry``: whether to try again; ``delay``: seconds to wait before re-queueing;
+    ``reason``: ``ok``, ``not_safe``, ``max_attempts``, ``budget`` or ``deadline``."""
+
+    retry: bool
+    delay: float
+    reason: str
+
+
+class _FlowBudget:
+    __slots__ = ("events", "retries", "outstanding")
+
+    def __init__(self) -> None:
+        self.events: deque[tuple[float, bool]] = deque()  # (time, was a retry) of attempts in the window
+        self.retries = 0  # retries in the window
+        self.outstanding = 0  # retries planned and not yet ended
+
+
+class RetryPlanner:
+    """Plans retries for a policy's ``retry`` section. ``rng`` draws the jitter (inject a
+    seeded ``random.Random`` for reproducible runs)."""
+
+    WINDOW = 60.0
+
+    def __init__(self, spec: RetrySpec, rng: random.Random | None = None) -> None:
+        if not isinstance(spec, RetrySpec):
+            raise TypeError(f"spec must be a RetrySpec, got {spec!r}")
+        self.spec = spec
+        self.rng = rng if rng is not None else random.Random()
+        self._flows: dict[Hashable, _FlowBudget] = {}
+
+    def _budget(self, flow: Hashable, now: float) -> _FlowBudget:
+        b = self._flows.get(flow)
+        if b is None:
+            b = self._flows[flow] = _FlowBudget()
+        cut = now - self.WINDOW
+        ev = b.events
+        while ev and ev[0][0] <= cut:
+            _, was_retry = ev.popleft()
+            if was_retry:
+                b.retries -= 1
+        return b
+
+    def first_attempt(self, flow: Hashable, now: float) -> None:
+        """Count a request's first try in the flow's window."""
+        self._budget(flow, now).events.append((now, False))
+
+    def retry_ended(self, flow: Hashable) -> None:
+        """A planned retry is no longer waiting or running (it ended, whatever the outcome)."""
+        b = self._flows.get(flow)
+        if b is None or b.outstanding <= 0:
+            raise RuntimeError(f"retry_ended({flow!r}) without a planned retry")
+        b.outstanding -= 1
+
+    def backoff(self, tries: int) -> float:
+        """The delay before try number ``tries + 1`` (``tries`` >= 1 made so far), without
+        ``Retry-After``."""
+        s = self.spec
+        if s.backoff == "constant":
+            return s.base_seconds
+        cap = min(s.max_seconds, s.base_seconds * 2.0 ** min(tries - 1, 60))
+        return cap if s.backoff == "exponential" else self.rng.uniform(0.0, cap)
+
+    def share(self, flow: Hashable, now: float) -> tuple[int, int]:
+        """``(retries, attempts)`` of the flow over the last minute."""
+        b = self._budget(flow, now)
+        return b.retries, len(b.events)
+
+    def plan(self, flow: Hashable, tries: int, now: float, *, safe: bool, deadline: float | None = None,
+             retry_after: float | None = None) -> RetryDecision:
+        """Decide whether try number ``tries + 1`` happens. On ``retry=True`` the retry is
+        counted in the budget at once (it is waiting from now on); call ``retry_ended`` when
+        that attempt ends."""
+        if isinstance(tries, bool) or not isinstance(tries, int) or tries < 1:
+            raise ValueError(f"tries must be an integer >= 1, got {tries!r}")
+        if not safe:
+            return RetryDecision(False, 0.0, "not_safe")
+        if tries >= self.spec.max_attempts:
+            return RetryDecision(False, 0.0, "max_attempts")
+        b = self._budget(flow, now)
+        if b.outstanding > 0 and (b.retries + 1) * 100.0 > self.spec.budget_per_flow_percent * (len(b.events) + 1):
+            return RetryDecision(False, 0.0, "budget")
+        delay = self.backoff(tries)
+        if retry_after is not None and retry_after > delay:
+            delay = retry_after
+        if deadline is not None and now + delay >= deadline:
+            return RetryDecision(False, delay, "deadline")
+        b.events.append((now, True))
+        b.retries += 1
+        b.outstanding += 1
+        return RetryDecision(True, delay, "ok")
+
+
+class IdempotencyIndex(Generic[V]):
+    """Requests running under an ``Idempotency-Key``, per scope (the org: two orgs' keys never
+    meet). A second request with the key while the first runs joins it."""
+
+    def __init__(self) -> None:
+        self._running: dict[tuple[Hashable, str], V] = {}
+
+    def get(self, scope: Hashable, key: str) -> V | None:
+        return self._running.get((scope, key))
+
+    def add(self, scope: Hashable, key: str, value: V) -> None:
+        if (scope, key) in self._running:
+            raise RuntimeError(f"idempotency key {key!r} is already running for {scope!r}")
+        self._running[(scope, key)] = value
+
+    def discard(self, scope: Hashable, key: str, value: V) -> None:
+        if self._running.get((scope, key)) is value:
+            del self._running[(scope, key)]
+
+    def __len__(self) -> int:
+        return len(self._running)
