@@ -219,7 +219,7 @@ def _plain(loader: yaml.SafeLoader, node: yaml.Node, path: str) -> Any:
     if isinstance(node, yaml.MappingNode):
         out: dict[Any, Any] = {}
         for knode, vnode in node.value:
-            key = loader.construct_object(knode, deep=True)  # type: ignore[no-untyped-call]
+            key = loader.construct_object(knode, deep=True)
             if not isinstance(key, str):
                 raise PolicyError(path, f"keys must be strings, got {key!r} (line {knode.start_mark.line + 1})")
             sub = f"{path}.{key}" if path else key
@@ -229,7 +229,7 @@ def _plain(loader: yaml.SafeLoader, node: yaml.Node, path: str) -> Any:
         return out
     if isinstance(node, yaml.SequenceNode):
         return [_plain(loader, v, f"{path}[{i}]") for i, v in enumerate(node.value)]
-    return loader.construct_object(node, deep=True)  # type: ignore[no-untyped-call]
+    return loader.construct_object(node, deep=True)
 
 
 # ===================================================================== field checks

@@ -213,7 +213,8 @@ class PolicyQueue:
             b.name: _Backend(b.name, b.max_in_flight, b.max_context) for b in self.spec.backends}
         self.largest_context = (_INF if any(b.max_context is None for b in self.spec.backends)
                                 else float(max(b.max_context or 0 for b in self.spec.backends)))
-        self.sched = (scheduler or Scheduler)()
+        make: Callable[[], Any] = scheduler if scheduler is not None else Scheduler
+        self.sched: Any = make()
         self.strict = {c: deque[Request]() for c in policy.strict_classes}
         self._strict_n = dict.fromkeys(self.strict, 0)
         self.flows: dict[Flow, _FlowQ] = {}
@@ -453,13 +454,14 @@ class PolicyQueue:
         if peek is None:
             return None
         fq: _FlowQ = peek.item
-        r = fq.preferred()
-        assert r is not None, "a flow in the core has a waiting request"
-        if not self._tokens_ok(r, now):
+        head = fq.preferred()
+        assert head is not None, "a flow in the core has a waiting request"
+        if not self._tokens_ok(head, now):
             return None
-        b = self._backend_for(r, now)
+        b = self._backend_for(head, now)
         if b is None:
             return None
+        r = head
         sched.work_started()
         disp = sched.dispatch()
         assert disp is not None and disp.item is fq
