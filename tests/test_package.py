@@ -130,3 +130,13 @@ def test_failed_compile_leaves_no_stale_extension(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr  # optional build: the install goes on
     assert "the pure-Python twin will be used" in out.stdout
     assert not stale.exists()
+
+
+@pytest.mark.skipif(not os.environ.get("SFQ_TEST_INSTALLED"), reason="only when testing an installed wheel")
+def test_the_installed_wheel_is_what_runs():
+    """Set by .ci/wheel: the suite must exercise the installed package and its compiled core."""
+    import sysconfig
+
+    assert sfq.__file__.startswith(sysconfig.get_paths()["platlib"]), sfq.__file__
+    assert sfq.CORE == "compiled"
+    assert sfq.Scheduler.__module__ == "sfq._csfq"
