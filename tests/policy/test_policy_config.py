@@ -1,0 +1,245 @@
+"""The policy file: a valid file loads into immutable objects; every kind of mistake is
+refused with a message that starts with the bad field's path."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+from typing import Any, Callable
+
+import pytest
+import yaml
+
+from sfq.errors import PolicyError, SFQError
+from sfq.policy import ClassSpec, Policy, load_policy, parse_policy, policy_from_mapping
+
+from policy_helpers import EXAMPLE
+
+
+def base() -> dict[str, Any]:
+    return yaml.safe_load(EXAMPLE)
+
+
+def test_example_loads(example: Policy) -> None:
+    assert list(example.pools) == ["local-gpu"]
+    pool = example.pools["local-gpu"]
+    assert pool.models == ("llama-3-8b",)
+    assert pool.backends[0].url == "http://127.0.0.1:8001" and pool.backends[0].max_in_flight == 16
+    assert pool.limits.requests_per_minute == 900 and pool.limits.tokens_per_minute == 180000
+    assert pool.limits.max_in_flight == 24
+    assert example.classes["system"] == ClassSpec("system", strict=True, max_in_flight=2, max_queue_length=50,
+                                                  max_queue_age_seconds=5.0, weight=1.0)
+    assert example.classes["interactive"].weight == 6 and example.classes["batch"].max_queue_age_seconds == 7200
+    a = example.orgs["analytics"]
+    assert a.classes == ("batch", "interactive") and a.default_class == "batch"
+    assert a.key_digests == (hashlib.sha256(b"sk-analytics-1").hexdigest(),)
+    assert a.max_in_flight == 8 and a.requests_per_minute == 600 and a.weight == 1
+    assert example.orgs["product"].weight == 1.0 and example.orgs["product"].max_in_flight is None
+    assert example.cost.input_weight == 1 and example.cost.output_weight == 2
+    r = example.retry
+    assert (r.max_attempts, r.budget_per_flow_percent, r.backoff, r.base_seconds, r.max_seconds) == (
+        3, 10, "exponential_with_jitter", 0.5, 30)
+    assert example.state is None
+    assert example.strict_classes == ("system",)
+
+
+def test_flows_weights_and_shares(example: Policy) -> None:
+    assert example.flows() == [("analytics", "batch", "local-gpu"), ("analytics", "interactive", "local-gpu"),
+                               ("product", "interactive", "local-gpu"), ("product", "system", "local-gpu")]
+    assert example.flow_weight("analytics", "interactive") == 6
+    # weighted flows of the pool: analytics/batch 1, analytics/interactive 6, product/interactive 6
+    assert example.share(("analytics", "batch", "local-gpu")) == pytest.approx(1 / 13)
+    assert example.share(("product", "interactive", "local-gpu")) == pytest.approx(6 / 13)
+    assert example.share(("product", "system", "local-gpu")) is None
+    assert example.pool_of("llama-3-8b").name == "local-gpu" and example.pool_of("gpt") is None
+
+
+def test_objects_are_immutable(example: Policy) -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        example.classes["batch"].weight = 5  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        example.classes["new"] = example.classes["batch"]  # type: ignore[index]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        example.retry = None  # type: ignore[misc, assignment]
+
+
+def test_the_plain_keys_are_not_kept(example: Policy) -> None:
+    assert "sk-analytics-1" not in repr(example)
+
+
+def test_load_from_file(tmp_path) -> None:
+    p = tmp_path / "policy.yaml"
+    p.write_text(EXAMPLE)
+    pol = load_policy(p)
+    assert pol.source == str(p) and pol == parse_policy(EXAMPLE)
+    with pytest.raises(OSError):
+        load_policy(tmp_path / "missing.yaml")
+
+
+def test_key_sha256_and_defaults() -> None:
+    d = base()
+    digest = hashlib.sha256(b"secret").hexdigest().upper()
+    d["orgs"]["product"] = {"key_sha256": [digest], "classes": ["interactive"]}
+    del d["retry"], d["cost"]
+    pol = policy_from_mapping(d)
+    assert pol.orgs["product"].key_digests == (digest.lower(),)
+    assert pol.retry.max_attempts == 3 and pol.cost.output_weight == 2
+
+
+def test_state_section() -> None:
+    d = base()
+    d["state"] = {"redis": "redis://127.0.0.1:6379/0", "lease_seconds": 2.5}
+    st = policy_from_mapping(d).state
+    assert st is not None and st.redis == "redis://127.0.0.1:6379/0" and st.prefix == "sfq:" and st.lease_seconds == 2.5
+
+
+def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    def mutate(d: dict[str, Any]) -> None:
+        *parents, last = path.split(".")
+        node: Any = d
+        for p in parents:
+            node = node[int(p)] if isinstance(node, list) else node[p]
+        if isinstance(node, list):
+            node[int(last)] = value
+        else:
+            node[last] = value
+    return mutate
+
+
+def _del(path: str) -> Callable[[dict[str, Any]], None]:
+    def mutate(d: dict[str, Any]) -> None:
+        *parents, last = path.split(".")
+        node: Any = d
+        for p in parents:
+            node = node[p]
+        del node[last]
+    return mutate
+
+
+SYSTEM = {"strict": True, "max_in_flight": 2, "max_queue_length": 50}
+
+MISTAKES: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
+    # (kind of mistake, mutation, path, a phrase of the message)
+    ("negative number", _set("classes.batch.weight", -1), "classes.batch.weight", "must be a number > 0, got -1"),
+    ("zero weight", _set("orgs.analytics.weight", 0), "orgs.analytics.weight", "must be a number > 0, got 0"),
+    ("string for a number", _set("classes.batch.weight", "heavy"), "classes.batch.weight", "got 'heavy'"),
+    ("bool for a number", _set("orgs.analytics.weight", True), "orgs.analytics.weight", "got True"),
+    ("NaN", _set("pools.local-gpu.limits.tokens_per_minute", float("nan")), "pools.local-gpu.limits.tokens_per_minute",
+     "must be a number > 0"),
+    ("infinity", _set("classes.batch.max_queue_age_seconds", float("inf")), "classes.batch.max_queue_age_seconds",
+     "must be a number > 0"),
+    ("negative duration", _set("classes.interactive.max_queue_age_seconds", -5),
+     "classes.interactive.max_queue_age_seconds", "got -5"),
+    ("fraction for an integer", _set("pools.local-gpu.limits.max_in_flight", 2.5),
+     "pools.local-gpu.limits.max_in_flight", "must be an integer >= 1, got 2.5"),
+    ("zero integer", _set("classes.interactive.max_queue_length", 0), "classes.interactive.max_queue_length",
+     "must be an integer >= 1, got 0"),
+    ("unknown top-level key", _set("pool", {}), "pool", "unknown key"),
+    ("typo in a class", _set("classes.batch.wieght", 2), "classes.batch.wieght", "unknown key"),
+    ("typo in a backend", _set("pools.local-gpu.backends.0.max_inflight", 2), "pools.local-gpu.backends[0].max_inflight",
+     "unknown key"),
+    ("typo in limits", _set("pools.local-gpu.limits.rpm", 2), "pools.local-gpu.limits.rpm", "unknown key"),
+    ("typo in an org", _set("orgs.product.max_in_flght", 2), "orgs.product.max_in_flght", "unknown key"),
+    ("typo in retry", _set("retry.attempts", 2), "retry.attempts", "unknown key"),
+    ("missing section", _del("orgs"), "orgs", "is required"),
+    ("missing models", _del("pools.local-gpu.models"), "pools.local-gpu.models", "is required"),
+    ("missing backend url", _set("pools.local-gpu.backends.0", {"max_in_flight": 2}), "pools.local-gpu.backends[0].url",
+     "is required"),
+    ("bad url", _set("pools.local-gpu.backends.0.url", "127.0.0.1:8001"), "pools.local-gpu.backends[0].url",
+     "http://"),
+    ("no backends", _set("pools.local-gpu.backends", []), "pools.local-gpu.backends", "non-empty list"),
+    ("empty models", _set("pools.local-gpu.models", []), "pools.local-gpu.models", "must not be empty"),
+    ("a scalar for a list", _set("pools.local-gpu.models", "llama"), "pools.local-gpu.models", "must be a list"),
+    ("a scalar for a mapping", _set("classes.batch", 3), "classes.batch", "must be a mapping"),
+    ("a list for a mapping", _set("classes", ["batch"]), "classes", "mapping of names"),
+    ("empty section", _set("pools", {}), "pools", "at least one"),
+    ("missing org classes", _del("orgs.product.classes"), "orgs.product.classes", "is required"),
+    ("unknown class for an org", _set("orgs.product.classes", ["interactive", "urgent"]), "orgs.product.classes[1]",
+     "unknown class 'urgent'"),
+    ("class listed twice", _set("orgs.product.classes", ["system", "system"]), "orgs.product.classes[1]",
+     "listed twice"),
+    ("org without a key", _set("orgs.product.keys", []), "orgs.product.keys", "at least one key"),
+    ("key shared by two orgs", _set("orgs.product.keys", ["sk-analytics-1"]), "orgs.product.keys[0]",
+     "already the key of org 'analytics'"),
+    ("bad sha256", _set("orgs.product.key_sha256", ["abc"]), "orgs.product.key_sha256[0]", "64 hexadecimal"),
+    ("model in two pools", _set("pools.other", {"models": ["llama-3-8b"], "backends": [{"url": "http://h:1"}]}),
+     "pools.other.models[0]", "already served by pool 'local-gpu'"),
+    ("backend declared twice", _set("pools.other", {"models": ["x"], "backends": [{"url": "http://127.0.0.1:8001"}]}),
+     "pools.other.backends[0]", "already declared"),
+    ("strict without max_in_flight", _set("classes.system", {"strict": True, "max_queue_length": 5}),
+     "classes.system.max_in_flight", "a strict class needs one"),
+    ("strict without a queue limit", _set("classes.system", {"strict": True, "max_in_flight": 2}), "classes.system",
+     "max_queue_length or max_queue_age_seconds"),
+    ("strict with a weight", _set("classes.system", {**SYSTEM, "weight": 5}), "classes.system.weight",
+     "a strict class has no weight"),
+    ("strict not a bool", _set("classes.system", {**SYSTEM, "strict": "yes please"}), "classes.system.strict",
+     "true or false"),
+    ("unknown backoff", _set("retry.backoff", "linear"), "retry.backoff", "exponential_with_jitter"),
+    ("max below base", _set("retry.max_seconds", 0.1), "retry.max_seconds", ">= base_seconds"),
+    ("percent over 100", _set("retry.budget_per_flow_percent", 150), "retry.budget_per_flow_percent", "<= 100"),
+    ("zero attempts", _set("retry.max_attempts", 0), "retry.max_attempts", "integer >= 1"),
+    ("both cost weights zero", _set("cost", {"input_weight": 0, "output_weight": 0}), "cost", "cannot both be 0"),
+    ("negative cost weight", _set("cost.output_weight", -2), "cost.output_weight", "must be a number >= 0"),
+    ("bad redis url", _set("state", {"redis": "127.0.0.1:6379"}), "state.redis", "redis://"),
+    ("state without redis", _set("state", {"prefix": "x"}), "state.redis", "is required"),
+    ("small_picks zero", _set("classes.interactive.small_picks", 0), "classes.interactive.small_picks", ">= 1"),
+]
+
+
+@pytest.mark.parametrize("kind,mutate,path,phrase", MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_each_mistake_names_its_field(kind: str, mutate: Callable[[dict[str, Any]], None], path: str,
+                                      phrase: str) -> None:
+    d = base()
+    mutate(d)
+    text = yaml.safe_dump(d, sort_keys=False)
+    with pytest.raises(PolicyError) as info:
+        parse_policy(text)
+    err = info.value
+    assert err.path == path, str(err)
+    assert str(err).startswith(f"{path}: "), str(err)
+    assert phrase in str(err)
+    assert isinstance(err, SFQError) and isinstance(err, ValueError)
+    # the same data given as a mapping fails the same way
+    with pytest.raises(PolicyError) as again:
+        policy_from_mapping(copy.deepcopy(yaml.safe_load(text)))
+    assert again.value.path == path
+
+
+def test_the_exact_message_of_api_md() -> None:
+    d = base()
+    d["classes"]["batch"]["weight"] = -1
+    with pytest.raises(PolicyError, match=r"^classes\.batch\.weight: must be a number > 0, got -1$"):
+        policy_from_mapping(d)
+
+
+def test_repeated_key_is_an_error_not_a_silent_overwrite() -> None:
+    text = EXAMPLE.replace("    weight: 1\n    max_in_flight: 8", "    weight: 1\n    weight: 5\n    max_in_flight: 8")
+    assert text != EXAMPLE
+    with pytest.raises(PolicyError) as info:
+        parse_policy(text)
+    assert info.value.path == "orgs.analytics.weight" and "appears twice" in str(info.value)
+
+
+def test_invalid_yaml() -> None:
+    with pytest.raises(PolicyError, match="not valid YAML"):
+        parse_policy("pools: [unclosed", source="x.yaml")
+
+
+def test_empty_or_scalar_file() -> None:
+    with pytest.raises(PolicyError) as info:
+        parse_policy("")
+    assert info.value.path == "pools"
+    with pytest.raises(PolicyError, match="must be a mapping"):
+        parse_policy("42")
+
+
+def test_non_string_key() -> None:
+    with pytest.raises(PolicyError) as info:
+        parse_policy(EXAMPLE.replace("  batch:       {weight: 1", "  7:       {weight: 1"))
+    assert info.value.path == "classes"
+
+
+def test_not_text() -> None:
+    with pytest.raises(TypeError):
+        parse_policy(b"pools: {}")  # type: ignore[arg-type]
