@@ -145,7 +145,7 @@ async def test_cancel_after_dispatch_aborts_the_call_and_keeps_the_charge(sched)
 async def test_backend_failure_reaches_the_caller_and_marks_unhealthy(sched):
     b1, b2 = GateBackend("b1", max_in_flight=1), GateBackend("b2", max_in_flight=1)
     b1.healthy = False
-    async with Dispatcher([b1, b2], scheduler=sched, backoff=0.01, max_backoff=0.02) as d:
+    async with Dispatcher([b1, b2], scheduler=sched, backoff=0.01, max_backoff=0.02, transport_failures=1) as d:
         t = asyncio.create_task(d.submit("f", body()))
         await settle()
         b1.fail(0, BackendUnavailable("gone", backend="b1"))

@@ -72,7 +72,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     async def complete(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
         """Send a non-streaming request to ``endpoint`` (``COMPLETIONS`` or ``CHAT_COMPLETIONS``)
-        and return the server's JSON reply (with ``usage`` when the server reports it)."""
+        and return the server's JSON reply (with ``usage`` when the server reports it).
+
+        The dispatcher passes ``idempotent=True`` (a keyword) only for requests the caller marked
+        so: a backend may then resend after a lost connection. Without it, resend only what
+        provably never reached the server (and set ``never_sent`` on errors where that holds)."""
 
     @abc.abstractmethod
     def stream(self, endpoint: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:

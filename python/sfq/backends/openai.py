@@ -7,19 +7,31 @@ requests ask the server for usage (``stream_options: {"include_usage": true}``);
 event is yielded, the final usage-only chunk included (the dispatcher hides it from callers
 that had not asked for usage).
 
-Every failure is raised as an ``sfq.errors.BackendError`` subclass:
+Every failure is raised as an ``sfq.errors.BackendError`` subclass; ``unhealthy`` says
+whether it counts against the backend (the dispatcher decides when the backend is down):
 
 =====================================  ==========================  ===========
 what happened                          error                       unhealthy?
 =====================================  ==========================  ===========
-connection refused / reset / dropped   ``BackendUnavailable``      yes
+connection refused / unreachable       ``BackendUnavailable``      yes (``never_sent``)
+connection reset / dropped             ``BackendUnavailable``      yes
 no connection / reply / next bytes     ``BackendTimeout``          yes
   within the configured time
-HTTP status >= 400                     ``BackendHTTPError``        5xx: yes, 4xx: no
+a stream past its ``stream_timeout``   ``BackendTimeout``          no
+HTTP 429                               ``BackendRateLimited``      no (``retry_after``)
+other HTTP status >= 400               ``BackendHTTPError``        5xx: yes, 4xx: no
 stream cut before ``[DONE]``           ``StreamInterrupted``       yes
 error event inside a stream            ``StreamInterrupted``       no
 reply that is not JSON                 ``BackendError``            yes
 =====================================  ==========================  ===========
+
+Resending: a request is sent again (on another connection, at most twice) only when it
+provably never reached the server: the connection came from the keep-alive pool and failed
+before the request was written. With ``idempotent=True`` (the caller's promise that a
+duplicate is harmless) a connection that failed before any reply is also resent. A
+``ServerDisconnectedError`` on a fresh connection, a timeout or an HTTP error is never
+resent here. Idle pooled connections are dropped after ``keepalive_timeout`` seconds (below
+the 5 s most servers use), which keeps stale connections rare in the first place.
 
 Cancelling the calling task closes the connection, which llama.cpp, vLLM and SGLang all
 take as "stop generating".
@@ -28,22 +40,82 @@ take as "stop generating".
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import json
-from collections.abc import AsyncIterator, Mapping
+import math
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
 
-from ..errors import BackendError, BackendHTTPError, BackendTimeout, BackendUnavailable, StreamInterrupted
+from ..errors import (
+    BackendError,
+    BackendHTTPError,
+    BackendRateLimited,
+    BackendTimeout,
+    BackendUnavailable,
+    StreamInterrupted,
+)
 from .base import ENDPOINTS, Backend
 from .probe import SaturationProbe
+from .sse import DONE, SSEParser
 
 __all__ = ["OpenAIBackend"]
 
 _BODY_SNIPPET = 2000  # characters of an error body kept on the exception
-#: failures of session.post() that mean "a stale pooled connection", retried on a new one
-_STALE_CONNECTION = (aiohttp.ClientConnectionResetError, aiohttp.ClientOSError, aiohttp.ServerDisconnectedError)
-_STALE_RETRIES = 2
+#: connection failures of session.post() that may be resent when the request provably never
+#: got through (or the caller marked it idempotent)
+_CONNECTION_LOST = (aiohttp.ClientConnectionResetError, aiohttp.ClientOSError, aiohttp.ServerDisconnectedError)
+_RESENDS = 2
+#: event payloads larger than this are decoded in a worker thread (the GIL's switch interval
+#: lets the event loop run meanwhile), so one huge event does not stall every other request
+_BIG_EVENT = 1 << 20
+_PROBE_BODY = {"prompt": "", "max_tokens": 1}
+
+
+class _Attempt:
+    """What the trace hooks saw of one POST: a reused pooled connection, headers handed over."""
+
+    __slots__ = ("reused", "sent")
+
+    def __init__(self) -> None:
+        self.reused = False
+        self.sent = False
+
+
+async def _on_reuse(session: aiohttp.ClientSession, ctx: SimpleNamespace, params: object) -> None:
+    a = ctx.trace_request_ctx
+    if isinstance(a, _Attempt):
+        a.reused = True
+
+
+async def _on_headers_sent(session: aiohttp.ClientSession, ctx: SimpleNamespace, params: object) -> None:
+    a = ctx.trace_request_ctx
+    if isinstance(a, _Attempt):
+        a.sent = True
+
+
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+    """``Retry-After`` in seconds (>= 0): delta-seconds or an HTTP-date; ``None`` when absent
+    or unparsable. ``now``: the wall-clock time for HTTP-dates (default ``time.time()``)."""
+    if value is None:
+        return None
+    v = value.strip()
+    try:
+        secs = float(v)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(v)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when is None:
+            return None
+        secs = when.timestamp() - (time.time() if now is None else now)
+    if not math.isfinite(secs):
+        return None
+    return max(0.0, secs)
 
 
 class OpenAIBackend(Backend):
@@ -75,8 +147,20 @@ class OpenAIBackend(Backend):
         that includes the whole generation) and between two reads of a stream; ``None`` = no limit.
     timeout:
         seconds for a whole plain request, or a stream's headers; ``None`` = no limit.
+    stream_timeout:
+        seconds a whole stream may take, headers to ``[DONE]`` (default 1800); past it the
+        stream ends with ``BackendTimeout`` however busily the server keeps sending tokens or
+        keep-alive comments; ``None`` = no limit.
+    keepalive_timeout:
+        seconds an idle pooled connection is kept for reuse (default 2; keep it below the
+        server's own keep-alive timeout).
     health_path, metrics_path:
-        where ``check_health`` (expects 2xx) and ``fetch_metrics`` look.
+        where ``check_health`` and ``fetch_metrics`` look. ``check_health`` asks
+        ``health_path`` and, when the server has no such route (404/405), ``/v1/models``, then
+        a one-token completion: it works on any OpenAI-compatible server, and remembers which
+        route answered.
+    trace_configs:
+        extra ``aiohttp.TraceConfig`` objects for the request session (tracing, tests).
     """
 
     def __init__(
@@ -93,8 +177,11 @@ class OpenAIBackend(Backend):
         connect_timeout: float = 5.0,
         read_timeout: float | None = None,
         timeout: float | None = 600.0,
+        stream_timeout: float | None = 1800.0,
+        keepalive_timeout: float = 2.0,
         health_path: str = "/health",
         metrics_path: str = "/metrics",
+        trace_configs: Sequence[aiohttp.TraceConfig] = (),
     ) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"url must be an http:// or https:// URL, got {url!r}")
@@ -107,12 +194,15 @@ class OpenAIBackend(Backend):
             probe = None
         super().__init__(name or url, model=model, max_in_flight=max_in_flight, max_context=max_context,
                          probe=probe)
-        for what, v in (("connect_timeout", connect_timeout), ("read_timeout", read_timeout), ("timeout", timeout)):
+        for what, v in (("connect_timeout", connect_timeout), ("read_timeout", read_timeout), ("timeout", timeout),
+                        ("stream_timeout", stream_timeout), ("keepalive_timeout", keepalive_timeout)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
                 raise ValueError(f"{what} must be a number > 0 or None, got {v!r}")
         self.url = base
         self._urls = {ep: f"{base}/v1/{ep}" for ep in ENDPOINTS}
         self._health_url = base + health_path
+        self._models_url = base + "/v1/models"
+        self._health_route = "health"  # which check answers here: health, models or completion
         self._metrics_url = base + metrics_path
         self._headers = {"Content-Type": "application/json"}
         if api_key:
@@ -120,7 +210,13 @@ class OpenAIBackend(Backend):
         if headers:
             self._headers.update(headers)
         self._timeout = aiohttp.ClientTimeout(total=timeout, connect=connect_timeout, sock_read=read_timeout)
-        self._stream_timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_read=read_timeout)
+        # aiohttp's total covers the body too: past it the next read of the stream fails
+        self._stream_timeout = aiohttp.ClientTimeout(total=stream_timeout, connect=connect_timeout,
+                                                     sock_read=read_timeout)
+        self.stream_total = stream_timeout
+        self.keepalive_timeout = float(keepalive_timeout)
+        self._trace_configs = list(trace_configs)
+        self.resent = 0  # requests sent again because they provably never got through
         self._aux_timeout = aiohttp.ClientTimeout(total=max(connect_timeout, 5.0) + 5.0, connect=connect_timeout)
         self._session: aiohttp.ClientSession | None = None
         self._aux: aiohttp.ClientSession | None = None  # health checks and metrics: their own connection
@@ -130,10 +226,15 @@ class OpenAIBackend(Backend):
     async def start(self) -> None:
         if self._session is None or self._session.closed:
             # limit=0: the dispatcher already bounds what is in flight; connections are kept alive
+            trace = aiohttp.TraceConfig()
+            trace.on_connection_reuseconn.append(_on_reuse)
+            trace.on_request_headers_sent.append(_on_headers_sent)
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
+                connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True,
+                                               keepalive_timeout=self.keepalive_timeout),
                 headers=self._headers,
                 json_serialize=json.dumps,
+                trace_configs=[trace, *self._trace_configs],
             )
         if self._aux is None or self._aux.closed:
             # the probe's and health checks' own kept-alive connection: a burst of requests never
@@ -166,21 +267,25 @@ class OpenAIBackend(Backend):
         except KeyError:
             raise ValueError(f"unknown endpoint {endpoint!r}; expected one of {ENDPOINTS}") from None
 
-    async def _post(self, url: str, body: Mapping[str, Any], timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
+    async def _post(self, url: str, body: Mapping[str, Any], timeout: aiohttp.ClientTimeout,
+                    idempotent: bool = False) -> aiohttp.ClientResponse:
         """POST and return a response with a 2xx status; every failure mapped to an sfq error."""
         session = await self._sess()
-        for attempt in range(_STALE_RETRIES + 1):
+        for attempt in range(_RESENDS + 1):
+            att = _Attempt()
             try:
-                resp = await session.post(url, json=body, timeout=timeout)
+                resp = await session.post(url, json=body, timeout=timeout, trace_request_ctx=att)
                 break
-            except aiohttp.ClientConnectorError as exc:  # refused, unreachable: not a stale connection
-                raise self._map(exc, url, "POST") from exc
-            except _STALE_CONNECTION as exc:
-                # A pooled keep-alive connection that the server closed just as we reused it:
-                # the request never got through (writing it failed, or the server hung up
-                # before any reply), so sending it again on another connection is safe.
-                if attempt == _STALE_RETRIES or session.closed:  # closed: we are shutting down
-                    raise self._map(exc, url, "POST") from exc
+            except aiohttp.ClientConnectorError as exc:  # refused, unreachable: nothing was sent
+                raise self._map(exc, url, "POST", never_sent=True) from exc
+            except _CONNECTION_LOST as exc:
+                # resend only what provably never got through: a pooled keep-alive connection
+                # that the server had closed, failing before the request was written (or any
+                # lost connection when the caller said a duplicate is harmless)
+                never = att.reused and not att.sent
+                if not (never or idempotent) or attempt == _RESENDS or session.closed:
+                    raise self._map(exc, url, "POST", never_sent=never) from exc
+                self.resent += 1
             except Exception as exc:
                 raise self._map(exc, url, "POST") from exc
         if resp.status >= 400:
@@ -190,26 +295,32 @@ class OpenAIBackend(Backend):
                 text = ""
             finally:
                 resp.close()
-            raise BackendHTTPError(
+            headers = {k: v for k, v in resp.headers.items()}
+            retry_after = parse_retry_after(resp.headers.get("Retry-After"))
+            cls = BackendRateLimited if resp.status == 429 else BackendHTTPError
+            raise cls(
                 f"backend {self.name!r}: HTTP {resp.status} from POST {url}: {text[:200]}",
-                backend=self.name, status=resp.status, body=text[:_BODY_SNIPPET], unhealthy=resp.status >= 500)
+                backend=self.name, status=resp.status, body=text[:_BODY_SNIPPET], unhealthy=resp.status >= 500,
+                headers=headers, retry_after=retry_after)
         return resp
 
-    def _map(self, exc: BaseException, url: str, verb: str) -> BackendError:
+    def _map(self, exc: BaseException, url: str, verb: str, never_sent: bool = False) -> BackendError:
         where = f"backend {self.name!r}: {verb} {url}"
         if isinstance(exc, BackendError):
             return exc
         if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
-            return BackendTimeout(f"{where}: timed out ({type(exc).__name__}: {exc})", backend=self.name)
+            return BackendTimeout(f"{where}: timed out ({type(exc).__name__}: {exc})", backend=self.name,
+                                  never_sent=never_sent or isinstance(exc, aiohttp.ClientConnectorError))
         if isinstance(exc, aiohttp.ClientConnectorError):
-            return BackendUnavailable(f"{where}: cannot connect ({exc})", backend=self.name)
+            return BackendUnavailable(f"{where}: cannot connect ({exc})", backend=self.name, never_sent=True)
         if isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError)):
-            return BackendUnavailable(f"{where}: connection lost ({type(exc).__name__}: {exc})", backend=self.name)
+            return BackendUnavailable(f"{where}: connection lost ({type(exc).__name__}: {exc})", backend=self.name,
+                                      never_sent=never_sent)
         return BackendError(f"{where}: {type(exc).__name__}: {exc}", backend=self.name)
 
-    async def complete(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def complete(self, endpoint: str, body: dict[str, Any], *, idempotent: bool = False) -> dict[str, Any]:
         url = self._url(endpoint)
-        resp = await self._post(url, body, self._timeout)
+        resp = await self._post(url, body, self._timeout, idempotent)
         ok = False
         try:
             raw = await resp.read()
@@ -233,26 +344,29 @@ class OpenAIBackend(Backend):
                                body=raw[:_BODY_SNIPPET].decode("utf-8", "replace"))
         return reply
 
-    async def stream(self, endpoint: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def stream(self, endpoint: str, body: dict[str, Any], *,
+                     idempotent: bool = False) -> AsyncIterator[dict[str, Any]]:
         url = self._url(endpoint)
         body = dict(body)
         body["stream"] = True
         so = body.get("stream_options")
         if not (isinstance(so, Mapping) and so.get("include_usage")):
             body["stream_options"] = {**(so if isinstance(so, Mapping) else {}), "include_usage": True}
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
         if self._stream_deadline is not None:
             try:
-                resp = await asyncio.wait_for(self._post(url, body, self._stream_timeout), self._stream_deadline)
+                resp = await asyncio.wait_for(self._post(url, body, self._stream_timeout, idempotent),
+                                              self._stream_deadline)
             except asyncio.TimeoutError as exc:
                 raise BackendTimeout(f"backend {self.name!r}: POST {url}: no reply headers within "
                                      f"{self._stream_deadline:g} s", backend=self.name) from exc
         else:
-            resp = await self._post(url, body, self._stream_timeout)
+            resp = await self._post(url, body, self._stream_timeout, idempotent)
         done = False
         chunks = 0
+        parser = SSEParser()
         try:
-            buf = b""
-            data: list[bytes] = []
             it = resp.content.iter_any().__aiter__()
             while not done:
                 try:
@@ -260,34 +374,24 @@ class OpenAIBackend(Backend):
                 except StopAsyncIteration:
                     break
                 except Exception as exc:
+                    total = self.stream_total
+                    if total is not None and loop.time() - t0 >= total:
+                        raise BackendTimeout(
+                            f"backend {self.name!r}: the stream from POST {url} passed its total deadline of "
+                            f"{total:g} s after {chunks} events", backend=self.name, unhealthy=False) from exc
                     err = self._map(exc, url, "stream from")
                     raise StreamInterrupted(f"{err} after {chunks} events", backend=self.name, chunks=chunks,
                                             unhealthy=True) from exc
-                buf = buf + piece if buf else piece
-                start = 0
-                while True:
-                    nl = buf.find(b"\n", start)
-                    if nl < 0:
-                        break
-                    line = buf[start:nl]
-                    start = nl + 1
-                    if line.endswith(b"\r"):
-                        line = line[:-1]
-                    if line:
-                        if line.startswith(b"data:"):
-                            data.append(line[6:] if line.startswith(b"data: ") else line[5:])
-                        continue  # comments (":"), event:, id:, retry: carry nothing we need
-                    if not data:
-                        continue
-                    payload = data[0] if len(data) == 1 else b"\n".join(data)
-                    data = []
-                    if payload == b"[DONE]":
+                for payload in parser.feed(piece):
+                    if payload == DONE:
                         done = True
                         break
-                    event = self._event(payload, url, chunks)
+                    if len(payload) > _BIG_EVENT:
+                        event = await asyncio.to_thread(self._event, payload, url, chunks)
+                    else:
+                        event = self._event(payload, url, chunks)
                     chunks += 1
                     yield event
-                buf = buf[start:]
             if not done:
                 raise StreamInterrupted(
                     f"backend {self.name!r}: the stream from POST {url} ended after {chunks} events "
@@ -319,13 +423,38 @@ class OpenAIBackend(Backend):
 
     # ---------------------------------------------------------------- probes
     async def check_health(self) -> bool:
+        """True when the server answers: ``health_path`` (2xx), else (no such route: 404/405)
+        ``GET /v1/models``, else a one-token completion. The route that answered is used first
+        next time. Any other status, or no answer, is False."""
+        routes = ("health", "models", "completion")
+        start = routes.index(self._health_route)
+        for route in routes[start:]:
+            status = await self._probe_route(route)
+            if status is None:
+                return False
+            if 200 <= status < 300:
+                self._health_route = route
+                return True
+            if status not in (404, 405):
+                return False
+        return False
+
+    async def _probe_route(self, route: str) -> int | None:
         session = await self._aux_sess()
         try:
-            async with session.get(self._health_url, timeout=self._aux_timeout) as resp:
+            if route == "completion":
+                body = dict(_PROBE_BODY)
+                if self.model is not None:
+                    body["model"] = self.model
+                ctx = session.post(self._urls["completions"], json=body, timeout=self._aux_timeout)
+            else:
+                ctx = session.get(self._health_url if route == "health" else self._models_url,
+                                  timeout=self._aux_timeout)
+            async with ctx as resp:
                 await resp.read()
-                return 200 <= resp.status < 300
+                return resp.status
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            return False
+            return None
 
     async def fetch_metrics(self) -> str:
         session = await self._aux_sess()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sfq.dispatch")
 
-# job states
-WAITING, HELD, PLACED, DONE, CANCELLED, REJECTED = range(6)
+# job states (EXPIRED: removed after ``unavailable_timeout`` with no healthy backend)
+WAITING, HELD, PLACED, DONE, CANCELLED, REJECTED, EXPIRED = range(7)
 # outcomes of a placed job
 OK, FAILED, ABORTED = range(3)
 #: outcome codes as the hooks see them
@@ -49,9 +49,10 @@ class BState:
 
     __slots__ = ("backend", "name", "pool", "index", "max_in_flight", "max_context", "in_flight", "healthy",
                  "saturated", "dispatched", "completed", "errors", "aborted", "last_error", "backoff",
-                 "recover_task", "probe_task", "reading", "probe_errors", "unhealthy_spells")
+                 "recover_task", "probe_task", "reading", "probe_errors", "unhealthy_spells", "replies",
+                 "reply_errors", "transport_failures", "paused", "pause_handle", "rate_limited", "down_reason")
 
-    def __init__(self, backend: Backend, pool: Pool, index: int, backoff: float) -> None:
+    def __init__(self, backend: Backend, pool: Pool, index: int, backoff: float, window: int) -> None:
         self.backend = backend
         self.name = backend.name
         self.pool = pool
@@ -72,12 +73,20 @@ class BState:
         self.reading: ProbeReading | None = None
         self.probe_errors = 0
         self.unhealthy_spells = 0
+        self.replies: deque[bool] = deque(maxlen=window)  # the last replies: True = a 5xx
+        self.reply_errors = 0  # 5xx among ``replies``
+        self.transport_failures = 0  # in a row, with no reply in between
+        self.paused = False  # after a 429, until its Retry-After
+        self.pause_handle: asyncio.TimerHandle | None = None
+        self.rate_limited = 0  # 429s received
+        self.down_reason: str | None = None
 
 
 class Pool:
     """Backends serving one model, and the scheduler that orders their requests."""
 
-    __slots__ = ("model", "sched", "backends", "aside", "limited", "largest_context", "waiting")
+    __slots__ = ("model", "sched", "backends", "aside", "limited", "largest_context", "waiting", "down_since",
+                 "down_timer")
 
     def __init__(self, model: str | None, sched: Any) -> None:
         self.model = model
@@ -86,16 +95,19 @@ class Pool:
         self.aside: list[Job] = []  # selected (charged), waiting for a backend that fits
         self.limited = False  # some backend declares max_context
         self.largest_context: float = float("inf")
-        self.waiting: dict[int, Job] = {}  # ticket -> job still in the scheduler
+        self.waiting: dict[int, Job] = {}  # ticket -> job still in the scheduler (admission order)
+        self.down_since: float | None = None  # loop time since which no backend is healthy
+        self.down_timer: asyncio.TimerHandle | None = None
 
 
 class FlowStats:
     """Counters of one flow (see ``Dispatcher.stats``)."""
 
-    __slots__ = ("waiting", "held", "in_flight", "dispatched", "completed", "failed", "cancelled", "aborted",
-                 "rejected", "charged", "waits")
+    __slots__ = ("flow", "waiting", "held", "in_flight", "dispatched", "completed", "failed", "cancelled",
+                 "aborted", "rejected", "unavailable", "charged", "waits")
 
-    def __init__(self, window: int) -> None:
+    def __init__(self, flow: Hashable, window: int) -> None:
+        self.flow = flow
         self.waiting = 0  # in the scheduler
         self.held = 0  # selected and charged, waiting aside for a backend that fits
         self.in_flight = 0  # sent to a backend
@@ -105,6 +117,7 @@ class FlowStats:
         self.cancelled = 0  # given up before dispatch: uncharged
         self.aborted = 0  # given up after dispatch: charged, backend call aborted
         self.rejected = 0  # removed when the dispatcher closed
+        self.unavailable = 0  # removed after unavailable_timeout with no healthy backend (NoHealthyBackend)
         self.charged = 0.0  # cost units charged at dispatch
         self.waits: deque[float] = deque(maxlen=window)  # seconds from submit to send
 
@@ -112,8 +125,8 @@ class FlowStats:
 class Job:
     """One accepted request, from admission to its outcome."""
 
-    __slots__ = ("flow", "body", "endpoint", "est", "cost", "pool", "ticket", "t_enq", "state", "bs", "fut",
-                 "need", "start", "finish", "fs", "record")
+    __slots__ = ("flow", "body", "endpoint", "est", "cost", "pool", "ticket", "t_enq", "t_loop", "state", "bs",
+                 "fut", "need", "start", "finish", "fs", "record", "idempotent")
 
     def __init__(self, flow: Hashable, body: dict[str, Any], endpoint: str, est: Estimate | None, cost: float,
                  pool: Pool, t_enq: float, need: float) -> None:
@@ -124,7 +137,9 @@ class Job:
         self.cost = cost
         self.pool = pool
         self.t_enq = t_enq
+        self.t_loop = 0.0  # loop time at admission (for unavailable_timeout)
         self.need = need
+        self.idempotent = False
         self.fs: FlowStats = None  # type: ignore[assignment]  # set once enqueued
         self.ticket = 0
         self.state = WAITING
@@ -148,6 +163,11 @@ class DispatcherBase:
     backoff: float
     max_backoff: float
     close_grace: float
+    error_window: int
+    error_rate: float
+    transport_failures: int
+    unavailable_timeout: float | None
+    max_pause: float
     on_dispatch: Callable[[DispatchRecord], None] | None
     hooks: DispatchHooks | None
     _window: int
@@ -157,6 +177,7 @@ class DispatcherBase:
     _default: Pool | None
     _only: Pool | None
     _flows: dict[Hashable, FlowStats]
+    _idle: OrderedDict[Hashable, None]
     _started: bool
     _closed: bool
     _in_flight: int
@@ -182,14 +203,20 @@ class DispatcherBase:
         raise NotImplementedError
 
     # health
-    def _mark_unhealthy(self, bs: BState) -> None:
+    def _mark_unhealthy(self, bs: BState, reason: str | None = None) -> None:
         raise NotImplementedError
 
     async def _probe_loop(self, bs: BState) -> None:
         raise NotImplementedError
 
+    def _note_reply(self, bs: BState, err: BackendError | None) -> None:
+        raise NotImplementedError
+
     # statistics
     def _flow_stats(self, flow: Hashable) -> FlowStats:
+        raise NotImplementedError
+
+    def _maybe_idle(self, fs: FlowStats) -> None:
         raise NotImplementedError
 
     # lifecycle

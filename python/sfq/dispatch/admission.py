@@ -9,8 +9,8 @@ from typing import Any
 
 from .._common import unhashable_flow
 from ..backends.base import CHAT_COMPLETIONS, COMPLETIONS
-from ..errors import DispatcherClosed, RequestTooLarge, UnknownModel
-from ._state import CANCELLED, HELD, PLACED, REJECTED, WAITING, ABORTED, DispatcherBase, Job
+from ..errors import DispatcherClosed, NoHealthyBackend, RequestTooLarge, UnknownModel
+from ._state import ABORTED, CANCELLED, EXPIRED, HELD, PLACED, REJECTED, WAITING, DispatcherBase, Job
 
 
 class PlacementFuture(asyncio.Future):  # type: ignore[type-arg]
@@ -79,6 +79,7 @@ class Admission(DispatcherBase):
                 f"(largest max_context {pool.largest_context:.0f})")
         c = est.cost if cost is None else cost
         job = Job(flow, body, endpoint, est, c, pool, self.clock(), need)
+        job.t_loop = asyncio.get_running_loop().time()
         ticket = pool.sched.enqueue(flow, c, job)  # checks the cost; nothing changed if it raises
         fs = self._flow_stats(flow)
         job.fs = fs
@@ -91,6 +92,8 @@ class Admission(DispatcherBase):
     async def _wait_placed(self, job: Job) -> None:
         if job.state == REJECTED:
             raise DispatcherClosed("the dispatcher closed before this request was sent")
+        if job.state == EXPIRED:
+            raise NoHealthyBackend(f"no backend of pool {job.pool.model!r} was healthy")
         fut = job.fut = PlacementFuture(self, job, asyncio.get_running_loop())
         try:
             await fut
@@ -104,6 +107,7 @@ class Admission(DispatcherBase):
                 job.state = CANCELLED
                 job.fs.held -= 1
                 job.fs.aborted += 1
+                self._maybe_idle(job.fs)
                 self._pump(pool)  # a stall may be over
             elif job.state == PLACED:  # placed while the cancellation was on its way
                 self._finish(job, ABORTED)
@@ -119,3 +123,4 @@ class Admission(DispatcherBase):
         job.state = CANCELLED
         job.fs.waiting -= 1
         job.fs.cancelled += 1
+        self._maybe_idle(job.fs)

@@ -8,18 +8,78 @@ from collections.abc import AsyncIterator, Hashable, Mapping
 from typing import Any
 
 from ..errors import BackendError
-from ._state import ABORTED, FAILED, OK, PLACED, DispatcherBase
+from ._state import ABORTED, FAILED, OK, PLACED, DispatcherBase, Job
+
+
+class _Slot:
+    """Shared by a stream's generator and its ``EventStream``: the job once admitted."""
+
+    __slots__ = ("job",)
+
+    def __init__(self) -> None:
+        self.job: Job | None = None
+
+
+class EventStream:
+    """What ``Dispatcher.stream()`` returns: an async iterator over the backend's events.
+
+    The request is queued when iteration starts. Leaving early frees its slot and aborts the
+    backend call: ``break`` out of ``async for d.stream(...)`` (the stream object is dropped
+    at once), ``await s.aclose()``, ``async with d.stream(...) as s:`` or
+    ``contextlib.aclosing``. When you keep a reference to the stream, close it (``aclose`` or
+    ``async with``): a stream still referenced cannot know you are done with it.
+    """
+
+    __slots__ = ("_agen", "_slot", "_dispatcher")
+
+    def __init__(self, dispatcher: DispatcherBase, agen: AsyncIterator[dict[str, Any]], slot: _Slot) -> None:
+        self._dispatcher = dispatcher
+        self._agen = agen
+        self._slot = slot
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        return await self._agen.__anext__()
+
+    async def aclose(self) -> None:
+        await self._agen.aclose()  # type: ignore[attr-defined]
+
+    async def __aenter__(self) -> EventStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        # dropped while its request holds a slot (``break`` without aclosing): free the slot on
+        # the loop's next step (not here: a finalizer may run in the middle of a pump), and
+        # close the generator, which aborts the backend call
+        job = self._slot.job
+        if job is None or job.state != PLACED:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        d = self._dispatcher
+        loop.call_soon(d._finish, job, ABORTED)
 
 
 class Calls(DispatcherBase):
-    async def submit(self, flow: Hashable, body: Mapping[str, Any], *, cost: float | None = None) -> dict[str, Any]:
+    async def submit(self, flow: Hashable, body: Mapping[str, Any], *, cost: float | None = None,
+                     idempotent: bool = False) -> dict[str, Any]:
         """Queue a non-streaming request of ``flow`` and return the backend's JSON reply.
 
         ``body`` is an OpenAI ``/v1/completions`` (``prompt``) or ``/v1/chat/completions``
         (``messages``) request; ``cost`` overrides the estimator's cost (cost units).
-        Raises ``BackendError`` subclasses for backend failures, ``DispatcherClosed``,
-        ``UnknownModel``, ``RequestTooLarge``, or ``ValueError``/``TypeError`` for bad input
-        (nothing queued then).
+        ``idempotent=True`` is the caller's promise that the server running the request twice
+        is harmless: the backend may then resend it after a lost connection (otherwise only a
+        request that provably never reached the server is resent).
+        Raises ``BackendError`` subclasses for backend failures, ``NoHealthyBackend``,
+        ``DispatcherClosed``, ``UnknownModel``, ``RequestTooLarge``, or ``ValueError``/``TypeError``
+        for bad input (nothing queued then).
         """
         if not self._started:
             await self.start()
@@ -29,7 +89,10 @@ class Calls(DispatcherBase):
         bs = job.bs
         assert bs is not None
         try:
-            reply = await bs.backend.complete(job.endpoint, job.body)
+            if idempotent:
+                reply = await bs.backend.complete(job.endpoint, job.body, idempotent=True)  # type: ignore[call-arg]
+            else:
+                reply = await bs.backend.complete(job.endpoint, job.body)
         except asyncio.CancelledError:
             self._finish(job, ABORTED)
             raise
@@ -43,18 +106,24 @@ class Calls(DispatcherBase):
         self._finish(job, OK, None, reply.get("usage") if isinstance(reply, dict) else None)
         return reply
 
-    async def stream(self, flow: Hashable, body: Mapping[str, Any], *,
-                     cost: float | None = None) -> AsyncIterator[dict[str, Any]]:
-        """Queue a streaming request of ``flow`` and yield the backend's events (JSON objects).
+    def stream(self, flow: Hashable, body: Mapping[str, Any], *, cost: float | None = None,
+               idempotent: bool = False) -> EventStream:
+        """Queue a streaming request of ``flow``; iterate the result for the backend's events
+        (JSON objects). See ``EventStream`` for stopping early (``break`` frees the slot).
 
-        The request is queued when iteration starts. Stopping early (``break``, or closing the
-        generator: use ``contextlib.aclosing``) or cancelling the consuming task aborts it.
         Usage is always asked of the backend; the usage-only final chunk is passed on only
-        when the body asked for it (``stream_options.include_usage``).
+        when the body asked for it (``stream_options.include_usage``). ``idempotent``: as in
+        ``submit``.
         """
+        slot = _Slot()
+        return EventStream(self, self._stream(flow, body, cost, idempotent, slot), slot)
+
+    async def _stream(self, flow: Hashable, body: Mapping[str, Any], cost: float | None, idempotent: bool,
+                      slot: _Slot) -> AsyncIterator[dict[str, Any]]:
         if not self._started:
             await self.start()
         job = self._admit(flow, body, cost, True)
+        slot.job = job
         if job.state != PLACED:
             await self._wait_placed(job)
         bs = job.bs
@@ -65,7 +134,11 @@ class Calls(DispatcherBase):
         outcome, err = ABORTED, None
         agen = None
         try:
-            agen = bs.backend.stream(job.endpoint, job.body)  # may raise before returning an iterator
+            # may raise before returning an iterator
+            if idempotent:
+                agen = bs.backend.stream(job.endpoint, job.body, idempotent=True)  # type: ignore[call-arg]
+            else:
+                agen = bs.backend.stream(job.endpoint, job.body)
             async for event in agen:
                 u = event.get("usage")
                 if u:

@@ -4,6 +4,7 @@ work is done by the job modules it combines (see the package docstring)."""
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
@@ -41,8 +42,21 @@ class Dispatcher(Calls, Admission, Placement, Health, Statistics, Lifecycle):
         0 (default): stall when the selected request fits on no backend with room; ``k > 0``:
         up to ``k`` such requests wait aside while later selections go out.
     backoff, max_backoff:
-        seconds before the first health probe of a backend that failed, doubling up to
-        ``max_backoff`` while probes fail (and across spells until a request succeeds there).
+        seconds before the first health check of a backend out of rotation (default 0.25),
+        doubling up to ``max_backoff`` (default 2) while checks fail (and across spells until a
+        request succeeds there): a recovered backend gets traffic within ``max_backoff`` seconds.
+    error_window, error_rate:
+        a backend leaves the rotation when at least ``error_rate`` (default 0.5) of its last
+        ``error_window`` (default 20) replies were 5xx; an isolated 5xx or any 4xx fails only
+        its request.
+    transport_failures:
+        ... or when this many requests in a row (default 3) were lost in transport (reset,
+        read timeout, cut stream, non-JSON reply); a refused connection takes it out at once.
+    unavailable_timeout:
+        seconds a request waits in a pool with no healthy backend before it is removed with
+        ``NoHealthyBackend`` (default 30; uncharged unless it had been selected); ``None``: no bound.
+    max_pause:
+        a 429 pauses its backend for its ``Retry-After`` (1 s without one), at most this (default 60).
     scheduler:
         the scheduler class/factory (default ``sfq.Scheduler``).
     on_dispatch:
@@ -67,14 +81,19 @@ class Dispatcher(Calls, Admission, Placement, Health, Statistics, Lifecycle):
         estimator: CostEstimator | None = None,
         clock: Callable[[], float] = time.monotonic,
         overtake: int = 0,
-        backoff: float = 0.5,
-        max_backoff: float = 30.0,
+        backoff: float = 0.25,
+        max_backoff: float = 2.0,
         scheduler: Callable[[], Any] | None = None,
         on_dispatch: Callable[[DispatchRecord], None] | None = None,
         hooks: DispatchHooks | None = None,
         wait_window: int = 10_000,
         close_grace: float = 30.0,
         max_flow_stats: int = 100_000,
+        error_window: int = 20,
+        error_rate: float = 0.5,
+        transport_failures: int = 3,
+        unavailable_timeout: float | None = 30.0,
+        max_pause: float = 60.0,
     ) -> None:
         fleet: list[Backend] = [OpenAIBackend(b) if isinstance(b, str) else b for b in backends]
         if not fleet:
@@ -88,9 +107,17 @@ class Dispatcher(Calls, Admission, Placement, Health, Statistics, Lifecycle):
             raise ValueError(f"backend names must be unique; repeated: {dup}")
         if isinstance(overtake, bool) or not isinstance(overtake, int) or overtake < 0:
             raise ValueError(f"overtake must be an integer >= 0, got {overtake!r}")
-        for what, v in (("backoff", backoff), ("max_backoff", max_backoff), ("close_grace", close_grace)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"{what} must be a number > 0, got {v!r}")
+        for what, v in (("backoff", backoff), ("max_backoff", max_backoff), ("close_grace", close_grace),
+                        ("max_pause", max_pause), ("unavailable_timeout", unavailable_timeout)):
+            if what == "unavailable_timeout" and v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v != v or v == float("inf"):
+                raise ValueError(f"{what} must be a finite number > 0, got {v!r}")
+        for what, n in (("error_window", error_window), ("transport_failures", transport_failures)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{what} must be an integer >= 1, got {n!r}")
+        if isinstance(error_rate, bool) or not isinstance(error_rate, (int, float)) or not 0 < error_rate <= 1:
+            raise ValueError(f"error_rate must be a number in (0, 1], got {error_rate!r}")
         if max_backoff < backoff:
             raise ValueError(f"max_backoff ({max_backoff!r}) must be >= backoff ({backoff!r})")
         if isinstance(wait_window, bool) or not isinstance(wait_window, int) or wait_window < 1:
@@ -110,6 +137,11 @@ class Dispatcher(Calls, Admission, Placement, Health, Statistics, Lifecycle):
         self.backoff = float(backoff)
         self.max_backoff = float(max_backoff)
         self.close_grace = float(close_grace)
+        self.error_window = error_window
+        self.error_rate = float(error_rate)
+        self.transport_failures = transport_failures
+        self.unavailable_timeout = None if unavailable_timeout is None else float(unavailable_timeout)
+        self.max_pause = float(max_pause)
         self.on_dispatch = on_dispatch
         self.hooks = hooks
         self._window = wait_window
@@ -120,7 +152,7 @@ class Dispatcher(Calls, Admission, Placement, Health, Statistics, Lifecycle):
             pool = self._pools.get(b.model)
             if pool is None:
                 pool = self._pools[b.model] = Pool(b.model, make())
-            bs = BState(b, pool, i, self.backoff)
+            bs = BState(b, pool, i, self.backoff, error_window)
             pool.backends.append(bs)
             self._bstates.append(bs)
         for pool in self._pools.values():
@@ -131,6 +163,7 @@ class Dispatcher(Calls, Admission, Placement, Health, Statistics, Lifecycle):
         self._default = self._pools.get(None)
         self._only = self._default if len(self._pools) == 1 else None
         self._flows: dict[Hashable, FlowStats] = {}
+        self._idle: OrderedDict[Hashable, None] = OrderedDict()  # flows with nothing in progress, oldest first
         self._started = False
         self._closed = False
         self._in_flight = 0

@@ -1,29 +1,109 @@
-"""Health and probing: take a failing backend out of rotation, health-check it with capped
-backoff until it answers, and read saturation probes (a saturated backend gets nothing new)."""
+"""Health and probing: tell "this request failed" from "this backend is down".
+
+A reply is counted in the backend's window of its last ``error_window`` replies. The backend
+leaves the rotation when
+
+* it cannot be connected to (refused, unreachable, connect timeout): at once;
+* ``transport_failures`` requests in a row were lost in transport (reset, read timeout, a
+  stream cut short, a reply that is not JSON), with no reply in between;
+* at least ``error_rate`` of its last ``error_window`` replies were 5xx.
+
+A 4xx, an error event inside a stream, a stream past its own total deadline, or an isolated
+5xx count against that request only (and reach the policy through ``DispatchHooks.ended``).
+A 429 pauses that backend (nothing new is sent there) for its ``Retry-After``, at most
+``max_pause`` seconds. A backend out of rotation is health-checked with backoff (``backoff``
+doubling to ``max_backoff``) until a check passes; then its window is cleared. Requests
+that wait in a pool with no healthy backend are removed with ``NoHealthyBackend`` after
+``unavailable_timeout`` seconds. Saturation probes hold a saturated backend out of placement.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import math
 
 from ..backends.probe import ProbeReading
-from ._state import BState, DispatcherBase, log
+from ..errors import BackendError, BackendHTTPError, BackendRateLimited, NoHealthyBackend
+from ._state import EXPIRED, BState, DispatcherBase, Job, Pool, log
+
+#: pause after a 429 without a (parsable) Retry-After, seconds
+DEFAULT_PAUSE = 1.0
 
 
 class Health(DispatcherBase):
-    def _mark_unhealthy(self, bs: BState) -> None:
+    # ---------------------------------------------------------------- replies
+    def _note_reply(self, bs: BState, err: BackendError | None) -> None:
+        """Account one request's end (completed or failed, not aborted) against ``bs``."""
+        if err is None or not err.unhealthy:  # a reply that is fine, or the request's own failure
+            bs.transport_failures = 0
+            if isinstance(err, BackendRateLimited):
+                bs.rate_limited += 1
+                self._pause(bs, err.retry_after)
+            self._record_reply(bs, False)
+            return
+        if isinstance(err, BackendHTTPError):  # a 5xx: the server answered; counts in the error rate
+            bs.transport_failures = 0
+            self._record_reply(bs, True)
+            need = max(1, math.ceil(self.error_rate * self.error_window - 1e-9))
+            if bs.reply_errors >= need:
+                self._mark_unhealthy(bs, f"{bs.reply_errors} of its last {len(bs.replies)} replies were 5xx "
+                                         f"(last: {err})")
+            return
+        if err.never_sent:  # could not connect at all
+            self._mark_unhealthy(bs, f"cannot connect ({err})")
+            return
+        bs.transport_failures += 1
+        if bs.transport_failures >= self.transport_failures:
+            self._mark_unhealthy(bs, f"{bs.transport_failures} transport failure(s) in a row (last: {err})")
+
+    @staticmethod
+    def _record_reply(bs: BState, error: bool) -> None:
+        replies = bs.replies
+        if len(replies) == replies.maxlen and replies[0]:
+            bs.reply_errors -= 1
+        replies.append(error)
+        if error:
+            bs.reply_errors += 1
+
+    # ---------------------------------------------------------------- 429: pause one backend
+    def _pause(self, bs: BState, retry_after: float | None) -> None:
+        delay = min(DEFAULT_PAUSE if retry_after is None else retry_after, self.max_pause)
+        if delay <= 0 or self._closed:
+            return
+        if bs.pause_handle is not None:
+            bs.pause_handle.cancel()
+        bs.paused = True
+        bs.pause_handle = asyncio.get_running_loop().call_later(delay, self._unpause, bs)
+        log.info("sfq: backend %r answered 429; nothing new is sent there for %.3g s", bs.name, delay)
+
+    def _unpause(self, bs: BState) -> None:
+        bs.paused = False
+        bs.pause_handle = None
+        if not self._closed:
+            self._pump(bs.pool)
+
+    # ---------------------------------------------------------------- down and back
+    def _mark_unhealthy(self, bs: BState, reason: str | None = None) -> None:
         if not bs.healthy or self._closed:
             return
         bs.healthy = False
         bs.unhealthy_spells += 1
+        bs.down_reason = reason or bs.last_error
         delay = bs.backoff
-        log.warning("sfq: backend %r is unhealthy (%s); health check in %.3g s", bs.name, bs.last_error, delay)
+        log.warning("sfq: backend %r is out of rotation (%s); health check in %.3g s", bs.name, bs.down_reason,
+                    delay)
         bs.backoff = min(bs.backoff * 2, self.max_backoff)
+        loop = asyncio.get_running_loop()
         if bs.recover_task is None:
-            bs.recover_task = asyncio.get_running_loop().create_task(self._recover(bs, delay),
-                                                                      name=f"sfq-recover-{bs.name}")
+            bs.recover_task = loop.create_task(self._recover(bs, delay), name=f"sfq-recover-{bs.name}")
+        pool = bs.pool
+        if pool.down_since is None and not any(b.healthy for b in pool.backends):
+            pool.down_since = loop.time()
+            if self.unavailable_timeout is not None:
+                pool.down_timer = loop.call_later(self.unavailable_timeout, self._expire_unavailable, pool)
 
     async def _recover(self, bs: BState, delay: float) -> None:
-        """Probe an unhealthy backend with exponential backoff until it answers its health check."""
+        """Health-check an unhealthy backend with capped exponential backoff until it passes."""
         try:
             while not self._closed:
                 await asyncio.sleep(delay)
@@ -32,15 +112,66 @@ class Health(DispatcherBase):
                 except Exception:
                     ok = False
                 if ok:
-                    bs.healthy = True
-                    log.info("sfq: backend %r passed its health check; back in rotation", bs.name)
-                    if not self._closed:
-                        self._pump(bs.pool)
+                    self._back_in_rotation(bs)
                     return
                 delay = min(delay * 2, self.max_backoff)
         finally:
             bs.recover_task = None
 
+    def _back_in_rotation(self, bs: BState) -> None:
+        bs.healthy = True
+        bs.down_reason = None
+        bs.replies.clear()
+        bs.reply_errors = 0
+        bs.transport_failures = 0
+        pool = bs.pool
+        pool.down_since = None
+        if pool.down_timer is not None:
+            pool.down_timer.cancel()
+            pool.down_timer = None
+        log.info("sfq: backend %r passed its health check; back in rotation", bs.name)
+        if not self._closed:
+            self._pump(pool)
+
+    def _expire_unavailable(self, pool: Pool) -> None:
+        """Remove the requests that have waited ``unavailable_timeout`` with no healthy backend."""
+        pool.down_timer = None
+        timeout = self.unavailable_timeout
+        if pool.down_since is None or timeout is None or self._closed:
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        since = pool.down_since
+        next_due = None
+        for ticket, job in list(pool.waiting.items()):  # admission order: the due times only grow
+            due = max(job.t_loop, since) + timeout
+            if due > now:
+                next_due = due
+                break
+            pool.sched.cancel(ticket)  # never dispatched: uncharged
+            del pool.waiting[ticket]
+            job.fs.waiting -= 1
+            self._expire(job, timeout)
+        for job in list(pool.aside):  # selected and charged, never sent
+            due = max(job.t_loop, since) + timeout
+            if due > now:
+                next_due = due if next_due is None else min(next_due, due)
+                continue
+            pool.aside.remove(job)
+            job.fs.held -= 1
+            self._expire(job, timeout)
+        if next_due is not None:
+            pool.down_timer = loop.call_later(max(0.0, next_due - now), self._expire_unavailable, pool)
+
+    def _expire(self, job: Job, timeout: float) -> None:
+        job.state = EXPIRED
+        job.fs.unavailable += 1
+        self._maybe_idle(job.fs)
+        if job.fut is not None and not job.fut.done():
+            job.fut.set_exception(NoHealthyBackend(
+                f"no backend of pool {job.pool.model!r} was healthy for {timeout:g} s while this request waited"))
+
+    # ---------------------------------------------------------------- saturation
     async def _probe_loop(self, bs: BState) -> None:
         probe = bs.backend.probe
         assert probe is not None

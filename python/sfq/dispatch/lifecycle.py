@@ -32,7 +32,14 @@ class Lifecycle(DispatcherBase):
 
     async def _close(self) -> None:
         self._closed = True
+        for bs in self._bstates:
+            if bs.pause_handle is not None:
+                bs.pause_handle.cancel()
+                bs.pause_handle = None
         for pool in self._pools.values():
+            if pool.down_timer is not None:
+                pool.down_timer.cancel()
+                pool.down_timer = None
             for ticket, job in list(pool.waiting.items()):
                 pool.sched.cancel(ticket)
                 job.fs.waiting -= 1

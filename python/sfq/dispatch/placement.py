@@ -33,11 +33,12 @@ class Placement(DispatcherBase):
             self._pump(pool)
 
     def _room(self, pool: Pool) -> BState | None:
-        """The least-loaded backend of ``pool`` with room (healthy, not saturated, below max_in_flight)."""
+        """The least-loaded backend of ``pool`` with room (healthy, not saturated, not paused after a
+        429, below max_in_flight)."""
         best = None
         best_load = 2.0
         for bs in pool.backends:
-            if bs.healthy and not bs.saturated and bs.in_flight < bs.max_in_flight:
+            if bs.healthy and not bs.saturated and not bs.paused and bs.in_flight < bs.max_in_flight:
                 load = bs.in_flight / bs.max_in_flight
                 if load < best_load:
                     best, best_load = bs, load
@@ -49,7 +50,7 @@ class Placement(DispatcherBase):
         best_load = 2.0
         need = job.need
         for bs in pool.backends:
-            if (bs.healthy and not bs.saturated and bs.in_flight < bs.max_in_flight
+            if (bs.healthy and not bs.saturated and not bs.paused and bs.in_flight < bs.max_in_flight
                     and (bs.max_context is None or need <= bs.max_context)):
                 load = bs.in_flight / bs.max_in_flight
                 if load < best_load:
@@ -155,15 +156,18 @@ class Placement(DispatcherBase):
                     self.estimator.observe(job.est, usage, job.flow)
                 except Exception:  # a bad usage report must not fail a served request or stop the loop
                     log.exception("sfq: calibrating from the usage of backend %r failed; ignored", bs.name)
+            if not self._closed:
+                self._note_reply(bs, None)
         elif outcome == FAILED:
             bs.errors += 1
             fs.failed += 1
             bs.last_error = str(err)
-            if err is not None and err.unhealthy:
-                self._mark_unhealthy(bs)
+            if err is not None and not self._closed:
+                self._note_reply(bs, err)
         else:
             bs.aborted += 1
             fs.aborted += 1
+        self._maybe_idle(fs)
         if self.hooks is not None and job.record is not None:
             try:
                 self.hooks.ended(job.record, OUTCOME_NAMES[outcome], err, usage)

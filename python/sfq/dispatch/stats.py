@@ -1,9 +1,10 @@
-"""Statistics: per-flow counters (bounded in number: idle flows are forgotten, oldest first),
-and the ``stats()`` snapshot."""
+"""Statistics: per-flow counters (bounded in number: idle flows are forgotten, oldest first,
+in O(1) per forgotten flow), and the ``stats()`` snapshot, whose cost does not grow with the
+number of flows: ``flows`` is a read-only view that builds a flow's row when it is read."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -11,65 +12,114 @@ import numpy as np
 from ._state import DispatcherBase, FlowStats
 
 
+def flow_row(fs: FlowStats) -> dict[str, Any]:
+    """One flow's counters as a plain dict (a snapshot)."""
+    p50: float | None
+    p95: float | None
+    p99: float | None
+    if fs.waits:
+        p50, p95, p99 = (float(x) for x in np.percentile(np.fromiter(fs.waits, float, len(fs.waits)),
+                                                         (50, 95, 99)))
+    else:
+        p50 = p95 = p99 = None
+    return {
+        "waiting": fs.waiting, "held": fs.held, "in_flight": fs.in_flight, "dispatched": fs.dispatched,
+        "completed": fs.completed, "failed": fs.failed, "cancelled": fs.cancelled, "aborted": fs.aborted,
+        "rejected": fs.rejected, "unavailable": fs.unavailable, "charged_cost": fs.charged,
+        "wait_p50": p50, "wait_p95": p95, "wait_p99": p99,
+    }
+
+
+class FlowsView(Mapping[Hashable, dict[str, Any]]):
+    """``stats()["flows"]``: flow -> its row, built when read (O(1) plus the wait percentiles).
+
+    A live, read-only view of the flows the dispatcher keeps statistics for: each row read is
+    a snapshot of that moment. ``len`` is O(1); iterating walks every flow (do it off the
+    request path, or read the flows you need)."""
+
+    __slots__ = ("_flows",)
+
+    def __init__(self, flows: dict[Hashable, FlowStats]) -> None:
+        self._flows = flows
+
+    def __getitem__(self, flow: Hashable) -> dict[str, Any]:
+        return flow_row(self._flows[flow])
+
+    def __contains__(self, flow: object) -> bool:
+        return flow in self._flows
+
+    def __len__(self) -> int:
+        return len(self._flows)
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter(list(self._flows))  # keys as of now: the caller may await while iterating
+
+    def __repr__(self) -> str:
+        return f"<FlowsView of {len(self._flows)} flows>"
+
+
 class Statistics(DispatcherBase):
     def _flow_stats(self, flow: Hashable) -> FlowStats:
-        """The counters of ``flow``, created on first use."""
+        """The counters of ``flow``, created on first use; the flow is marked busy (not idle)."""
         fs = self._flows.get(flow)
         if fs is None:
             if len(self._flows) >= self._max_flow_stats:
                 self._forget_idle_flow_stats()
-            fs = self._flows[flow] = FlowStats(self._window)
+            fs = self._flows[flow] = FlowStats(flow, self._window)
+        else:
+            self._idle.pop(flow, None)
         return fs
 
+    def _maybe_idle(self, fs: FlowStats) -> None:
+        """Call after a flow's waiting/held/in-flight count dropped: an idle flow joins the
+        idle list (newest last), from which ``max_flow_stats`` forgets the oldest."""
+        if not (fs.waiting or fs.held or fs.in_flight) and fs.flow in self._flows:
+            self._idle[fs.flow] = None
+            self._idle.move_to_end(fs.flow)
+
     def _forget_idle_flow_stats(self) -> None:
-        """Drop the statistics of idle flows, oldest first, down to 90% of ``max_flow_stats``
-        (amortised: one sweep per tenth of the limit of new flows)."""
-        excess = len(self._flows) - int(self._max_flow_stats * 0.9)
-        idle = [f for f, fs in self._flows.items() if not (fs.waiting or fs.held or fs.in_flight)][:excess]
-        for f in idle:
-            del self._flows[f]
+        """Drop the statistics of idle flows, oldest first, down to 90% of ``max_flow_stats``:
+        O(flows dropped), never a scan of all flows (when none is idle, nothing is dropped)."""
+        target = int(self._max_flow_stats * 0.9)
+        idle, flows = self._idle, self._flows
+        while len(flows) > target and idle:
+            f, _ = idle.popitem(last=False)
+            fs = flows.get(f)
+            if fs is not None and not (fs.waiting or fs.held or fs.in_flight):
+                del flows[f]
 
     def stats(self) -> dict[str, Any]:
-        """A snapshot.
+        """A snapshot; its cost grows with the number of backends and pools, not of flows.
 
-        ``flows[flow]``: ``waiting`` (queued), ``held`` (selected, waiting aside for a backend that
-        fits), ``in_flight``, ``dispatched`` (charged), ``completed``, ``failed``, ``cancelled``
-        (before dispatch, uncharged), ``aborted`` (after dispatch), ``rejected`` (at close),
-        ``charged_cost`` (cost units), ``wait_p50``/``wait_p95``/``wait_p99`` (seconds from
-        submit to send over the last ``wait_window`` sends; ``None`` before any).
+        ``flows``: a read-only ``Mapping`` flow -> row, each row built when read (see
+        ``FlowsView``): ``waiting`` (queued), ``held`` (selected, waiting aside for a backend
+        that fits), ``in_flight``, ``dispatched`` (charged), ``completed``, ``failed``,
+        ``cancelled`` (before dispatch, uncharged), ``aborted`` (after dispatch), ``rejected``
+        (at close), ``unavailable`` (removed after ``unavailable_timeout`` with no healthy
+        backend), ``charged_cost`` (cost units), ``wait_p50``/``wait_p95``/``wait_p99``
+        (seconds from submit to send over the last ``wait_window`` sends; ``None`` before any).
         ``backends[name]``: ``model``, ``in_flight``, ``max_in_flight``, ``healthy``,
-        ``saturated``, ``dispatched``, ``completed``, ``errors``, ``aborted``, ``last_error``,
-        ``unhealthy_spells``, ``probe`` (the last reading as a dict, or ``None``), ``probe_errors``.
-        ``pools[model]``: ``waiting``, ``held``, ``virtual_time``, ``backends`` (names).
+        ``saturated``, ``paused`` (after a 429), ``dispatched``, ``completed``, ``errors``,
+        ``aborted``, ``rate_limited`` (429s), ``recent_5xx`` (5xx among the last
+        ``error_window`` replies), ``last_error``, ``down_reason``, ``unhealthy_spells``,
+        ``probe`` (the last reading as a dict, or ``None``), ``probe_errors``.
+        ``pools[model]``: ``waiting``, ``held``, ``in_flight``, ``virtual_time``, ``backends``
+        (names), ``healthy`` (count).
         """
-        flows = {}
-        for flow, fs in self._flows.items():
-            p50: float | None
-            p95: float | None
-            p99: float | None
-            if fs.waits:
-                p50, p95, p99 = (float(x) for x in np.percentile(np.fromiter(fs.waits, float, len(fs.waits)),
-                                                                 (50, 95, 99)))
-            else:
-                p50 = p95 = p99 = None
-            flows[flow] = {
-                "waiting": fs.waiting, "held": fs.held, "in_flight": fs.in_flight, "dispatched": fs.dispatched,
-                "completed": fs.completed, "failed": fs.failed, "cancelled": fs.cancelled, "aborted": fs.aborted,
-                "rejected": fs.rejected, "charged_cost": fs.charged,
-                "wait_p50": p50, "wait_p95": p95, "wait_p99": p99,
-            }
         backends = {}
         for bs in self._bstates:
             backends[bs.name] = {
                 "model": bs.pool.model, "in_flight": bs.in_flight, "max_in_flight": bs.max_in_flight,
-                "healthy": bs.healthy, "saturated": bs.saturated, "dispatched": bs.dispatched,
-                "completed": bs.completed, "errors": bs.errors, "aborted": bs.aborted, "last_error": bs.last_error,
-                "unhealthy_spells": bs.unhealthy_spells,
+                "healthy": bs.healthy, "saturated": bs.saturated, "paused": bs.paused,
+                "dispatched": bs.dispatched, "completed": bs.completed, "errors": bs.errors,
+                "aborted": bs.aborted, "rate_limited": bs.rate_limited, "recent_5xx": bs.reply_errors,
+                "last_error": bs.last_error, "down_reason": bs.down_reason, "unhealthy_spells": bs.unhealthy_spells,
                 "probe": bs.reading._asdict() if bs.reading is not None else None, "probe_errors": bs.probe_errors,
             }
         pools = {
-            model: {"waiting": len(p.waiting), "held": len(p.aside), "virtual_time": p.sched.virtual_time,
-                    "backends": [bs.name for bs in p.backends]}
+            model: {"waiting": len(p.waiting), "held": len(p.aside),
+                    "in_flight": sum(bs.in_flight for bs in p.backends), "virtual_time": p.sched.virtual_time,
+                    "backends": [bs.name for bs in p.backends], "healthy": sum(bs.healthy for bs in p.backends)}
             for model, p in self._pools.items()
         }
-        return {"flows": flows, "backends": backends, "pools": pools}
+        return {"flows": FlowsView(self._flows), "backends": backends, "pools": pools}
