@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from typing import Any, NamedTuple
 
 #: sub-units per cost unit (2**20: about one millionth of a cost unit)
@@ -32,6 +33,20 @@ MAX_CHARGE = 1 << 60
 RENORM_AT = 1 << 61
 #: default weight of a flow
 DEFAULT_WEIGHT = 1.0
+#: how far ``adjust()`` may move a meter ahead of v, in sub-units (2**61): with charges of at
+#: most MAX_CHARGE and renormalisation at RENORM_AT, every value then stays below 2**63
+MAX_LEAD = 1 << 61
+
+#: what a scheduler method says when it is called while another of its methods is running
+REENTRANT = (
+    "re-entrant call: a method of this scheduler is already running in this thread (the call came "
+    "from Python code that the scheduler ran, such as a flow id's __hash__ or __eq__, a cost's "
+    "__float__ or a payload's __del__); it was refused and the scheduler is unchanged"
+)
+CONCURRENT = (
+    "concurrent call: a method of this scheduler is running in another thread; a scheduler must "
+    "be used from one thread at a time (guard it with a lock); the call was refused"
+)
 
 
 def _number(value: object, what: str) -> float:
@@ -63,6 +78,41 @@ def check_weight(weight: object) -> float:
     if w < MIN_WEIGHT or w > MAX_WEIGHT:
         raise ValueError(f"weight {weight!r} is outside the supported range [{MIN_WEIGHT!r}, {MAX_WEIGHT!r}]")
     return w
+
+
+def check_count(n: object) -> int:
+    """``dispatch_many``'s count as an int >= 0, or raise naming the bad value."""
+    try:
+        k = operator.index(n)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"n must be an integer, got {n!r} of type {type(n).__name__}") from None
+    if k < 0:
+        raise ValueError(f"n must be >= 0, got {n!r}")
+    return int(k)
+
+
+def check_delta(delta: object) -> float:
+    """``adjust``'s correction as a float (either sign), or raise naming the bad value."""
+    d = _number(delta, "delta")
+    if math.isnan(d) or math.isinf(d):
+        raise ValueError(f"delta must be a finite number, got {delta!r}")
+    if abs(d) > MAX_COST:
+        raise OverflowError(f"delta {delta!r} is too large: at most {MAX_COST:.0f} in either direction")
+    return d
+
+
+def adjustment(delta: float, weight: float) -> int:
+    """Sub-units that ``adjust(flow, delta)`` adds to a meter: ``delta / weight``, rounded away
+    from zero (so a correction is never lost to rounding, exactly like a charge)."""
+    if delta >= 0.0:
+        return math.ceil(delta * 1048576.0 / weight)
+    return -math.ceil(-delta * 1048576.0 / weight)
+
+
+def lead_overflow(flow: object, delta: object) -> OverflowError:
+    return OverflowError(
+        f"adjust({flow!r}, {delta!r}) would put the flow's meter more than {MAX_LEAD // SCALE} cost units ahead of v"
+    )
 
 
 def unhashable_flow(flow: object) -> TypeError:
@@ -121,9 +171,8 @@ def check_batch(
     if arr.ndim != 1 or arr.shape[0] != n:
         raise ValueError(f"costs must be a 1-d sequence of {n} numbers (one per flow), got shape {arr.shape}")
     if arr.dtype.kind not in "fiu":
-        for c in arr.tolist():
-            check_cost(c)  # raises TypeError naming the first non-number
-        raise TypeError(f"costs must be numbers, got an array of dtype {arr.dtype}")
+        # objects (Fraction, Decimal, ...): each checked exactly as enqueue() checks it
+        arr = np.array([check_cost(c) for c in arr.tolist()], dtype=np.float64)
     arr = np.ascontiguousarray(arr, dtype=np.float64)
     bad = ~((arr > 0.0) & (arr <= MAX_COST))  # NaN fails both comparisons
     if bad.any():

@@ -1,41 +1,52 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
 """Start-time Fair Queueing: the compiled core of sfq.
 
-Derivation (seed 000 §2). Every flow i carries a meter S_i, the start tag of its next
-request: the service it has been charged, aligned to a common baseline. The virtual time v
-is the start tag of the most recent dispatch. Dispatch takes the waiting flow with the
-smallest S (ties: the flow whose head request was enqueued first, i.e. the smaller ticket),
-sets v = S, and charges S += cost / weight once, never corrected. A flow that (re)joins
-gets S = max(S, v): no credit is banked while idle, no charge escaped by leaving. When no
-flow waits, v = max(v, largest finish tag): the next busy period starts level. Hence every
-waiting meter lies in [v, v + c_max] (§3.1), and two backlogged flows never differ in
-charged cost by more than 2 c_max over any interval (§3.2).
+Derivation (Goyal, Vin and Cheng, "Start-time Fair Queueing", 1996; docs/design.md). Every
+flow i carries a meter S_i, the start tag of its next request: the service it has been
+charged, aligned to a common baseline. The virtual time v is the start tag of the most
+recent dispatch. Dispatch takes the competing flow with the smallest S (ties: the flow whose
+head request was enqueued first, i.e. the smaller ticket), sets v = S, and charges
+S += cost / weight. A flow that (re)joins gets S = max(S, v): no credit is banked while idle,
+no charge escaped by leaving. When no flow competes and the caller reports no work in flight,
+v = max(v, largest finish tag): the next busy period starts level. Hence every competing
+meter lies in [v, v + c_max], and two backlogged flows never differ in charged cost by more
+than 2 c_max over any interval. adjust() is the one other writer of meters: the caller's
+correction from measured usage (the delivered-service modes of the dispatcher).
 
 Fixed point. Meters, v and finish tags are int64 counts of sub-units; SCALE = 2**20
 sub-units make one cost unit; a charge is ceil(cost * SCALE / weight) computed in IEEE
 double (as the Python twin does), so integer costs with power-of-two weights are exact and
 every charge is >= 1 sub-unit. Costs are at most 2**30 and weights at least 2**-10, so a
-charge is at most MAX_CHARGE = 2**60.
+charge is at most MAX_CHARGE = 2**60; adjust() keeps every meter within MAX_LEAD = 2**61 of v.
 
-Renormalisation. Decisions compare meters of waiting flows with each other and with v
+Renormalisation. Decisions compare meters of competing flows with each other and with v
 (max(S, v), S <= v): subtracting one amount from every meter, from v and from the largest
-finish tag changes none of them. When v reaches RENORM_AT = 2**61 we subtract v (idle
-meters below v are first raised to v, which is what rejoining would do), so every value
-stays below v + MAX_CHARGE < 2**62 < 2**63. The amounts subtracted add up in a Python int,
-_base, so the meters and times this class reports never jump.
+finish tag changes none of them. When v reaches RENORM_AT = 2**61 we subtract v (meters of
+flows that are not competing and lie below v are first raised to v, which is what rejoining
+would do), so every value stays below v + MAX_LEAD + MAX_CHARGE < 2**63. The amounts
+subtracted add up in a Python int, _base, so the meters and times this class reports never jump.
 
 Memory. An idle flow with the default weight and S <= v would rejoin at v: it carries no
 information, and its slot is recycled. Idle flows wait in a second heap keyed on S until v
-passes them, so a stream of distinct one-request flows uses bounded memory (as long as v
-moves: fresh flows arriving exactly at the dispatch rate all start at v, are served first
-and each still owes its charge, which is information).
+passes them, so a stream of distinct one-request flows uses bounded memory.
 
-Layout. Waiting flows sit in a 4-ary min-heap of (S, head ticket, slot) entries over a C
+Layout. Competing flows sit in a 4-ary min-heap of (S, head ticket, slot) entries over a C
 array (sfq_heap.h), with a per-slot position index so that the dispatched flow is re-keyed
 by one in-place sift. Each flow's requests are a ring buffer of (ticket, cost, item); a
 cancelled request becomes a tombstone until it reaches the head. An open-addressing table
-maps the ticket of every waiting request to its flow's slot, for cancel(). All C memory is
-PyMem_* so that tracemalloc accounts for it.
+maps the ticket of every waiting request to its flow's slot, for cancel(). Flow ids are found
+through a second open-addressing table of (hash, slot) pairs: each flow id is hashed once per
+call, and forgetting a flow removes it by its stored hash, running no Python code. All C
+memory is PyMem_* so that tracemalloc accounts for it.
+
+Safety. Python code can run inside a method: a flow id's __hash__/__eq__, a cost's __float__,
+a payload's __del__, a garbage collection. One method runs at a time: _owner holds the thread
+running one, and any other call (re-entrant, or from another thread) raises SchedulerBusy
+before touching anything. Every check and allocation that can fail comes before the first
+change, so an exception leaves the scheduler as it was. References the scheduler lets go of
+(cancelled payloads, forgotten flow ids) are released after the method's work is done and the
+guard is down, so a __del__ that calls back in sees a consistent scheduler. The held payloads
+and flow ids are visited by the cycle collector (tp_traverse/tp_clear below).
 
 The pure-Python twin, sfq/_scheduler_py.py, is the readable specification; the tests run
 both and compare them event by event.
@@ -46,22 +57,33 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.ref cimport PyObject, Py_DECREF, Py_INCREF, Py_XDECREF
 from libc.math cimport ceil
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
-from libc.string cimport memcpy
 
 import operator
 
-import numpy as np
-
 from sfq import _common
+from sfq.errors import SchedulerBusy
 
 cdef extern from "Python.h":
     double PyFloat_AS_DOUBLE(object)
     long long PyLong_AsLongLongAndOverflow(object, int*) except? -1
-    Py_ssize_t PyLong_AsSsize_t(object) except? -1
     Py_ssize_t PyList_GET_SIZE(object)
     PyObject* PyList_GET_ITEM(object, Py_ssize_t)
     object PyList_New(Py_ssize_t)
     void PyList_SET_ITEM(object, Py_ssize_t, PyObject*)
+    ctypedef Py_ssize_t Py_hash_t
+    Py_hash_t PyObject_Hash(object) except? -1
+    int PyObject_RichCompareBool(PyObject*, PyObject*, int) except -1
+    int Py_EQ
+    unsigned long PyThread_get_thread_ident() nogil
+    # the cycle collector's hooks, declared here without Cython's exception specs
+    ctypedef int (*sfq_visitproc "visitproc")(PyObject*, void*) noexcept
+    ctypedef int (*sfq_traverseproc "traverseproc")(PyObject*, sfq_visitproc, void*) noexcept
+    ctypedef int (*sfq_inquiry "inquiry")(PyObject*) noexcept
+    ctypedef struct sfq_typeobject "PyTypeObject":
+        sfq_traverseproc tp_traverse
+        sfq_inquiry tp_clear
+        unsigned long tp_flags
+    unsigned long Py_TPFLAGS_HAVE_GC
 
 # --------------------------------------------------------------------------- limits
 # One place per fact: the values come from sfq._common, which the twin uses too.
@@ -71,20 +93,41 @@ cdef double MAX_COST_D = _common.MAX_COST           # largest cost, cost units
 cdef double MIN_WEIGHT_D = _common.MIN_WEIGHT       # smallest weight
 cdef double MAX_WEIGHT_D = _common.MAX_WEIGHT       # largest weight
 cdef int64_t RENORM_AT = _common.RENORM_AT          # renormalise once v reaches this, sub-units
+cdef int64_t MAX_LEAD = _common.MAX_LEAD            # adjust() keeps S - v at most this, sub-units
 cdef object _check_cost = _common.check_cost
 cdef object _check_weight = _common.check_weight
+cdef object _check_delta = _common.check_delta
+cdef object _check_count = _common.check_count
 cdef object _check_batch = _common.check_batch
+cdef object _adjustment = _common.adjustment
+cdef object _lead_overflow = _common.lead_overflow
 cdef object _unhashable = _common.unhashable_flow
 cdef object _DispatchBatch = _common.DispatchBatch
+cdef object _REENTRANT = _common.REENTRANT
+cdef object _CONCURRENT = _common.CONCURRENT
 assert _common.MAX_COST * _common.SCALE / _common.MIN_WEIGHT == _common.MAX_CHARGE
 assert _common.MAX_CHARGE * 2 <= RENORM_AT and RENORM_AT * 2 <= 2 ** 62
+assert RENORM_AT + MAX_LEAD + 2 * _common.MAX_CHARGE < 2 ** 63
+
+cdef object _np = None
+
+
+cdef object _numpy():
+    # numpy is needed only by the batch API: `import sfq` does not load it
+    global _np
+    if _np is None:
+        import numpy
+        _np = numpy
+    return _np
+
 
 # flow states
 cdef enum:
     FREE = 0       # slot unused, on the free stack
-    WAITING = 1    # has waiting requests; in the wait heap
+    WAITING = 1    # has waiting requests and competes; in the wait heap
     IDLE = 2       # no waiting request, S > v; in the idle heap until v passes S
     DORMANT = 3    # no waiting request, S <= v, kept only for its non-default weight
+    SUSPENDED = 4  # taken out of the competition by the caller; its requests (if any) keep waiting
 
 ctypedef struct Req:
     int64_t ticket      # enqueue ticket; negated once cancelled (a tombstone until it reaches the head)
@@ -95,12 +138,14 @@ ctypedef struct Flow:
     int64_t S           # meter: start tag of the next request, sub-units (relative to _base)
     double weight       # charges are divided by it; 1.0 by default
     Req* ring           # FIFO of waiting requests, a ring buffer of `cap` entries (power of two)
+    PyObject* key       # owned reference to the flow id; NULL when FREE
+    Py_hash_t hash      # hash(key), computed once when the flow was created
     uint32_t cap        # ring capacity, entries
     uint32_t head       # ring index of the oldest entry
     uint32_t count      # entries in the ring, tombstones included
     uint32_t live       # waiting requests, tombstones excluded
-    int32_t state       # FREE / WAITING / IDLE / DORMANT
-    PyObject* key       # owned reference to the flow id; NULL when FREE
+    int32_t state       # FREE / WAITING / IDLE / DORMANT / SUSPENDED
+    uint32_t batch      # scratch for enqueue_many: requests of this batch not yet reserved; 0 otherwise
 
 cdef extern from "sfq_heap.h":
     # (S, ticket, slot): S the flow's meter in sub-units, ticket its head request's ticket
@@ -142,6 +187,11 @@ cdef inline object _units(object base, int64_t sub):
     return (base + sub) / _common.SCALE
 
 
+cdef inline uint64_t _mix(uint64_t h) noexcept nogil:
+    h = h * <uint64_t>0x9E3779B97F4A7C15ULL  # Fibonacci hashing
+    return h ^ (h >> 31)
+
+
 @cython.final
 @cython.freelist(64)
 cdef class Dispatch:
@@ -181,24 +231,33 @@ cdef class Scheduler:
     cdef int32_t _nfree         # slots on the free stack
     cdef int32_t _nslots        # slots handed out so far (high-water mark)
     cdef int32_t _slotcap       # slots allocated
-    cdef Heap _wait             # waiting flows, keyed (S, head ticket)
+    cdef Heap _wait             # competing flows, keyed (S, head ticket)
     cdef Heap _idle             # idle flows, keyed (S, 0)
     cdef int64_t* _tkey         # open-addressing table: ticket of a waiting request (0 = empty)
     cdef int32_t* _tval         # ... and its flow's slot
-    cdef uint64_t _tmask        # table size - 1 (size a power of two)
+    cdef uint64_t _tmask        # ticket table size - 1 (size a power of two)
     cdef Py_ssize_t _tcount     # tickets in the table = waiting requests
+    cdef Py_hash_t* _fhash      # open-addressing table of flow ids: the id's hash...
+    cdef int32_t* _fslot        # ... and its slot (-1 = empty cell)
+    cdef uint64_t _fmask        # flow table size - 1 (size a power of two)
+    cdef Py_ssize_t _fcount     # flows in the table = known flows
+    cdef Py_ssize_t _ready      # waiting requests of competing (not suspended) flows
+    cdef Py_ssize_t _in_flight  # work the caller reported started and not yet done
     cdef int64_t _v             # virtual time, sub-units relative to _base
     cdef int64_t _max_finish    # largest finish tag so far, sub-units relative to _base
     cdef int64_t _next_ticket   # the next enqueue's ticket
-    cdef dict _index            # flow id -> slot (int)
     cdef object _base           # Python int: sub-units subtracted by renormalisation so far
     cdef int64_t _last_shift    # sub-units the latest renormalisation subtracted
     cdef readonly Py_ssize_t renormalisations  # how many times meters were renormalised
     cdef PyObject* _ckey        # one-entry lookup cache: a live slot's own key object (borrowed from it)...
-    cdef int32_t _cslot         # ... and that slot; `enqueue(d.flow, ...)` after a dispatch skips the dict
+    cdef int32_t _cslot         # ... and that slot; `enqueue(d.flow, ...)` after a dispatch skips hashing
+    cdef unsigned long _owner   # thread running a method of this scheduler, 0 when none
+    cdef PyObject** _grave      # references to release once the running method is done
+    cdef Py_ssize_t _ngrave     # entries in _grave
+    cdef Py_ssize_t _gravecap   # entries allocated
 
     def __cinit__(self):
-        self._index = {}
+        cdef Py_ssize_t i
         self._base = 0
         self._next_ticket = 1
         self._slotcap = 16
@@ -212,27 +271,22 @@ cdef class Scheduler:
         self._tkey = <int64_t*>PyMem_Malloc(32 * sizeof(int64_t))
         self._tval = <int32_t*>PyMem_Malloc(32 * sizeof(int32_t))
         self._tmask = 31
+        self._fhash = <Py_hash_t*>PyMem_Malloc(32 * sizeof(Py_hash_t))
+        self._fslot = <int32_t*>PyMem_Malloc(32 * sizeof(int32_t))
+        self._fmask = 31
         if (self._flows == NULL or self._pos == NULL or self._free == NULL or self._wait.a == NULL
-                or self._idle.a == NULL or self._tkey == NULL or self._tval == NULL):
+                or self._idle.a == NULL or self._tkey == NULL or self._tval == NULL
+                or self._fhash == NULL or self._fslot == NULL):
             raise MemoryError()
-        cdef Py_ssize_t i
         for i in range(32):
             self._tkey[i] = 0
+            self._fslot[i] = -1
 
     def __init__(self):
         pass
 
     def __dealloc__(self):
-        cdef int32_t s
-        cdef uint32_t k
-        cdef Flow* f
-        if self._flows != NULL:
-            for s in range(self._nslots):
-                f = &self._flows[s]
-                for k in range(f.count):
-                    Py_XDECREF(f.ring[(f.head + k) & (f.cap - 1)].item)
-                PyMem_Free(f.ring)
-                Py_XDECREF(f.key)
+        self._release_all()
         PyMem_Free(self._flows)
         PyMem_Free(self._pos)
         PyMem_Free(self._free)
@@ -240,20 +294,108 @@ cdef class Scheduler:
         PyMem_Free(self._idle.a)
         PyMem_Free(self._tkey)
         PyMem_Free(self._tval)
+        PyMem_Free(self._fhash)
+        PyMem_Free(self._fslot)
+        PyMem_Free(self._grave)
+
+    cdef void _release_all(self) noexcept:
+        """Empty the scheduler (for the cycle collector and for dealloc): the state is reset
+        to that of a new scheduler first, then the payloads and flow ids are released."""
+        cdef int32_t s, n = self._nslots
+        cdef uint32_t k
+        cdef Flow* f
+        cdef Py_ssize_t i
+        if self._flows == NULL:
+            return
+        self._owner = <unsigned long>-1  # a __del__ run from here cannot call back in
+        for s in range(n):
+            f = &self._flows[s]
+            if f.state == FREE:
+                continue
+            for k in range(f.count):
+                self._bury(f.ring[(f.head + k) & (f.cap - 1)].item)
+            PyMem_Free(f.ring)
+            f.ring = NULL
+            f.cap = 0
+            f.count = 0
+            f.live = 0
+            self._bury(f.key)
+            f.key = NULL
+            f.state = FREE
+        self._nslots = 0
+        self._nfree = 0
+        self._wait.n = 0
+        self._idle.n = 0
+        for i in range(<Py_ssize_t>(self._tmask + 1)):
+            self._tkey[i] = 0
+        self._tcount = 0
+        for i in range(<Py_ssize_t>(self._fmask + 1)):
+            self._fslot[i] = -1
+        self._fcount = 0
+        self._ready = 0
+        self._ckey = NULL
+        self._owner = 0
+        self._flush()
+
+    # =================================================================== the one-at-a-time guard
+    cdef inline int _enter(self) except -1:
+        if self._owner != 0:
+            return self._refuse()
+        self._owner = PyThread_get_thread_ident()
+        return 0
+
+    cdef int _refuse(self) except -1:
+        if self._owner == PyThread_get_thread_ident() or self._owner == <unsigned long>-1:
+            raise SchedulerBusy(_REENTRANT)
+        raise SchedulerBusy(_CONCURRENT)
+
+    cdef inline void _bury(self, PyObject* o) noexcept:
+        """Release ``o`` once the running method is done (immediately if no room is left:
+        safe, since the guard refuses any call its __del__ makes)."""
+        cdef PyObject** g
+        cdef Py_ssize_t cap
+        if o == NULL:
+            return
+        if self._ngrave == self._gravecap:
+            cap = self._gravecap * 2 if self._gravecap else 16
+            g = <PyObject**>PyMem_Realloc(self._grave, cap * sizeof(PyObject*))
+            if g == NULL:
+                Py_DECREF(<object>o)
+                return
+            self._grave = g
+            self._gravecap = cap
+        self._grave[self._ngrave] = o
+        self._ngrave += 1
+
+    cdef inline void _leave_method(self) noexcept:
+        self._owner = 0
+        if self._ngrave:
+            self._flush()
+
+    cdef void _flush(self) noexcept:
+        # one at a time from the end: a __del__ run here may call back in and bury more
+        cdef PyObject* o
+        while self._ngrave and self._owner == 0:
+            self._ngrave -= 1
+            o = self._grave[self._ngrave]
+            Py_DECREF(<object>o)
 
     # =================================================================== heaps
-    cdef inline int _heap_reserve(self, Heap* h) except -1:
-        if h.n < h.cap:
+    cdef inline int _heap_reserve(self, Heap* h, Py_ssize_t extra) except -1:
+        if h.n + extra <= h.cap:
             return 0
-        return self._heap_grow(h)
+        return self._heap_grow(h, extra)
 
-    cdef int _heap_grow(self, Heap* h) except -1:
+    cdef int _heap_grow(self, Heap* h, Py_ssize_t extra) except -1:
         cdef Entry* a
-        a = <Entry*>PyMem_Realloc(h.a, 2 * h.cap * sizeof(Entry))
+        cdef Py_ssize_t cap = h.cap
+        while cap < h.n + extra:
+            cap *= 2
+        a = <Entry*>PyMem_Realloc(h.a, cap * sizeof(Entry))
         if a == NULL:
             raise MemoryError()
         h.a = a
-        h.cap *= 2
+        h.cap = cap
         return 0
 
     cdef inline void _heap_push(self, Heap* h, int64_t S, int64_t ticket, int32_t slot) noexcept nogil:
@@ -279,26 +421,32 @@ cdef class Scheduler:
         else:
             sfq_sift_down(h.a, self._pos, h.n, i, last)
 
+    cdef inline void _heap_rekey(self, Heap* h, Py_ssize_t i, int64_t S, int64_t ticket) noexcept nogil:
+        cdef Entry e = h.a[i]
+        cdef bint up
+        e.S = S
+        e.ticket = ticket
+        up = sfq_less(&e, &h.a[i])
+        if up:
+            sfq_sift_up(h.a, self._pos, i, e)
+        else:
+            sfq_sift_down(h.a, self._pos, h.n, i, e)
+
     # =================================================================== ticket table
-    cdef inline uint64_t _thash(self, int64_t t) noexcept nogil:
-        cdef uint64_t h = <uint64_t>t * <uint64_t>0x9E3779B97F4A7C15ULL  # Fibonacci hashing
-        return h ^ (h >> 31)
-
-    cdef inline int _treserve(self) except -1:
+    cdef inline int _treserve(self, Py_ssize_t extra) except -1:
         # keep the load factor <= 1/2
-        if <uint64_t>(self._tcount + 1) * 2 <= self._tmask + 1:
+        if <uint64_t>(self._tcount + extra) * 2 <= self._tmask + 1:
             return 0
-        return self._tgrow()
+        return self._tgrow(extra)
 
-    cdef int _tgrow(self) except -1:
-        cdef uint64_t oldsize = self._tmask + 1, newsize, i, j, mask
+    cdef int _tgrow(self, Py_ssize_t extra) except -1:
+        cdef uint64_t oldsize = self._tmask + 1, newsize = oldsize, i, j, mask
         cdef int64_t* ok = self._tkey
         cdef int32_t* ov = self._tval
         cdef int64_t* nk
         cdef int32_t* nv
-        if <uint64_t>(self._tcount + 1) * 2 <= oldsize:
-            return 0
-        newsize = oldsize * 2
+        while <uint64_t>(self._tcount + extra) * 2 > newsize:
+            newsize *= 2
         nk = <int64_t*>PyMem_Malloc(newsize * sizeof(int64_t))
         nv = <int32_t*>PyMem_Malloc(newsize * sizeof(int32_t))
         if nk == NULL or nv == NULL:
@@ -310,7 +458,7 @@ cdef class Scheduler:
             nk[i] = 0
         for i in range(oldsize):
             if ok[i] != 0:
-                j = self._thash(ok[i]) & mask
+                j = _mix(<uint64_t>ok[i]) & mask
                 while nk[j] != 0:
                     j = (j + 1) & mask
                 nk[j] = ok[i]
@@ -325,7 +473,7 @@ cdef class Scheduler:
     cdef inline void _tput(self, int64_t t, int32_t slot) noexcept nogil:
         # room reserved by the caller
         cdef uint64_t mask = self._tmask
-        cdef uint64_t j = self._thash(t) & mask
+        cdef uint64_t j = _mix(<uint64_t>t) & mask
         while self._tkey[j] != 0:
             j = (j + 1) & mask
         self._tkey[j] = t
@@ -334,7 +482,7 @@ cdef class Scheduler:
 
     cdef inline int64_t _tfind(self, int64_t t) noexcept nogil:
         cdef uint64_t mask = self._tmask
-        cdef uint64_t j = self._thash(t) & mask
+        cdef uint64_t j = _mix(<uint64_t>t) & mask
         while self._tkey[j] != 0:
             if self._tkey[j] == t:
                 return <int64_t>j
@@ -349,7 +497,7 @@ cdef class Scheduler:
             k = (k + 1) & mask
             if self._tkey[k] == 0:
                 break
-            home = self._thash(self._tkey[k]) & mask
+            home = _mix(<uint64_t>self._tkey[k]) & mask
             # move entry k back to j if its home does not lie cyclically in (j, k]
             if (j <= k and (home <= j or home > k)) or (j > k and (home <= j and home > k)):
                 self._tkey[j] = self._tkey[k]
@@ -363,16 +511,122 @@ cdef class Scheduler:
         if j >= 0:
             self._tdel_at(<uint64_t>j)
 
-    # =================================================================== flows
-    cdef inline int _ring_reserve(self, Flow* f) except -1:
-        if f.count < f.cap:
+    # =================================================================== flow table
+    cdef inline int _freserve(self, Py_ssize_t extra) except -1:
+        # keep the load factor <= 1/2
+        if <uint64_t>(self._fcount + extra) * 2 <= self._fmask + 1:
             return 0
-        return self._ring_grow(f)
+        return self._fgrow(extra)
 
-    cdef int _ring_grow(self, Flow* f) except -1:
-        cdef uint32_t newcap, k
+    cdef int _fgrow(self, Py_ssize_t extra) except -1:
+        cdef uint64_t oldsize = self._fmask + 1, newsize = oldsize, i, j, mask
+        cdef Py_hash_t* oh = self._fhash
+        cdef int32_t* os = self._fslot
+        cdef Py_hash_t* nh
+        cdef int32_t* ns
+        while <uint64_t>(self._fcount + extra) * 2 > newsize:
+            newsize *= 2
+        nh = <Py_hash_t*>PyMem_Malloc(newsize * sizeof(Py_hash_t))
+        ns = <int32_t*>PyMem_Malloc(newsize * sizeof(int32_t))
+        if nh == NULL or ns == NULL:
+            PyMem_Free(nh)
+            PyMem_Free(ns)
+            raise MemoryError()
+        mask = newsize - 1
+        for i in range(newsize):
+            ns[i] = -1
+        for i in range(oldsize):
+            if os[i] >= 0:
+                j = _mix(<uint64_t>oh[i]) & mask
+                while ns[j] >= 0:
+                    j = (j + 1) & mask
+                nh[j] = oh[i]
+                ns[j] = os[i]
+        self._fhash = nh
+        self._fslot = ns
+        self._fmask = mask
+        PyMem_Free(oh)
+        PyMem_Free(os)
+        return 0
+
+    cdef int32_t _ffind(self, object flow, Py_hash_t h) except -2:
+        """The slot of ``flow`` (hash ``h``), -1 if unknown. Runs the ids' __eq__ (the guard
+        is up: nothing can change the table meanwhile)."""
+        cdef uint64_t mask = self._fmask
+        cdef uint64_t j = _mix(<uint64_t>h) & mask
+        cdef int32_t s
+        cdef PyObject* k
+        while True:
+            s = self._fslot[j]
+            if s < 0:
+                return -1
+            if self._fhash[j] == h:
+                k = self._flows[s].key
+                if k == <PyObject*>flow or PyObject_RichCompareBool(k, <PyObject*>flow, Py_EQ):
+                    return s
+            j = (j + 1) & mask
+
+    cdef inline void _fput(self, Py_hash_t h, int32_t slot) noexcept nogil:
+        # room reserved by the caller; the id is known to be absent
+        cdef uint64_t mask = self._fmask
+        cdef uint64_t j = _mix(<uint64_t>h) & mask
+        while self._fslot[j] >= 0:
+            j = (j + 1) & mask
+        self._fhash[j] = h
+        self._fslot[j] = slot
+        self._fcount += 1
+
+    cdef void _fdel(self, int32_t slot) noexcept nogil:
+        """Remove ``slot``'s id from the table by its stored hash: no Python code runs."""
+        cdef uint64_t mask = self._fmask
+        cdef uint64_t j = _mix(<uint64_t>self._flows[slot].hash) & mask
+        cdef uint64_t k, home
+        while self._fslot[j] != slot:
+            j = (j + 1) & mask
+        k = j
+        while True:  # backward-shift deletion, as in the ticket table
+            k = (k + 1) & mask
+            if self._fslot[k] < 0:
+                break
+            home = _mix(<uint64_t>self._fhash[k]) & mask
+            if (j <= k and (home <= j or home > k)) or (j > k and (home <= j and home > k)):
+                self._fhash[j] = self._fhash[k]
+                self._fslot[j] = self._fslot[k]
+                j = k
+        self._fslot[j] = -1
+        self._fcount -= 1
+
+    cdef inline int32_t _lookup(self, object flow, Py_hash_t* hout) except -2:
+        """The flow's slot, -1 if unknown (then ``*hout`` is its hash); TypeError naming an
+        unhashable flow id."""
+        cdef Py_hash_t h
+        cdef int32_t slot
+        if <PyObject*>flow == self._ckey:
+            return self._cslot
+        try:
+            h = PyObject_Hash(flow)
+        except TypeError:
+            raise _unhashable(flow) from None
+        hout[0] = h
+        slot = self._ffind(flow, h)
+        if slot >= 0:
+            self._ckey = self._flows[slot].key
+            self._cslot = slot
+        return slot
+
+    # =================================================================== flows
+    cdef inline int _ring_reserve(self, Flow* f, uint32_t extra) except -1:
+        if f.count + extra <= f.cap:
+            return 0
+        return self._ring_grow(f, extra)
+
+    cdef int _ring_grow(self, Flow* f, uint32_t extra) except -1:
+        cdef uint32_t newcap = f.cap if f.cap else 4, k
         cdef Req* r
-        newcap = f.cap * 2 if f.cap else 4
+        if <uint64_t>f.count + extra > (<uint64_t>1 << 31):
+            raise OverflowError("too many requests waiting in one flow (at most 2**31)")
+        while newcap < f.count + extra:
+            newcap *= 2
         r = <Req*>PyMem_Malloc(newcap * sizeof(Req))
         if r == NULL:
             raise MemoryError()
@@ -384,55 +638,71 @@ cdef class Scheduler:
         f.head = 0
         return 0
 
-    cdef int32_t _new_slot(self, object key) except -1:
-        cdef int32_t slot, newcap
+    cdef int _slot_reserve(self, Py_ssize_t extra) except -1:
+        """Room for ``extra`` new flows: slot arrays and the flow table."""
+        cdef int32_t newcap
         cdef void* p
+        cdef Py_ssize_t need = <Py_ssize_t>self._nslots + extra - self._nfree
+        if need > 0x7FFFFFF0:
+            raise OverflowError("too many flows (at most 2**31)")
+        if need > self._slotcap:
+            newcap = self._slotcap
+            while newcap < need:
+                newcap *= 2
+            p = PyMem_Realloc(self._flows, newcap * sizeof(Flow))
+            if p == NULL:
+                raise MemoryError()
+            self._flows = <Flow*>p
+            p = PyMem_Realloc(self._pos, newcap * sizeof(int32_t))
+            if p == NULL:
+                raise MemoryError()
+            self._pos = <int32_t*>p
+            p = PyMem_Realloc(self._free, newcap * sizeof(int32_t))
+            if p == NULL:
+                raise MemoryError()
+            self._free = <int32_t*>p
+            self._slotcap = newcap
+        self._freserve(extra)
+        return 0
+
+    cdef int32_t _new_slot(self, object key, Py_hash_t h) noexcept:
+        """A DORMANT flow for ``key`` at S = v; room reserved by the caller (_slot_reserve),
+        so nothing here fails and no Python code runs."""
+        cdef int32_t slot
         cdef Flow* f
         if self._nfree > 0:
             self._nfree -= 1
             slot = self._free[self._nfree]
         else:
-            if self._nslots == self._slotcap:
-                newcap = self._slotcap * 2
-                p = PyMem_Realloc(self._flows, newcap * sizeof(Flow))
-                if p == NULL:
-                    raise MemoryError()
-                self._flows = <Flow*>p
-                p = PyMem_Realloc(self._pos, newcap * sizeof(int32_t))
-                if p == NULL:
-                    raise MemoryError()
-                self._pos = <int32_t*>p
-                p = PyMem_Realloc(self._free, newcap * sizeof(int32_t))
-                if p == NULL:
-                    raise MemoryError()
-                self._free = <int32_t*>p
-                self._slotcap = newcap
             slot = self._nslots
             self._nslots += 1
-            f = &self._flows[slot]
-            f.ring = NULL
-            f.cap = 0
-        self._index[key] = slot
         f = &self._flows[slot]
         f.S = self._v
         f.weight = 1.0
+        f.ring = NULL
+        f.cap = 0
         f.head = 0
         f.count = 0
         f.live = 0
+        f.batch = 0
         f.state = DORMANT
+        f.hash = h
         Py_INCREF(key)
         f.key = <PyObject*>key
         self._pos[slot] = -1
+        self._fput(h, slot)
         return slot
 
-    cdef void _forget(self, int32_t slot):
+    cdef void _forget(self, int32_t slot) noexcept:
         cdef Flow* f = &self._flows[slot]
-        cdef object key = <object>f.key
         if self._ckey == f.key:
             self._ckey = NULL
-        del self._index[key]
-        Py_DECREF(key)
+        self._fdel(slot)
+        self._bury(f.key)
         f.key = NULL
+        PyMem_Free(f.ring)
+        f.ring = NULL
+        f.cap = 0
         f.state = FREE
         self._free[self._nfree] = slot
         self._nfree += 1
@@ -443,27 +713,29 @@ cdef class Scheduler:
             f.head = (f.head + 1) & mask
             f.count -= 1
 
-    cdef int _leave(self, int32_t slot) except -1:
-        """The flow has no waiting request left: out of the competition, meter kept."""
+    cdef void _park(self, int32_t slot) noexcept:
+        """The flow has no waiting request and does not compete: idle until v passes S.
+        Room in the idle heap reserved by the caller."""
         cdef Flow* f = &self._flows[slot]
-        self._heap_reserve(&self._idle)
         f.state = IDLE
         PyMem_Free(f.ring)  # an idle flow keeps no buffer (memory per idle flow stays small)
         f.ring = NULL
         f.cap = 0
         f.head = 0
+        f.count = 0
         self._heap_push(&self._idle, f.S, 0, slot)
-        if self._wait.n == 0 and self._max_finish > self._v:  # global idle: close the busy period
-            self._v = self._max_finish
-        return 0
 
-    cdef inline int _after_v_moved(self) except -1:
+    cdef inline void _idle_rule(self) noexcept nogil:
+        # the system is idle (nothing competes, no work in flight): close the busy period
+        if self._wait.n == 0 and self._in_flight == 0 and self._max_finish > self._v:
+            self._v = self._max_finish
+
+    cdef inline void _after_v_moved(self) noexcept:
         """Forget idle flows that v has reached; renormalise if v grew large."""
         if (self._idle.n and self._idle.a[0].S <= self._v) or self._v >= RENORM_AT:
-            return self._after_v_moved_slow()
-        return 0
+            self._after_v_moved_slow()
 
-    cdef int _after_v_moved_slow(self) except -1:
+    cdef void _after_v_moved_slow(self) noexcept:
         cdef int32_t slot
         cdef Heap* h = &self._idle
         while h.n and h.a[0].S <= self._v:
@@ -475,9 +747,8 @@ cdef class Scheduler:
                 self._flows[slot].state = DORMANT
         if self._v >= RENORM_AT:
             self._renormalise()
-        return 0
 
-    cdef void _renormalise(self):
+    cdef void _renormalise(self) noexcept:
         cdef int64_t d = self._v
         cdef int32_t s
         cdef Py_ssize_t i
@@ -486,7 +757,7 @@ cdef class Scheduler:
             f = &self._flows[s]
             if f.state != FREE:
                 if f.S < d:
-                    f.S = d  # only DORMANT flows are below v; rejoining would raise them to v
+                    f.S = d  # only flows that do not compete are below v; rejoining raises them to v
                 f.S -= d
         for i in range(self._wait.n):
             self._wait.a[i].S -= d
@@ -495,25 +766,8 @@ cdef class Scheduler:
         self._max_finish -= d
         self._v = 0
         self._last_shift = d
-        self._base = self._base + d
+        self._base = self._base + d  # a small int addition: no Python code of the caller's runs
         self.renormalisations += 1
-
-    cdef inline int32_t _lookup(self, object flow) except -2:
-        """The flow's slot, -1 if unknown; TypeError naming an unhashable flow id."""
-        cdef object o
-        cdef int32_t slot
-        if <PyObject*>flow == self._ckey:
-            return self._cslot
-        try:
-            o = self._index.get(flow)
-        except TypeError:
-            raise _unhashable(flow) from None
-        if o is None:
-            return -1
-        slot = <int32_t>PyLong_AsSsize_t(o)
-        self._ckey = self._flows[slot].key
-        self._cslot = slot
-        return slot
 
     # =================================================================== queries
     def __len__(self):
@@ -521,13 +775,18 @@ cdef class Scheduler:
 
     @property
     def waiting_flows(self):
-        """Flows with at least one waiting request."""
+        """Flows with a waiting request that compete for dispatch (suspended ones do not)."""
         return self._wait.n
 
     @property
     def known_flows(self):
         """Flows the scheduler holds state for (waiting, or idle with information)."""
-        return len(self._index)
+        return self._fcount
+
+    @property
+    def in_flight(self):
+        """Work reported by ``work_started()`` and not yet by ``work_done()``."""
+        return self._in_flight
 
     @property
     def virtual_time(self):
@@ -536,24 +795,53 @@ cdef class Scheduler:
 
     def meter(self, flow):
         """The flow's meter S in cost units (v for a flow with no state, or idle below v)."""
-        cdef int32_t slot = self._lookup(flow)
-        if slot < 0:
-            return _units(self._base, self._v)
-        return _units(self._base, max(self._flows[slot].S, self._v))
+        cdef Py_hash_t h
+        cdef int32_t slot
+        cdef int64_t S
+        self._enter()
+        try:
+            slot = self._lookup(flow, &h)
+            S = self._v if slot < 0 else max(self._flows[slot].S, self._v)
+        finally:
+            self._leave_method()
+        return _units(self._base, S)
 
     def pending(self, flow):
         """Waiting requests of ``flow``."""
-        cdef int32_t slot = self._lookup(flow)
-        return 0 if slot < 0 else self._flows[slot].live
+        cdef Py_hash_t h
+        cdef int32_t slot
+        self._enter()
+        try:
+            slot = self._lookup(flow, &h)
+            return 0 if slot < 0 else self._flows[slot].live
+        finally:
+            self._leave_method()
 
     def weight(self, flow):
         """The flow's weight (1.0 unless set)."""
-        cdef int32_t slot = self._lookup(flow)
-        return 1.0 if slot < 0 else self._flows[slot].weight
+        cdef Py_hash_t h
+        cdef int32_t slot
+        self._enter()
+        try:
+            slot = self._lookup(flow, &h)
+            return 1.0 if slot < 0 else self._flows[slot].weight
+        finally:
+            self._leave_method()
+
+    def suspended(self, flow):
+        """Whether ``flow`` is suspended (out of the competition)."""
+        cdef Py_hash_t h
+        cdef int32_t slot
+        self._enter()
+        try:
+            slot = self._lookup(flow, &h)
+            return slot >= 0 and self._flows[slot].state == SUSPENDED
+        finally:
+            self._leave_method()
 
     def __repr__(self):
-        return (f"<sfq.Scheduler compiled: {self._tcount} waiting in {self._wait.n} flows, "
-                f"{len(self._index)} known, v={self.virtual_time!r}>")
+        return (f"<sfq.Scheduler compiled: {self._tcount} waiting in {self._wait.n} competing flows, "
+                f"{self._fcount} known, v={self.virtual_time!r}>")
 
     # =================================================================== events
     cdef inline double _cost(self, object cost) except -1.0:
@@ -568,53 +856,69 @@ cdef class Scheduler:
                 return _check_cost(cost)  # raises
             c = <double>lv
         else:
-            return _check_cost(cost)
+            return _check_cost(cost)  # runs the cost's own conversion; the guard is up
         if not (c > 0.0 and c <= MAX_COST_D):
             return _check_cost(cost)  # raises, naming the value
         return c
 
-    cdef int64_t _enqueue(self, object flow, double c, object item, int32_t slot) except -1:
-        cdef Flow* f
-        cdef int64_t ticket
-        cdef Req* r
-        if slot < 0:
-            self._heap_reserve(&self._wait)
-            self._treserve()
-            slot = self._new_slot(flow)
-            f = &self._flows[slot]
-        else:
-            f = &self._flows[slot]
-            if f.state != WAITING:
-                self._heap_reserve(&self._wait)
-            self._treserve()
-        self._ring_reserve(f)  # everything that can fail has now been done
-        ticket = self._next_ticket
-        self._next_ticket += 1
-        r = &f.ring[(f.head + f.count) & (f.cap - 1)]
+    cdef inline void _append(self, int32_t slot, int64_t ticket, double c, PyObject* item) noexcept:
+        """Append a request to the flow (room in its ring, the ticket table and, if it joins,
+        the wait heap reserved by the caller): nothing fails, no Python code runs."""
+        cdef Flow* f = &self._flows[slot]
+        cdef Req* r = &f.ring[(f.head + f.count) & (f.cap - 1)]
         r.ticket = ticket
         r.cost = c
-        Py_INCREF(item)
-        r.item = <PyObject*>item
+        Py_INCREF(<object>item)
+        r.item = item
         f.count += 1
         f.live += 1
         self._tput(ticket, slot)
-        if f.state != WAITING:  # (re)join: S = max(S, v)
+        if f.state == WAITING:
+            self._ready += 1
+        elif f.state != SUSPENDED:  # (re)join: S = max(S, v)
             if f.state == IDLE:
                 self._heap_remove(&self._idle, self._pos[slot])
             if f.S < self._v:
                 f.S = self._v
             f.state = WAITING
-            self._heap_push(&self._wait, f.S, ticket, slot)
-        return ticket
+            self._ready += 1
+            self._heap_push(&self._wait, f.S, f.ring[f.head].ticket, slot)
 
     def enqueue(self, flow, cost, item=None):
         """Append a request to ``flow``'s FIFO; returns its ticket."""
-        cdef int32_t slot = self._lookup(flow)
-        cdef double c = self._cost(cost)
-        return self._enqueue(flow, c, item, slot)
+        cdef Py_hash_t h = 0
+        cdef int32_t slot
+        cdef double c
+        cdef int64_t ticket
+        cdef Flow* f
+        self._enter()
+        try:
+            slot = self._lookup(flow, &h)
+            c = self._cost(cost)
+            # every allocation before the first change
+            self._treserve(1)
+            self._heap_reserve(&self._wait, 1)
+            if slot < 0:
+                self._slot_reserve(1)
+                slot = self._new_slot(flow, h)
+                f = &self._flows[slot]
+                try:
+                    self._ring_reserve(f, 1)
+                except BaseException:
+                    self._forget(slot)  # undo the new slot: nothing changed
+                    raise
+            else:
+                self._ring_reserve(&self._flows[slot], 1)
+            ticket = self._next_ticket
+            self._next_ticket += 1
+            self._append(slot, ticket, c, <PyObject*>item)
+            return ticket
+        finally:
+            self._leave_method()
 
-    cdef int _pop(self, Popped* out) except -1:
-        """Dispatch the head of the flow with the smallest (S, head ticket); wait heap non-empty."""
+    cdef void _pop(self, Popped* out) noexcept:
+        """Dispatch the head of the flow with the smallest (S, head ticket). The wait heap is
+        non-empty and the idle heap has room for one more entry (reserved by the caller)."""
         cdef Entry* top = &self._wait.a[0]
         cdef int32_t slot = top.slot
         cdef Flow* f = &self._flows[slot]
@@ -622,10 +926,10 @@ cdef class Scheduler:
         cdef Entry e
         cdef int64_t start = top.S
         cdef Py_ssize_t renorms = self.renormalisations
-        self._heap_reserve(&self._idle)  # the one allocation a pop may need, before any change
         f.head = (f.head + 1) & (f.cap - 1)
         f.count -= 1
         f.live -= 1
+        self._ready -= 1
         self._tdel(r.ticket)
         self._v = start
         f.S = start + <int64_t>ceil(r.cost * SCALE_D / f.weight)
@@ -648,107 +952,266 @@ cdef class Scheduler:
             sfq_sift_root(self._wait.a, self._pos, self._wait.n, e)
         else:
             self._heap_remove(&self._wait, 0)
-            self._leave(slot)
+            self._park(slot)
+            self._idle_rule()
         self._after_v_moved()
         self._prefetch_next()
         if self.renormalisations != renorms:  # keep start/finish relative to the new _base
             out.start -= self._last_shift
             out.finish -= self._last_shift
-        return 0
 
     cdef inline void _prefetch_next(self) noexcept nogil:
         """Start loading what the next dispatch and enqueue will touch (the new root's flow
         record and its ticket's table cell, the next ticket's cell) while the caller's
         Python runs in between: on a large scheduler these are cache misses otherwise."""
         cdef Entry* top
-        sfq_prefetch(&self._tkey[self._thash(self._next_ticket) & self._tmask])
+        sfq_prefetch(&self._tkey[_mix(<uint64_t>self._next_ticket) & self._tmask])
         if self._wait.n:
             top = &self._wait.a[0]
             sfq_prefetch(&self._flows[top.slot])
-            sfq_prefetch(&self._tkey[self._thash(top.ticket) & self._tmask])
-
-    cdef Dispatch _dispatch(self):
-        cdef Popped p
-        cdef Dispatch d = Dispatch.__new__(Dispatch)
-        self._pop(&p)
-        d.flow = <object>p.key
-        Py_DECREF(<object>p.key)
-        d.item = <object>p.item
-        Py_DECREF(<object>p.item)
-        d.cost = p.cost
-        d.ticket = p.ticket
-        d._start = p.start
-        d._finish = p.finish
-        d._base = self._base
-        return d
+            sfq_prefetch(&self._tkey[_mix(<uint64_t>top.ticket) & self._tmask])
 
     def dispatch(self):
-        """Dispatch the head request of the waiting flow with the smallest meter, or None."""
-        if self._wait.n == 0:
-            return None
-        return self._dispatch()
+        """Dispatch the head request of the competing flow with the smallest meter, or None."""
+        cdef Popped p
+        cdef Dispatch d
+        self._enter()
+        try:
+            if self._wait.n == 0:
+                return None
+            d = Dispatch.__new__(Dispatch)  # the allocations that can fail come first
+            self._heap_reserve(&self._idle, 1)
+            self._pop(&p)
+            d.flow = <object>p.key
+            Py_DECREF(<object>p.key)
+            d.item = <object>p.item
+            Py_DECREF(<object>p.item)
+            d.cost = p.cost
+            d.ticket = p.ticket
+            d._start = p.start
+            d._finish = p.finish
+            d._base = self._base
+            return d
+        finally:
+            self._leave_method()
+
+    def peek(self):
+        """What ``dispatch()`` would return now, changing nothing; None when nothing competes."""
+        cdef Dispatch d
+        cdef Entry* top
+        cdef Flow* f
+        cdef Req* r
+        self._enter()
+        try:
+            if self._wait.n == 0:
+                return None
+            d = Dispatch.__new__(Dispatch)
+            top = &self._wait.a[0]
+            f = &self._flows[top.slot]
+            r = &f.ring[f.head]
+            d.flow = <object>f.key
+            d.item = <object>r.item
+            d.cost = r.cost
+            d.ticket = r.ticket
+            d._start = top.S
+            d._finish = top.S + <int64_t>ceil(r.cost * SCALE_D / f.weight)
+            d._base = self._base
+            return d
+        finally:
+            self._leave_method()
 
     def cancel(self, ticket):
         """Remove a still-waiting request, uncharged. False if unknown or already dispatched."""
         cdef int64_t t, j
         cdef int32_t slot
         cdef Flow* f
-        cdef uint32_t lo, hi, mid, mask, idx
+        cdef uint32_t lo, hi, mid, mask
         cdef Req* r
+        self._enter()
         try:
-            t = operator.index(ticket)
-        except (TypeError, OverflowError):
-            return False
-        if t <= 0:
-            return False
-        j = self._tfind(t)
-        if j < 0:
-            return False
-        slot = self._tval[j]
-        self._tdel_at(<uint64_t>j)
-        f = &self._flows[slot]
-        mask = f.cap - 1
-        lo = 0
-        hi = f.count
-        while lo < hi:  # tickets increase along the ring; tombstones keep |ticket|
-            mid = (lo + hi) >> 1
-            r = &f.ring[(f.head + mid) & mask]
-            if (r.ticket if r.ticket > 0 else -r.ticket) < t:
-                lo = mid + 1
-            else:
-                hi = mid
-        idx = (f.head + lo) & mask
-        r = &f.ring[idx]
-        r.ticket = -t
-        Py_XDECREF(r.item)
-        r.item = NULL
-        f.live -= 1
-        if lo == 0:  # the head changed: re-key, or leave
-            self._drop_tombstones(f)
-            if f.count:
-                self._wait.a[self._pos[slot]].ticket = f.ring[f.head].ticket
-                sfq_sift_down(self._wait.a, self._pos, self._wait.n, self._pos[slot], self._wait.a[self._pos[slot]])
-            else:
-                self._heap_remove(&self._wait, self._pos[slot])
-                self._leave(slot)
-                self._after_v_moved()
-        return True
+            try:
+                t = operator.index(ticket)
+            except (TypeError, OverflowError):
+                return False
+            if t <= 0:
+                return False
+            j = self._tfind(t)
+            if j < 0:
+                return False
+            self._heap_reserve(&self._idle, 1)  # before any change
+            slot = self._tval[j]
+            self._tdel_at(<uint64_t>j)
+            f = &self._flows[slot]
+            mask = f.cap - 1
+            lo = 0
+            hi = f.count
+            while lo < hi:  # tickets increase along the ring; tombstones keep |ticket|
+                mid = (lo + hi) >> 1
+                r = &f.ring[(f.head + mid) & mask]
+                if (r.ticket if r.ticket > 0 else -r.ticket) < t:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            r = &f.ring[(f.head + lo) & mask]
+            r.ticket = -t
+            self._bury(r.item)  # the payload is released when this call is done
+            r.item = NULL
+            f.live -= 1
+            if f.state == WAITING:
+                self._ready -= 1
+            if lo == 0:  # the head changed: re-key, or leave
+                self._drop_tombstones(f)
+                if f.state == WAITING:
+                    if f.count:
+                        self._heap_rekey(&self._wait, self._pos[slot], f.S, f.ring[f.head].ticket)
+                    else:
+                        self._heap_remove(&self._wait, self._pos[slot])
+                        self._park(slot)
+                        self._idle_rule()
+                        self._after_v_moved()
+            return True
+        finally:
+            self._leave_method()
 
     def set_weight(self, flow, weight):
         """Weight (> 0) for this flow's future charges: a charge is cost / weight."""
-        cdef int32_t slot = self._lookup(flow)
+        cdef Py_hash_t h = 0
+        cdef int32_t slot
         cdef double w
-        if type(weight) is float and MIN_WEIGHT_D <= PyFloat_AS_DOUBLE(weight) <= MAX_WEIGHT_D:
-            w = PyFloat_AS_DOUBLE(weight)
-        else:
-            w = _check_weight(weight)
-        if slot < 0:
-            if w == 1.0:
+        self._enter()
+        try:
+            slot = self._lookup(flow, &h)
+            if type(weight) is float and MIN_WEIGHT_D <= PyFloat_AS_DOUBLE(weight) <= MAX_WEIGHT_D:
+                w = PyFloat_AS_DOUBLE(weight)
+            else:
+                w = _check_weight(weight)
+            if slot < 0:
+                if w == 1.0:
+                    return
+                self._slot_reserve(1)
+                slot = self._new_slot(flow, h)
+            self._flows[slot].weight = w
+            if w == 1.0 and self._flows[slot].state == DORMANT:
+                self._forget(slot)
+        finally:
+            self._leave_method()
+
+    def suspend(self, flow):
+        """Take ``flow`` out of the competition: its requests keep waiting (``pending``,
+        ``cancel`` and ``len`` see them) but no dispatch picks it until ``resume``."""
+        cdef Py_hash_t h = 0
+        cdef int32_t slot
+        cdef Flow* f
+        self._enter()
+        try:
+            slot = self._lookup(flow, &h)
+            if slot < 0:
+                self._slot_reserve(1)
+                slot = self._new_slot(flow, h)
+            f = &self._flows[slot]
+            if f.state == SUSPENDED:
                 return
-            slot = self._new_slot(flow)
-        self._flows[slot].weight = w
-        if w == 1.0 and self._flows[slot].state == DORMANT:
-            self._forget(slot)
+            if f.state == WAITING:
+                self._heap_remove(&self._wait, self._pos[slot])
+                self._ready -= f.live
+                f.state = SUSPENDED
+                self._idle_rule()
+                self._after_v_moved()
+            else:
+                if f.state == IDLE:
+                    self._heap_remove(&self._idle, self._pos[slot])
+                f.state = SUSPENDED
+        finally:
+            self._leave_method()
+
+    def resume(self, flow):
+        """Put a suspended ``flow`` back: with waiting requests it rejoins at ``S = max(S, v)``."""
+        cdef Py_hash_t h = 0
+        cdef int32_t slot
+        cdef Flow* f
+        self._enter()
+        try:
+            slot = self._lookup(flow, &h)
+            if slot < 0 or self._flows[slot].state != SUSPENDED:
+                return
+            f = &self._flows[slot]
+            if f.count:
+                self._heap_reserve(&self._wait, 1)
+                if f.S < self._v:
+                    f.S = self._v
+                f.state = WAITING
+                self._ready += f.live
+                self._heap_push(&self._wait, f.S, f.ring[f.head].ticket, slot)
+            else:
+                self._heap_reserve(&self._idle, 1)
+                self._park(slot)
+                self._after_v_moved()
+        finally:
+            self._leave_method()
+
+    def adjust(self, flow, delta):
+        """Correct ``flow``'s meter by ``delta`` cost units (negative: a refund), divided by
+        its weight like a charge. A competing flow is re-keyed and never falls below ``v``."""
+        cdef Py_hash_t h = 0
+        cdef int32_t slot
+        cdef double d
+        cdef int64_t sub, base, new
+        cdef Flow* f
+        self._enter()
+        try:
+            slot = self._lookup(flow, &h)
+            d = _check_delta(delta)
+            if d == 0.0:
+                return
+            sub = _adjustment(d, 1.0 if slot < 0 else self._flows[slot].weight)
+            base = self._v if slot < 0 else max(self._flows[slot].S, self._v)
+            if sub > MAX_LEAD - (base - self._v):
+                raise _lead_overflow(flow, delta)
+            new = base + sub
+            if new < self._v:
+                new = self._v
+            if slot < 0:
+                if new <= self._v:
+                    return  # a refund to a flow with no state: it would start at v anyway
+                self._slot_reserve(1)
+                self._heap_reserve(&self._idle, 1)
+                slot = self._new_slot(flow, h)
+            else:
+                self._heap_reserve(&self._idle, 1)
+            f = &self._flows[slot]
+            f.S = new
+            if new > self._max_finish:
+                self._max_finish = new
+            if f.state == WAITING:
+                self._heap_rekey(&self._wait, self._pos[slot], new, self._wait.a[self._pos[slot]].ticket)
+            elif f.state == IDLE:
+                self._heap_rekey(&self._idle, self._pos[slot], new, 0)
+                self._after_v_moved()
+            elif f.state == DORMANT:
+                if new > self._v:
+                    self._park(slot)
+        finally:
+            self._leave_method()
+
+    def work_started(self):
+        """The caller started work (a request went to a server): the busy period stays open
+        until the matching ``work_done()``, even when no request waits here."""
+        self._enter()
+        self._in_flight += 1
+        self._owner = 0
+
+    def work_done(self):
+        """Work reported by ``work_started()`` ended. When it was the last and no flow
+        competes, the idle rule closes the busy period."""
+        self._enter()
+        try:
+            if self._in_flight == 0:
+                raise ValueError("work_done() without a matching work_started(): no work is in flight")
+            self._in_flight -= 1
+            self._idle_rule()
+            self._after_v_moved()
+        finally:
+            self._leave_method()
 
     # =================================================================== batches
     def enqueue_many(self, flows, costs, items=None):
@@ -757,58 +1220,169 @@ cdef class Scheduler:
         nothing. Returns the tickets as an int64 numpy array."""
         cdef list fl
         cdef double[::1] cv
-        cdef Py_ssize_t i, n
+        cdef Py_ssize_t i, n, nnew = 0, joins = 0, made = 0
         cdef int32_t slot
-        cdef int32_t* slots
-        cdef object flow, item = None
-        cdef int64_t first = self._next_ticket
-        fl, arr, its = _check_batch(flows, costs, items, False)
-        n = len(fl)
-        cv = arr
-        slots = <int32_t*>PyMem_Malloc(max(n, 1) * sizeof(int32_t))
-        if slots == NULL:
-            raise MemoryError()
+        cdef int32_t* slots = NULL
+        cdef Py_hash_t* hashes = NULL
+        cdef Py_hash_t h = 0
+        cdef Flow* f
+        cdef object flow
+        cdef PyObject* item
+        cdef int64_t first
+        cdef dict newmap
+        np = _numpy()
+        self._enter()
         try:
-            # pass 1: look every flow up (a TypeError for an unhashable id, before any change)
-            for i in range(n):
-                slots[i] = self._lookup(<object>PyList_GET_ITEM(fl, i))
-            # pass 2: enqueue; a flow unknown in pass 1 may have been created by an earlier entry
+            fl, arr, its = _check_batch(flows, costs, items, False)
+            n = len(fl)
+            cv = arr
+            tickets = np.arange(self._next_ticket, self._next_ticket + n, dtype=np.int64)
+            slots = <int32_t*>PyMem_Malloc(max(n, 1) * sizeof(int32_t))
+            hashes = <Py_hash_t*>PyMem_Malloc(max(n, 1) * sizeof(Py_hash_t))
+            if slots == NULL or hashes == NULL:
+                raise MemoryError()
+            # pass 1, Python code allowed, no change: look every flow up; flows new to the
+            # scheduler get the index of their first entry, encoded as -2 - index
+            newmap = {}
             for i in range(n):
                 flow = <object>PyList_GET_ITEM(fl, i)
-                if its is not None:
-                    item = <object>PyList_GET_ITEM(its, i)
-                slot = slots[i]
+                slot = self._lookup(flow, &h)
                 if slot < 0:
-                    slot = self._lookup(flow)
-                self._enqueue(flow, cv[i], item, slot)
+                    o = newmap.get(flow)
+                    if o is None:
+                        newmap[flow] = i
+                        hashes[i] = h
+                        nnew += 1
+                        slot = -2 - i
+                    else:
+                        slot = -2 - <Py_ssize_t>o
+                slots[i] = slot
+            # pass 2, no Python code: reserve everything, making the new flows' slots
+            self._treserve(n)
+            self._slot_reserve(nnew)
+            for i in range(n):
+                if slots[i] == -2 - i:
+                    slots[i] = self._new_slot(<object>PyList_GET_ITEM(fl, i), hashes[i])
+                    made += 1
+                elif slots[i] < -1:
+                    slots[i] = slots[-2 - slots[i]]
+            try:
+                for i in range(n):
+                    f = &self._flows[slots[i]]
+                    if f.batch == 0 and f.state != WAITING and f.state != SUSPENDED:
+                        joins += 1
+                    f.batch += 1
+                self._heap_reserve(&self._wait, joins)
+                for i in range(n):
+                    f = &self._flows[slots[i]]
+                    if f.batch:
+                        self._ring_reserve(f, f.batch)
+                        f.batch = 0
+            except BaseException:
+                for i in range(n):  # undo: the batch enqueues nothing
+                    self._flows[slots[i]].batch = 0
+                for i in range(n):
+                    if self._flows[slots[i]].state == DORMANT and self._flows[slots[i]].count == 0 \
+                            and self._flows[slots[i]].weight == 1.0:
+                        self._forget(slots[i])  # only the slots this call made are dormant at weight 1
+                raise
+            # pass 3: append, nothing fails
+            first = self._next_ticket
+            self._next_ticket += n
+            for i in range(n):
+                item = <PyObject*>None if its is None else PyList_GET_ITEM(its, i)
+                self._append(slots[i], first + i, cv[i], item)
+            return tickets
         finally:
             PyMem_Free(slots)
-        return np.arange(first, first + n, dtype=np.int64)
+            PyMem_Free(hashes)
+            self._leave_method()
 
-    def dispatch_many(self, Py_ssize_t n):
+    def dispatch_many(self, n):
         """Dispatch up to ``n`` requests, exactly as ``n`` calls of ``dispatch``; returns a
         ``DispatchBatch`` of parallel arrays (fewer than ``n`` entries if the queue ran dry)."""
-        if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
-        cdef Py_ssize_t m = min(n, self._tcount), i
-        cdef object flows = PyList_New(m), items = PyList_New(m)
-        tickets = np.empty(m, dtype=np.int64)
-        costs = np.empty(m, dtype=np.float64)
-        starts = np.empty(m, dtype=np.float64)
-        finishes = np.empty(m, dtype=np.float64)
-        cdef int64_t[::1] tv = tickets
-        cdef double[::1] cv = costs, sv = starts, fv = finishes
+        cdef Py_ssize_t m, i
         cdef Popped p
-        for i in range(m):
-            self._pop(&p)
-            PyList_SET_ITEM(flows, i, p.key)  # steals the references
-            PyList_SET_ITEM(items, i, p.item)
-            tv[i] = p.ticket
-            cv[i] = p.cost
-            if not self._base:
-                sv[i] = _units0(p.start)
-                fv[i] = _units0(p.finish)
-            else:
-                sv[i] = _units(self._base, p.start)
-                fv[i] = _units(self._base, p.finish)
-        return _DispatchBatch(flows, items, tickets, costs, starts, finishes)
+        cdef int64_t[::1] tv
+        cdef double[::1] cv, sv, fv
+        np = _numpy()
+        self._enter()
+        try:
+            k = _check_count(n)
+            m = min(k, self._ready)
+            flows = PyList_New(m)
+            items = PyList_New(m)
+            tickets = np.empty(m, dtype=np.int64)
+            costs = np.empty(m, dtype=np.float64)
+            starts = np.empty(m, dtype=np.float64)
+            finishes = np.empty(m, dtype=np.float64)
+            tv = tickets
+            cv = costs
+            sv = starts
+            fv = finishes
+            self._heap_reserve(&self._idle, min(m, self._wait.n))
+            for i in range(m):
+                self._pop(&p)
+                PyList_SET_ITEM(flows, i, p.key)  # steals the references
+                PyList_SET_ITEM(items, i, p.item)
+                tv[i] = p.ticket
+                cv[i] = p.cost
+                if not self._base:
+                    sv[i] = _units0(p.start)
+                    fv[i] = _units0(p.finish)
+                else:
+                    sv[i] = _units(self._base, p.start)
+                    fv[i] = _units(self._base, p.finish)
+            return _DispatchBatch(flows, items, tickets, costs, starts, finishes)
+        finally:
+            self._leave_method()
+
+
+# ------------------------------------------------------------------- the cycle collector
+# A scheduler owns references held in C buffers (flow ids, payloads): the collector must see
+# them, or a payload that refers back to its scheduler forms a cycle that is never freed.
+cdef sfq_traverseproc _cython_traverse = (<sfq_typeobject*>Scheduler).tp_traverse
+
+
+cdef int _sched_traverse(PyObject* o, sfq_visitproc visit, void* arg) noexcept:
+    cdef Scheduler s = <Scheduler>o
+    cdef int32_t slot
+    cdef uint32_t k
+    cdef Flow* f
+    cdef Py_ssize_t i
+    cdef int r
+    if _cython_traverse != NULL:
+        r = _cython_traverse(o, visit, arg)
+        if r:
+            return r
+    if s._flows == NULL:
+        return 0
+    for slot in range(s._nslots):
+        f = &s._flows[slot]
+        if f.state == FREE:
+            continue
+        if f.key != NULL:
+            r = visit(f.key, arg)
+            if r:
+                return r
+        for k in range(f.count):
+            if f.ring[(f.head + k) & (f.cap - 1)].item != NULL:
+                r = visit(f.ring[(f.head + k) & (f.cap - 1)].item, arg)
+                if r:
+                    return r
+    for i in range(s._ngrave):
+        r = visit(s._grave[i], arg)
+        if r:
+            return r
+    return 0
+
+
+cdef int _sched_clear(PyObject* o) noexcept:
+    cdef Scheduler s = <Scheduler>o
+    s._release_all()
+    return 0
+
+
+assert (<sfq_typeobject*>Scheduler).tp_flags & Py_TPFLAGS_HAVE_GC
+(<sfq_typeobject*>Scheduler).tp_traverse = _sched_traverse
+(<sfq_typeobject*>Scheduler).tp_clear = _sched_clear
