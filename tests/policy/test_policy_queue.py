@@ -1,0 +1,421 @@
+"""Ordering and limits per pool, each rule on an injected clock (no sleeps)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+from policy_helpers import Clock, policy
+
+from sfq.errors import BackendHTTPError, Refused
+from sfq.policy import Flow, Policy, PolicyEngine, Request
+
+ONE_SLOT = """
+  p:
+    models: [m]
+    backends: [{url: "http://127.0.0.1:9", max_in_flight: 1}]
+"""
+
+
+def engine(pol: Policy, clock: Clock, core) -> PolicyEngine:
+    return PolicyEngine(pol, clock=clock, scheduler=core)
+
+
+def drain(e: PolicyEngine, n: int, clock: Clock | None = None, dt: float = 0.0) -> list[Request]:
+    """Start and complete one request at a time, ``n`` times; returns them in start order."""
+    out = []
+    running: list[Request] = []
+    while len(out) < n:
+        started = e.poll()
+        running += started
+        out += started
+        if not running:
+            break
+        if clock is not None:
+            clock.advance(dt)
+        e.complete(running.pop(0))
+    return out[:n]
+
+
+# ------------------------------------------------------------------ strict classes
+STRICT = """
+  system: {strict: true, max_in_flight: 2, max_queue_length: 10}
+  interactive: {weight: 1}
+"""
+
+
+def test_strict_first_but_capped(clock: Clock, core) -> None:
+    pol = policy(pools="""
+      p:
+        models: [m]
+        backends: [{url: "http://127.0.0.1:9", max_in_flight: 6}]
+    """, classes=STRICT, orgs="""
+      a: {keys: [ka], classes: [interactive, system]}
+    """)
+    e = engine(pol, clock, core)
+    inter = [e.submit(Flow("a", "interactive", "p"), cost=1) for _ in range(10)]
+    sys_ = [e.submit(Flow("a", "system", "p"), cost=1) for _ in range(5)]
+    started = e.poll()
+    assert len(started) == 6
+    assert sum(r.flow.cls == "system" for r in started) == 2  # never more than its max_in_flight
+    assert started[:2] == sys_[:2]  # strict goes first
+    assert [r for r in started if r.flow.cls == "interactive"] == inter[:4]
+    e.complete(started[0])  # a system request ends: the next system one takes its place
+    assert e.poll() == [sys_[2]]
+    e.complete(started[3])  # an interactive one ends: strict still first, but at its cap
+    assert e.poll() == [inter[4]]
+
+
+def test_strict_org_at_its_limit_does_not_block_other_orgs(clock: Clock, core) -> None:
+    pol = policy(classes=STRICT, orgs="""
+      a: {keys: [ka], classes: [system], max_in_flight: 1}
+      b: {keys: [kb], classes: [system]}
+    """)
+    e = engine(pol, clock, core)
+    a1, a2 = (e.submit(Flow("a", "system", "p"), cost=1) for _ in range(2))
+    b1 = e.submit(Flow("b", "system", "p"), cost=1)
+    assert e.poll() == [a1, b1]  # a2 waits for a's slot; b1 passes it
+    e.complete(b1)
+    assert e.poll() == []
+    e.complete(a1)
+    assert e.poll() == [a2]
+
+
+# ------------------------------------------------------------------ weighted sharing
+def test_weighted_classes_share_by_cost(clock: Clock, core) -> None:
+    pol = policy(pools=ONE_SLOT, classes="""
+      interactive: {weight: 3}
+      batch: {weight: 1}
+    """, orgs="""
+      a: {keys: [ka], classes: [batch]}
+      b: {keys: [kb], classes: [interactive]}
+    """)
+    e = engine(pol, clock, core)
+    for _ in range(400):
+        e.submit(Flow("a", "batch", "p"), cost=10)
+        e.submit(Flow("b", "interactive", "p"), cost=10)
+    got = Counter(r.flow.org for r in drain(e, 400))
+    assert abs(got["b"] - 300) <= 1 and abs(got["a"] - 100) <= 1
+    # and by cost, not by count: b's requests cost 3x as much, so they now share 1:1
+    e2 = engine(pol, clock, core)
+    for _ in range(400):
+        e2.submit(Flow("a", "batch", "p"), cost=10)
+        e2.submit(Flow("b", "interactive", "p"), cost=30)
+    got = Counter(r.flow.org for r in drain(e2, 400))
+    assert abs(got["a"] - got["b"]) <= 2
+
+
+def test_org_weight_multiplies_class_weight(clock: Clock, core) -> None:
+    pol = policy(pools=ONE_SLOT, classes="""
+      batch: {weight: 2}
+    """, orgs="""
+      a: {keys: [ka], classes: [batch], weight: 3}
+      b: {keys: [kb], classes: [batch]}
+    """)
+    e = engine(pol, clock, core)
+    for _ in range(200):
+        e.submit(Flow("a", "batch", "p"), cost=1)
+        e.submit(Flow("b", "batch", "p"), cost=1)
+    got = Counter(r.flow.org for r in drain(e, 200))
+    assert abs(got["a"] - 150) <= 1
+
+
+# ------------------------------------------------------------------ concurrency limits
+def test_org_limit_holds_the_org_not_the_others_and_banks_no_credit(clock: Clock, core) -> None:
+    pol = policy(pools="""
+      p:
+        models: [m]
+        backends: [{url: "http://127.0.0.1:9", max_in_flight: 3}]
+    """, orgs="""
+      a: {keys: [ka], classes: [batch], max_in_flight: 1}
+      b: {keys: [kb], classes: [batch]}
+    """)
+    e = engine(pol, clock, core)
+    fa, fb = Flow("a", "batch", "p"), Flow("b", "batch", "p")
+    for _ in range(50):
+        e.submit(fa, cost=1)
+        e.submit(fb, cost=1)
+    first = e.poll()
+    assert Counter(r.flow.org for r in first) == {"a": 1, "b": 2}  # a at its limit does not block b
+    q = e.queues["p"]
+    a_run = next(r for r in first if r.flow.org == "a")
+    b_runs = [r for r in first if r.flow.org == "b"]
+    # a stays held while b is served 30 times
+    for _ in range(30):
+        e.complete(b_runs.pop(0))
+        b_runs += e.poll()
+        assert all(r.flow.org == "b" for r in b_runs)
+        assert e.shared.slots[("org", "a")].used == 1
+    assert q.sched.suspended(fa)
+    e.complete(a_run)
+    assert not q.sched.suspended(fa)
+    # it rejoins at max(S, v): no credit for the time it was held
+    assert q.sched.meter(fa) >= q.sched.virtual_time
+    # so it gets its fair turn, not a burst of 30: the next starts alternate a, b at most 1:1 (a's limit 1)
+    nxt = e.poll()
+    assert [r.flow.org for r in nxt] == ["a"]
+
+
+def test_weighted_class_limit(clock: Clock, core) -> None:
+    pol = policy(pools="""
+      p:
+        models: [m]
+        backends: [{url: "http://127.0.0.1:9", max_in_flight: 8}]
+    """, classes="""
+      batch: {weight: 1, max_in_flight: 3}
+      interactive: {weight: 1}
+    """, orgs="""
+      a: {keys: [ka], classes: [batch]}
+      b: {keys: [kb], classes: [batch, interactive]}
+    """)
+    e = engine(pol, clock, core)
+    for _ in range(10):
+        e.submit(Flow("a", "batch", "p"), cost=1)
+        e.submit(Flow("b", "batch", "p"), cost=1)
+        e.submit(Flow("b", "interactive", "p"), cost=1)
+    started = e.poll()
+    assert len(started) == 8
+    assert sum(r.flow.cls == "batch" for r in started) == 3
+
+
+def test_pool_and_backend_limits_and_placement(clock: Clock, core) -> None:
+    pol = policy(pools="""
+      p:
+        models: [m]
+        backends:
+          - {url: "http://127.0.0.1:1", max_in_flight: 4}
+          - {url: "http://127.0.0.1:2", max_in_flight: 2}
+        limits: {max_in_flight: 5}
+    """)
+    e = engine(pol, clock, core)
+    for _ in range(20):
+        e.submit(Flow("a", "batch", "p"), cost=1)
+    started = e.poll()
+    assert len(started) == 5  # the pool's limit, below the backends' 6
+    per = Counter(r.backend for r in started)
+    assert per["http://127.0.0.1:1"] <= 4 and per["http://127.0.0.1:2"] <= 2
+    assert set(per) == {"http://127.0.0.1:1", "http://127.0.0.1:2"}  # least loaded first
+
+
+def test_max_context_placement(clock: Clock, core) -> None:
+    pol = policy(pools="""
+      p:
+        models: [m]
+        backends:
+          - {url: "http://127.0.0.1:1", max_in_flight: 4, max_context: 1000}
+          - {url: "http://127.0.0.1:2", max_in_flight: 4, max_context: 8000}
+    """)
+    e = engine(pol, clock, core)
+    big = e.submit(Flow("a", "batch", "p"), cost=1, need=5000)
+    assert e.poll()[0].backend == "http://127.0.0.1:2" and big.backend == "http://127.0.0.1:2"
+    with pytest.raises(ValueError, match="more than any backend"):
+        e.submit(Flow("a", "batch", "p"), cost=1, need=9000)
+
+
+# ------------------------------------------------------------------ rate limits
+def test_requests_per_minute_bucket(clock: Clock, core) -> None:
+    pol = policy(pools="""
+      p:
+        models: [m]
+        backends: [{url: "http://127.0.0.1:9", max_in_flight: 10}]
+        limits: {requests_per_minute: 2}
+    """)
+    e = engine(pol, clock, core)
+    rs = [e.submit(Flow("a", "batch", "p"), cost=1) for _ in range(4)]
+    assert e.poll() == rs[:2]  # the bucket starts full
+    assert e.poll() == []
+    assert e.wake_at() == pytest.approx(clock.t + 30.0)  # one token per 30 s
+    clock.advance(29.9)
+    assert e.poll() == []
+    clock.advance(0.1)
+    assert e.poll() == [rs[2]]
+
+
+def test_tokens_per_minute_bucket_corrected_from_usage(clock: Clock, core) -> None:
+    pol = policy(pools="""
+      p:
+        models: [m]
+        backends: [{url: "http://127.0.0.1:9", max_in_flight: 10}]
+        limits: {tokens_per_minute: 1000}
+    """)
+    e = engine(pol, clock, core)
+    rs = [e.submit(Flow("a", "batch", "p"), cost=1, tokens=600) for _ in range(3)]
+    assert e.poll() == [rs[0]]  # 600 of 1000; the next needs 600
+    e.complete(rs[0], {"prompt_tokens": 50, "completion_tokens": 50})  # used 100: 500 come back
+    assert e.poll() == [rs[1]]
+    assert e.poll() == []
+    q = e.queues["p"]
+    assert q.tpm is not None and q.tpm.available(clock.t) == pytest.approx(300)
+    assert e.wake_at() == pytest.approx(clock.t + 300 / (1000 / 60))
+
+
+def test_upstream_429_pauses_that_backend_only(clock: Clock, core) -> None:
+    pol = policy(pools="""
+      p:
+        models: [m]
+        backends:
+          - {url: "http://127.0.0.1:1", max_in_flight: 1}
+          - {url: "http://127.0.0.1:2", max_in_flight: 1}
+    """, extra="retry: {max_attempts: 1}\n")
+    e = engine(pol, clock, core)
+    for _ in range(5):
+        e.submit(Flow("a", "batch", "p"), cost=1)
+    r1, r2 = e.poll()
+    err = BackendHTTPError("slow down", backend=r1.backend, status=429)
+    err.retry_after = 10.0  # type: ignore[attr-defined]
+    e.fail(r1, err)
+    assert r1.outcome == "failed"
+    e.complete(r2)
+    started = e.poll()
+    assert [r.backend for r in started] == [r2.backend]  # r1's backend is paused
+    assert e.stats()["pools"]["p"]["backends"][r1.backend]["paused_for"] == pytest.approx(10.0)
+    e.complete(started[0])
+    clock.advance(10.0)
+    assert len(e.poll()) == 2
+    assert e.stats()["flows"]["a/batch/p"]["upstream_429"] == 1
+
+
+def test_org_requests_per_minute_at_admission(clock: Clock, core) -> None:
+    pol = policy(orgs="""
+      a: {keys: [ka], classes: [batch], requests_per_minute: 3}
+      b: {keys: [kb], classes: [batch]}
+    """)
+    e = engine(pol, clock, core)
+    for _ in range(3):
+        e.submit(Flow("a", "batch", "p"), cost=1)
+    with pytest.raises(Refused) as info:
+        e.submit(Flow("a", "batch", "p"), cost=1)
+    assert info.value.reason == "rate_limited"
+    assert info.value.retry_after == pytest.approx(20.0)  # the honest time to the next token
+    e.submit(Flow("b", "batch", "p"), cost=1)  # another org is not affected
+    clock.advance(20.0)
+    e.submit(Flow("a", "batch", "p"), cost=1)
+    assert e.stats()["flows"]["a/batch/p"]["reasons"] == {"rate_limited": 1}
+
+
+# ------------------------------------------------------------------ admission and deadlines
+def test_max_queue_length_counts_waiting_only_with_an_honest_retry_after(clock: Clock, core) -> None:
+    pol = policy(pools=ONE_SLOT, classes="""
+      batch: {weight: 1, max_queue_length: 3, max_queue_age_seconds: 100}
+    """)
+    e = engine(pol, clock, core)
+    rs = [e.submit(Flow("a", "batch", "p"), cost=1)]
+    assert e.poll() == [rs[0]]
+    rs += [e.submit(Flow("a", "batch", "p"), cost=1) for _ in range(3)]  # three wait: the running one is not counted
+    clock.advance(10)
+    with pytest.raises(Refused) as info:
+        e.submit(Flow("a", "batch", "p"), cost=1)
+    assert info.value.reason == "queue_full"
+    # one start in the last minute: about 60 s per start; the oldest waiting one runs out of
+    # queue age in 90 s (by then it has started or been dropped): the sooner is the answer
+    assert info.value.retry_after == pytest.approx(60.0)
+    e.complete(rs[0])
+    assert e.poll() == [rs[1]]
+    e.submit(Flow("a", "batch", "p"), cost=1)  # a place freed
+    with pytest.raises(Refused) as info:
+        e.submit(Flow("a", "batch", "p"), cost=1)
+    # two starts within the last 10 s: one every 30 s; the oldest waiting (rs[2]) ages out in 90 s
+    assert info.value.retry_after == pytest.approx(30.0)
+    clock.advance(75)  # the two starts leave the window; rs[2] has 15 s of queue age left
+    with pytest.raises(Refused) as info:
+        e.submit(Flow("a", "batch", "p"), cost=1)
+    assert info.value.retry_after == pytest.approx(15.0)
+
+
+def test_queue_age_and_deadline_drop_before_start(clock: Clock, core) -> None:
+    pol = policy(pools=ONE_SLOT, classes="""
+      batch: {weight: 1, max_queue_age_seconds: 5}
+    """)
+    e = engine(pol, clock, core)
+    f = Flow("a", "batch", "p")
+    r0 = e.submit(f, cost=1)
+    aged = e.submit(f, cost=1)
+    dl = e.submit(f, cost=1, deadline=clock.t + 2)
+    assert e.poll() == [r0]
+    assert e.wake_at() == pytest.approx(clock.t + 2)
+    clock.advance(2)
+    assert e.poll() == [] and e.dropped == [dl]
+    assert dl.outcome == "refused" and dl.reason == "deadline"
+    clock.advance(3)
+    e.poll()
+    assert aged.outcome == "refused" and aged.reason == "queue_timeout"
+    assert not e.queues["p"].sched.pending(f)  # gone from the core too
+    e.complete(r0)
+    assert e.poll() == [] and not e.live
+    with pytest.raises(Refused) as info:
+        e.submit(f, cost=1, deadline=clock.t)
+    assert info.value.reason == "deadline"
+
+
+def test_cancel_before_start_is_uncharged(clock: Clock, core) -> None:
+    pol = policy(pools=ONE_SLOT, orgs="""
+      a: {keys: [ka], classes: [batch]}
+      b: {keys: [kb], classes: [batch]}
+    """)
+    e = engine(pol, clock, core)
+    ra = e.submit(Flow("a", "batch", "p"), cost=5)
+    rb = e.submit(Flow("b", "batch", "p"), cost=5)
+    assert e.poll() == [ra]
+    before = e.queues["p"].sched.meter(Flow("b", "batch", "p"))
+    e.cancel(rb)
+    assert rb.outcome == "cancelled_before_start"
+    assert e.queues["p"].sched.meter(Flow("b", "batch", "p")) == before
+    e.cancel(ra, work_tokens=12)
+    assert ra.outcome == "cancelled_during_execution"
+    assert e.stats()["flows"]["a/batch/p"]["cancelled_work_tokens"] == 12
+    e.cancel(ra)  # already ended: nothing changes
+    assert ra.outcome == "cancelled_during_execution"
+
+
+# ------------------------------------------------------------------ short work inside a flow
+BUCKETS = """
+  interactive: {weight: 1, small_cost: 100, small_picks: 3}
+"""
+
+
+def test_small_first_but_the_large_one_goes_after_a_bounded_run(clock: Clock, core) -> None:
+    pol = policy(pools=ONE_SLOT, classes=BUCKETS, orgs="""
+      a: {keys: [ka], classes: [interactive]}
+    """)
+    e = engine(pol, clock, core)
+    f = Flow("a", "interactive", "p")
+    big = e.submit(f, cost=5000)
+    small = [e.submit(f, cost=10) for _ in range(10)]
+    order = drain(e, 11)
+    assert order[:4] == [big] + small[:3] or order[:4] == small[:3] + [big]
+    pos = order.index(big)
+    assert pos <= 3  # at most small_picks short ones pass the large one
+    # and the ten short ones are not all held behind the huge one
+    assert sum(1 for r in order[:4] if r in small) >= 3
+
+
+def test_size_buckets_do_not_change_the_flows_share(clock: Clock, core) -> None:
+    orgs = """
+      a: {keys: [ka], classes: [interactive]}
+      b: {keys: [kb], classes: [interactive]}
+    """
+    served = {}
+    for small_cost in ("100", "null"):
+        pol = policy(pools=ONE_SLOT, classes=f"""
+          interactive: {{weight: 1, small_cost: {small_cost}, small_picks: 3}}
+        """, orgs=orgs)
+        e = engine(pol, clock, core)
+        fa, fb = Flow("a", "interactive", "p"), Flow("b", "interactive", "p")
+        for i in range(300):
+            e.submit(fa, cost=1000 if i % 5 == 0 else 10)  # a mixes sizes
+            e.submit(fb, cost=200)
+        order = drain(e, 300)
+        cost = Counter()
+        for r in order:
+            cost[r.flow.org] += r.cost
+        served[small_cost] = cost
+        # every flow is charged exactly what it was served (the core's entry is corrected to the
+        # cost of the request that went), and two backlogged flows of equal weight are served
+        # equal cost within one request of each (SFQ's bound), whatever the order inside a flow
+        q = e.queues["p"]
+        assert q.sched.meter(fa) == pytest.approx(cost["a"])
+        assert q.sched.meter(fb) == pytest.approx(cost["b"])
+        assert abs(cost["a"] - cost["b"]) <= 1000 + 200
+    # the buckets did change the order inside a: short ones went first
+    assert served["100"] != served["null"]
