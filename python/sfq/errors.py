@@ -17,6 +17,7 @@ __all__ = [
     "RequestTooLarge",
     "PolicyError",
     "Refused",
+    "DeadlineExceeded",
 ]
 
 
@@ -140,8 +141,8 @@ class Refused(SFQError):
     """The policy refused a request, or dropped it before it reached a backend.
 
     ``reason`` is one of ``unauthenticated``, ``class_not_allowed``, ``unknown_model``,
-    ``rate_limited``, ``queue_full``, ``queue_timeout``, ``deadline``, ``retry_budget`` (never
-    raised to callers: a retry that is refused ends the request as failed), ``closed``.
+    ``bad_request``, ``too_large``, ``rate_limited``, ``queue_full``, ``queue_timeout``,
+    ``deadline``, ``closed``.
     ``retry_after`` is seconds after which trying again may succeed (``rate_limited``,
     ``queue_full``), else ``None``.
     """
@@ -150,3 +151,9 @@ class Refused(SFQError):
         super().__init__(message)
         self.reason = reason
         self.retry_after = retry_after
+
+
+class DeadlineExceeded(SFQError):
+    """A request's own deadline ran out while it was running (or between retries): the
+    backend call was aborted. (One whose queue age or deadline ran out before it started is
+    ``Refused`` with reason ``queue_timeout`` or ``deadline``.)"""
