@@ -255,6 +255,7 @@ cdef class Scheduler:
     cdef PyObject** _grave      # references to release once the running method is done
     cdef Py_ssize_t _ngrave     # entries in _grave
     cdef Py_ssize_t _gravecap   # entries allocated
+    cdef object __weakref__     # schedulers can be weakly referenced, like the twin
 
     def __cinit__(self):
         cdef Py_ssize_t i

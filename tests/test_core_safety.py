@@ -1,0 +1,432 @@
+"""The core never crashes the interpreter: Python code that runs inside a scheduler method
+(hashing, comparing, converting a cost, releasing a payload), threads, exceptions mid-way
+and reference cycles. Each reproduction is run on both twins through ``make``.
+
+A re-entrant or concurrent call either works as it does in the twin or raises
+``SchedulerBusy`` (a RuntimeError) and changes nothing; references the scheduler releases are
+released after its state is consistent, so a ``__del__`` calling back in succeeds.
+"""
+
+from __future__ import annotations
+
+import gc
+import numbers
+import sys
+import threading
+import weakref
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from core_helpers import dispatch_tuple, snapshot
+
+import sfq
+from sfq.errors import SchedulerBusy
+
+
+class Hook:
+    """A payload whose ``__del__`` runs ``fn``."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __del__(self):
+        self.fn()
+
+
+class Key:
+    """A flow id with a hash of our choosing and an optional hook run on every hash."""
+
+    def __init__(self, h=7, hook=None):
+        self.h = h
+        self.hook = hook
+
+    def __hash__(self):
+        if self.hook is not None:
+            self.hook()
+        return self.h
+
+    def __eq__(self, other):
+        return self is other
+
+    def __repr__(self):
+        return f"Key({self.h})"
+
+
+def drain(s):
+    out = []
+    while (d := s.dispatch()) is not None:
+        out.append(d)
+    return out
+
+
+def consistent(s):
+    """Whatever happened, the scheduler still answers and drains cleanly."""
+    drain(s)
+    assert len(s) == 0 and s.dispatch() is None and s.peek() is None
+    t = s.enqueue("after", 1, "x")
+    d = s.dispatch()
+    assert d.ticket == t and d.item == "x"
+
+
+# ----------------------------------------------------------------- the issue's reproductions
+def test_1_payload_del_dispatches_during_cancel(make):
+    s = make()
+    got = []
+    t = s.enqueue("a", 1, Hook(lambda: got.append(s.dispatch())))
+    s.enqueue("b", 2, "b1")
+    assert s.cancel(t) is True
+    assert [d.item for d in got] == ["b1"], "the __del__ ran after cancel finished, and its dispatch worked"
+    assert got[0].ticket == t + 1
+    assert len(s) == 0 and s.dispatch() is None
+    consistent(s)
+
+
+def test_2_payload_del_enqueues_many_flows_during_cancel(make):
+    s = make()
+
+    def flood():
+        for i in range(100):
+            s.enqueue(("new", i), 1, i)
+
+    t = s.enqueue("a", 1, Hook(flood))
+    assert s.cancel(t)
+    assert len(s) == 100 and s.pending("a") == 0 and s.waiting_flows == 100
+    assert sorted(d.item for d in drain(s)) == list(range(100))
+    consistent(s)
+
+
+def test_3_hash_calls_pending_while_the_flow_is_forgotten(make):
+    s = make()
+    refused = []
+
+    def peek_in():
+        try:
+            s.pending("zzz")
+        except SchedulerBusy as exc:
+            refused.append(str(exc))
+
+    k = Key(hook=None)
+    s.enqueue(k, 1, "p")
+    k.hook = peek_in
+    d = s.dispatch()  # the flow leaves, the busy period closes, and the idle flow is forgotten
+    assert d.item == "p" and d.flow is k
+    assert all("re-entrant" in m for m in refused)
+    s.enqueue("x", 1, "q")
+    assert s.dispatch().item == "q"
+    consistent(s)
+
+
+def test_4_cost_float_dispatches_between_lookup_and_enqueue(make):
+    s = make()
+
+    class Cost:
+        def __float__(self):
+            s.dispatch()
+            return 5.0
+
+    numbers.Real.register(Cost)
+    s.enqueue("a", 1, "x")
+    before = snapshot(s, ["a", "b"])
+    with pytest.raises(SchedulerBusy, match="re-entrant"):
+        s.enqueue("b", Cost(), "y")
+    assert snapshot(s, ["a", "b"]) == before
+    assert [d.item for d in drain(s)] == ["x"]
+    consistent(s)
+
+
+def test_5_flow_id_del_drains_in_the_middle_of_dispatch_many(make):
+    s = make()
+    drained = []
+
+    class DyingKey(Key):
+        def __del__(self):
+            drained.extend(drain(s))
+
+    k = DyingKey()
+    s.enqueue(k, 1, "k")
+    for i in range(5):
+        s.enqueue("b", 100, i)
+    d = s.dispatch()  # k at 0, then b at 0 in ticket order: k first
+    assert d.flow is k
+    del d, k  # the scheduler now holds the only reference to the idle flow id
+    batch = s.dispatch_many(2)  # v passes k's meter: it is forgotten, its id released after the batch
+    assert batch.items == [0, 1]
+    # the id's __del__ ran once the batch was done (compiled), or when the twin lets go of it
+    gc.collect()
+    rest = [d.item for d in drained] + [d.item for d in drain(s)]
+    assert rest == [2, 3, 4]
+    consistent(s)
+
+
+@pytest.mark.parametrize("n_new", [1, 100])
+def test_6_hash_enqueues_while_the_flow_is_forgotten(make, n_new):
+    s = make()
+    refused = []
+
+    def enqueue_in():
+        for i in range(n_new):
+            try:
+                s.enqueue(("in-hash", i), 1)
+            except SchedulerBusy:
+                refused.append(i)
+
+    k = Key()
+    s.enqueue(k, 1, "p")
+    k.hook = enqueue_in
+    assert s.dispatch().item == "p"
+    assert len(s) == 0, "a re-entrant enqueue never lands"
+    consistent(s)
+
+
+def test_7_enqueue_many_reentered_from_hash(make):
+    s = make()
+    k = Key(hook=lambda: s.enqueue("intruder", 1, "i"))
+    s.enqueue("a", 1, "a0")
+    before = snapshot(s, ["a", "intruder"])
+    with pytest.raises(SchedulerBusy):
+        s.enqueue_many(["a", k, "a"], [1, 2, 3], ["x", "y", "z"])
+    assert snapshot(s, ["a", "intruder"]) == before
+    assert [(d.flow, d.item) for d in drain(s)] == [("a", "a0")]
+    consistent(s)
+
+
+def test_8_hash_changes_after_use(make):
+    s = make()
+    k = Key(h=1)
+    s.enqueue(k, 1, "p")
+    k.h = 2
+    d = s.dispatch()
+    assert d.item == "p" and d.flow is k, "the payload is delivered"
+    assert len(s) == 0
+    s.enqueue(k, 1, "q")  # a new flow as far as hashing can tell, in both twins
+    assert s.dispatch().item == "q"
+    consistent(s)
+
+
+def test_8_hash_that_raises_on_a_second_call(make):
+    s = make()
+    calls = []
+
+    class Flaky(Key):
+        def __hash__(self):
+            calls.append(1)
+            if len(calls) > 1:
+                raise ValueError("hash refused")
+            return 5
+
+    k = Flaky()
+    try:
+        s.enqueue(k, 1, "p")  # the compiled core hashes once; the twin twice (lookup, insert)
+    except ValueError:
+        assert len(s) == 0 and s.known_flows == 0
+    consistent(s)
+    del s
+    gc.collect()
+
+
+def test_9_two_threads_on_one_scheduler(make):
+    s = make()
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    enq: list[list[int]] = [[], []]
+    got: list[list[int]] = [[], []]
+    refused = [0, 0]
+
+    class SlowKey(Key):
+        def __hash__(self):
+            return sum(range(3)) + self.h  # Python code: the GIL may switch here
+
+    keys = [SlowKey(h) for h in range(8)]
+
+    def worker(w):
+        for i in range(3000):
+            try:
+                t = s.enqueue(keys[(i + w) % 8], np.float64(1 + (i % 7)), Hook(lambda: None))
+                enq[w].append(t)
+            except SchedulerBusy as exc:
+                assert "another thread" in str(exc) or "re-entrant" in str(exc)
+                refused[w] += 1
+            try:
+                d = s.dispatch()
+                if d is not None:
+                    got[w].append(d.ticket)
+            except SchedulerBusy:
+                refused[w] += 1
+
+    try:
+        ts = [threading.Thread(target=worker, args=(w,)) for w in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+        assert not any(t.is_alive() for t in ts)
+    finally:
+        sys.setswitchinterval(old)
+    dispatched = got[0] + got[1] + [d.ticket for d in drain(s)]
+    assert sorted(dispatched) == sorted(enq[0] + enq[1]), "every accepted request dispatched exactly once"
+    consistent(s)
+
+
+def test_10_cycles_through_payloads_and_flow_ids_are_collected(make):
+    class Obj:
+        pass
+
+    s = make()
+    p = Obj()
+    p.s = s  # the payload refers back to its scheduler
+    k = Key()
+    k.s = s  # and so does a flow id
+    s.enqueue("a", 1, p)
+    s.enqueue(k, 1, "x")
+    s.set_weight(Key(9), 2.0)
+    ws, wp, wk = weakref.ref(s), weakref.ref(p), weakref.ref(k)
+    del s, p, k
+    gc.collect()
+    assert ws() is None and wp() is None and wk() is None
+
+
+def test_10_a_collected_scheduler_with_del_hooks_does_not_crash(make):
+    s = make()
+    seen = []
+
+    def call_back():
+        try:
+            seen.append(len(s_ref()) if s_ref() is not None else None)
+        except SchedulerBusy:
+            seen.append("busy")
+
+    s_ref = weakref.ref(s)
+    p = Hook(call_back)
+    p.s = s
+    s.enqueue("a", 1, p)
+    del p, s
+    gc.collect()
+    assert s_ref() is None
+
+
+def test_11_dispatch_many_counts_agree(make):
+    s = make()
+    for i in range(3):
+        s.enqueue("a", 1, i)
+    with pytest.raises(TypeError, match="n must be an integer, got 1.5"):
+        s.dispatch_many(1.5)
+    assert len(s) == 3
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        s.dispatch_many(-1)
+    b = s.dispatch_many(2**63)
+    assert b.items == [0, 1, 2]
+    assert len(s.dispatch_many(2**70)) == 0
+
+
+def test_11_enqueue_many_takes_what_enqueue_takes(make):
+    s = make()
+    ts = s.enqueue_many(["a", "b"], [Fraction(3, 2), Fraction(5)], ["x", "y"])
+    assert ts.tolist() == [1, 2]
+    assert [(d.item, d.cost) for d in drain(s)] == [("x", 1.5), ("y", 5.0)]
+    with pytest.raises(TypeError, match="cost must be a real number"):
+        s.enqueue_many(["a"], ["3"])
+    assert len(s) == 0
+
+
+def test_11_enqueue_many_with_a_raising_eq_enqueues_nothing(make):
+    s = make()
+
+    class E:
+        def __hash__(self):
+            return 1
+
+        def __eq__(self, other):
+            raise ValueError("no comparing")
+
+    s.enqueue("x", 1, "x0")
+    before = snapshot(s, ["x"])
+    with pytest.raises(ValueError, match="no comparing"):
+        s.enqueue_many(["x", E(), E()], [1, 1, 1])
+    assert snapshot(s, ["x"]) == before and len(s) == 1
+    consistent(s)
+
+
+def test_11_cancel_with_an_index_only_ticket(make):
+    class T:
+        def __init__(self, t):
+            self.t = t
+
+        def __index__(self):
+            return self.t
+
+    s = make()
+    t = s.enqueue("a", 1, "x")
+    s.enqueue("a", 1, "y")
+    assert s.cancel(T(t)) is True
+    assert [d.item for d in drain(s)] == ["y"]
+    consistent(s)
+
+
+def test_twins_refuse_with_identical_messages():
+    msgs = set()
+    for cls in (sfq.Scheduler, sfq.ReferenceScheduler):
+        s = cls()
+        k = Key(hook=lambda: s.dispatch())
+        with pytest.raises(SchedulerBusy) as ei:
+            s.enqueue(k, 1)
+        msgs.add(str(ei.value))
+        assert isinstance(ei.value, RuntimeError) and isinstance(ei.value, sfq.SFQError)
+    assert len(msgs) == 1
+
+
+def test_every_method_refuses_reentry(make):
+    s = make()
+    s.enqueue("a", 1, "a")
+    calls = {
+        "enqueue": lambda: s.enqueue("z", 1),
+        "dispatch": lambda: s.dispatch(),
+        "peek": lambda: s.peek(),
+        "cancel": lambda: s.cancel(1),
+        "set_weight": lambda: s.set_weight("z", 2),
+        "meter": lambda: s.meter("a"),
+        "pending": lambda: s.pending("a"),
+        "weight": lambda: s.weight("a"),
+        "suspend": lambda: s.suspend("a"),
+        "resume": lambda: s.resume("a"),
+        "suspended": lambda: s.suspended("a"),
+        "adjust": lambda: s.adjust("a", 1),
+        "work_started": lambda: s.work_started(),
+        "work_done": lambda: s.work_done(),
+        "enqueue_many": lambda: s.enqueue_many(["z"], [1]),
+        "dispatch_many": lambda: s.dispatch_many(1),
+    }
+    for name, call in calls.items():
+        results = []
+
+        def hook(call=call):
+            try:
+                call()
+                results.append("ran")
+            except SchedulerBusy:
+                results.append("refused")
+
+        before = snapshot(s, ["a", "z"])
+        s.pending(Key(h=3, hook=hook))
+        assert results == ["refused"], name
+        assert snapshot(s, ["a", "z"]) == before, name
+    consistent(s)
+
+
+def test_exception_in_eq_during_lookup_changes_nothing(make):
+    s = make()
+
+    class BadEq(Key):
+        __hash__ = Key.__hash__
+
+        def __eq__(self, other):
+            raise KeyError("eq")
+
+    a, b = BadEq(h=4), BadEq(h=4)
+    s.enqueue(a, 1, "a")
+    before = snapshot(s, [a])
+    for call in (lambda: s.enqueue(b, 1), lambda: s.set_weight(b, 2), lambda: s.suspend(b), lambda: s.adjust(b, 3)):
+        with pytest.raises(KeyError):
+            call()
+        assert snapshot(s, [a]) == before
+    consistent(s)
