@@ -16,8 +16,9 @@ from typing import Sequence
 
 __all__ = ["main", "build_parser"]
 
-_SCENARIOS = ("drift", "return", "kv-sweep", "rpm-sweep", "teams", "trace")
-_POLICIES = ("fifo", "prio", "rr", "drr", "wfq", "sfq", "lcf", "vtc", "vtc-h")
+_SCENARIOS = ("drift", "return", "kv-sweep", "rpm-sweep", "teams", "shallow", "keep-one", "many", "trace")
+_POLICIES = ("fifo", "prio", "rr", "drr", "wfq", "sfq", "sfq-seed", "lcf", "vtc", "vtc-h")
+_CHARGES = ("seed", "settle", "served")
 
 
 def _int_at_least(lo: int):
@@ -102,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--beta", type=_nonneg_float, default=0.01, help="vtc-h: decode charge per context token (0.01)")
     sim.add_argument("--w-p", type=_nonneg_float, default=1.0, dest="w_p", help="service weight of a prompt token (1)")
     sim.add_argument("--w-q", type=_nonneg_float, default=2.0, dest="w_q", help="service weight of an output token (2)")
+    sim.add_argument("--charge", choices=_CHARGES, default=None,
+                     help="how policy sfq charges: seed (estimate at dispatch), settle (corrected to the actual "
+                          "cost at completion), served (prompt at dispatch, output as generated; the default)")
     sim.add_argument("--prior", type=_positive_float, default=0.5,
                      help="estimator's output/max_tokens ratio before any completion (0.5)")
     sim.add_argument("--trace", metavar="FILE", help="JSONL trace for the trace scenario")
@@ -155,6 +159,7 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         prior=args.prior,
         trace=args.trace,
         weights=dict(args.weight or []),
+        charge=args.charge,
     )
     names = [args.scenario] if args.scenario else list(HEADLINE)
 

@@ -33,8 +33,15 @@ def test_hand_checked_run_kv_admission_and_stall():
     assert m.waits(res).tolist() == [0, 0, 1]
     # service at step 1: prefill 50 and 40, one token each
     assert m.service_at(res, 1).tolist() == [52.0, 42.0]
-    # both waited only at t=0, when the prefills 50 and 40 were charged: drift 10
-    assert m.max_drift(res) == 10.0
+    # both waited only at t=0, when the prefills 50 and 40 were charged: interval drift 10
+    # (waiting at the balancer, or waiting or running: both decode alike until f1 ends)
+    assert m.max_interval_drift(res, busy=False) == 10.0
+    assert m.max_interval_drift(res) == 10.0
+    # seed 003's drift from the start: both backlogged through step 1, gap 10 there
+    assert m.drift_set(res, None, 1) == ([0, 1], 0) and m.max_drift(res, None, 1) == 10.0
+    # f1 has nothing left from step 2, f0 from step 3: no flow is backlogged to the end
+    assert m.drift_set(res, None, 2)[0] == [0]
+    assert m.drift_set(res)[0] == [] and m.max_drift(res) == 0.0
 
 
 def test_decode_growth_is_not_reserved_and_prompt_over_budget_is_rejected():
@@ -185,3 +192,63 @@ def test_a_simulation_runs_once():
     sim.run()
     with pytest.raises(RuntimeError, match="already run"):
         sim.run()
+
+
+def test_counter_policies_start_a_request_when_their_order_changes_between_events():
+    """The issue's hand-checkable case. M = 1000, w_p = 1, w_q = 2. Step 0: a0 (A, p100,
+    o300) and b0 (B, p148, o1) start; A's next, a1 (p950), fits nowhere until a0 leaves at
+    300. B's counter stays at 148 + 2 = 150 after b0; A's grows 2 per step from 100 while
+    a0 decodes: 100 + 2t passes 150 at t = 26 (at 25 the tie goes to A's older head), so
+    b1 (p50, arrived at 1) starts at step 26, not at the next event (300)."""
+    w = wl([(0, 0, 100, 300), (0, 1, 148, 1), (0, 0, 950, 10), (1, 1, 50, 5)])
+    for name, lift in (("lcf", False), ("vtc", True)):
+        res = simulate(w, name, Fleet(1, 1000), w_p=1.0, w_q=2.0)
+        assert res.admit.tolist() == [0, 0, 300, 26], name
+        assert res.admit.tolist() == reference_vtc(w, 1000, 1.0, 2.0, 400, lift)[0], name
+    # sfq charging service as it is delivered moves its meters the same way: same steps
+    assert simulate(w, "sfq", Fleet(1, 1000)).admit.tolist() == [0, 0, 300, 26]
+    # seed 000's rule dispatches (and charges) a1 before it fits: b1 waits behind it
+    assert simulate(w, "sfq-seed", Fleet(1, 1000)).admit.tolist() == [0, 0, 300, 300]
+
+
+@pytest.mark.parametrize("charge", ["seed", "settle", "served"])
+def test_sfq_charge_modes_event_skipping_equals_stepping(charge):
+    sizes = Sizes((20, 200), (5, 80), max_tokens=100)
+    loads = [
+        FlowLoad(FlowSpec("a", 2.0), Poisson(0.1, 0, 300), sizes),
+        FlowLoad(FlowSpec("b"), Poisson(0.07, 50, 300), sizes),
+        FlowLoad(FlowSpec("c"), Poisson(0.03, 0, 300), Sizes((300, 400), (50, 100))),
+    ]
+    w = build_workload(5, loads)
+    fleet = Fleet(1, 700)
+    fast = Simulation(w, make_policy("sfq", charge=charge), fleet, horizon=320).run()
+    slow = Simulation(w, make_policy("sfq", charge=charge), fleet, horizon=320, marks=range(320)).run()
+    assert fast.admit.tolist() == slow.admit.tolist()
+    assert m.max_drift(fast) == pytest.approx(m.max_drift(slow))
+
+
+def test_closed_loop_client_keeps_its_requests_waiting():
+    from sfq.sim.model import ClosedLoop
+
+    specs = [FlowSpec("c")]
+    # one slot: each request runs 5 steps; the client tops up to 1 waiting at every step
+    w = Workload.from_arrays(specs, [], [], [], [], closed=[ClosedLoop(0, 1, (10, 10), (5, 5))])
+    res = simulate(w, "fifo", Fleet(1, 100, max_batch=1), horizon=23)
+    assert res.arrival.tolist() == [0, 1, 6, 11, 16, 21]
+    assert res.admit.tolist() == [0, 5, 10, 15, 20, -1]
+    waiting = res.series(0, "waiting")
+    assert (waiting[0::2] == 1).all()  # before admission, at every event: one waiting
+    # a window: tops up from step 3, none after step 12; what it sent still runs
+    w2 = Workload.from_arrays(specs, [], [], [], [], closed=[ClosedLoop(0, 1, (10, 10), (5, 5), None, 3, 12)])
+    res2 = simulate(w2, "fifo", Fleet(1, 100, max_batch=1))
+    assert res2.arrival.tolist() == [3, 4, 9] and res2.admit.tolist() == [3, 8, 13]
+    # sizes come from the flow's own seeded stream: the same under every policy
+    a = simulate(w, "vtc", Fleet(1, 100), horizon=50)
+    b = simulate(w, "sfq", Fleet(1, 100), horizon=50)
+    n = min(a.prompt.size, b.prompt.size)
+    assert n > 5 and a.prompt[:n].tolist() == b.prompt[:n].tolist()
+    with pytest.raises(ValueError, match="needs a horizon"):
+        Simulation(w, make_policy("fifo"), Fleet(1, 100))
+    with pytest.raises(ValueError, match="exceed the KV budget 50"):
+        Simulation(Workload.from_arrays(specs, [], [], [], [], closed=[ClosedLoop(0, 1, (10, 60), (5, 5))]),
+                   make_policy("fifo"), Fleet(1, 50), horizon=10)

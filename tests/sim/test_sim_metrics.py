@@ -10,22 +10,23 @@ from sfq.sim.engine import Fleet, RunResult
 from sfq.sim.model import FlowSpec
 
 
-def fake(times, W, backlog, weights=(1.0, 1.0), end=None, requests=()):
-    """Service given directly as prefill (w_p=1, w_q=0). requests: (flow, arrival, admit)."""
+def fake(times, W, backlog, weights=(1.0, 1.0), end=None, requests=(), running=None):
+    """Service given directly as prefill (w_p=1, w_q=0); ``backlog``: requests waiting,
+    ``running``: requests running, per flow and sample. requests: (flow, arrival, admit)."""
     W = np.asarray(W, dtype=np.int64).T
     req = np.array(requests, dtype=np.int64).reshape(-1, 3)
     n = req.shape[0]
-    return RunResult(
-        policy="x", flows=tuple(FlowSpec(f"f{i}", w) for i, w in enumerate(weights)), fleet=Fleet(1, 100),
-        w_p=1.0, w_q=0.0, end=end if end is not None else times[-1], times=np.asarray(times, dtype=np.int64),
-        prefill=W, decoded=np.zeros_like(W), backlog=np.asarray(backlog, dtype=bool).T,
-        charged=W.astype(float), arrival=req[:, 1], admit=req[:, 2], finish=np.full(n, -1), flow=req[:, 0],
+    return RunResult.from_dense(
+        "x", tuple(FlowSpec(f"f{i}", w) for i, w in enumerate(weights)), Fleet(1, 100), 1.0, 0.0,
+        end if end is not None else times[-1], times, W, np.zeros_like(W), np.asarray(backlog, dtype=np.int64).T,
+        None if running is None else np.asarray(running, dtype=np.int64).T,
+        arrival=req[:, 1], admit=req[:, 2], finish=np.full(n, -1), flow=req[:, 0],
         prompt=np.ones(n, dtype=np.int64), output=np.ones(n, dtype=np.int64), est=np.ones(n),
         server=np.zeros(n, dtype=np.int64), rejected=np.zeros(n, dtype=bool), events=len(times),
     )
 
 
-def test_max_drift_is_the_spread_inside_each_co_backlogged_interval():
+def test_interval_drift_is_the_spread_inside_each_co_backlogged_interval():
     times = [0, 10, 20, 30, 40]
     W0 = [0, 100, 200, 200, 400]
     W1 = [0, 50, 100, 250, 260]
@@ -34,16 +35,52 @@ def test_max_drift_is_the_spread_inside_each_co_backlogged_interval():
     b1 = [1, 1, 0, 1, 1]
     res = fake(times, [W0, W1], [b0, b1])
     # D = W0 - W1 = [0, 50, 100, -50, 140]; interval [0, 20]: 100; interval [30, 40]: 190
-    assert m.max_drift(res) == 190.0
-    assert m.max_drift(res, 0, 20) == 100.0
-    # a drift that happens while one flow is not waiting does not count
+    assert m.max_interval_drift(res) == 190.0
+    assert m.max_interval_drift(res, 0, 20) == 100.0
+    # a drift that happens while one flow is not backlogged does not count
     res2 = fake(times, [W0, W1], [b0, [0, 0, 0, 0, 0]])
-    assert m.max_drift(res2) == 0.0
+    assert m.max_interval_drift(res2) == 0.0
+    # running work counts as backlogged (busy), unless busy=False: waiting only
+    # D = [0, -100, -50, 100, 150]: split at sample 2, spreads 100 and 50; whole, 250
+    V0, V1 = [0, 0, 50, 200, 250], [0, 100, 100, 100, 100]
+    res3 = fake(times, [V0, V1], [b0, b1], running=[[0] * 5, [0, 0, 1, 0, 0]])
+    assert m.max_interval_drift(res3) == 250.0
+    assert m.max_interval_drift(res3, busy=False) == 100.0
+    # above max_flows the pairwise form is not computed
+    assert m.max_interval_drift(res, max_flows=1) is None
+
+
+def test_max_drift_is_seed003s_gap_from_the_start_over_flows_backlogged_throughout():
+    times = [0, 10, 20, 30, 40]
+    W0 = [0, 100, 200, 200, 400]
+    W1 = [0, 50, 100, 250, 260]
+    W2 = [0, 0, 0, 0, 1000]
+    # flows 0 and 1 backlogged throughout; flow 2 idles at sample 2: not in the set
+    bl = [[1, 1, 1, 1, 1], [1, 1, 0, 1, 1], [1, 1, 0, 1, 1]]
+    run = [[0] * 5, [0, 0, 1, 0, 0], [0] * 5]
+    res = fake(times, [W0, W1, W2], bl, weights=(1.0, 1.0, 1.0), running=run)
+    assert m.drift_set(res) == ([0, 1], 0)
+    # gap W0 - W1 from step 0: [0, 50, 100, -50, 140]: the largest |.| is 140 (not restarted)
+    assert m.max_drift(res) == 140.0
+    t, gap, F = m.drift_curve(res)
+    assert t.tolist() == times and gap.tolist() == [0, 50, 100, 50, 140] and F == [0, 1]
+    assert m.max_drift(res, None, 30) == 100.0  # window [0, 30]
+    # the interval form takes every pair, flow 2 included: in [30, 40], W1 - W2 goes
+    # from 250 to -740 (flow 1 runs at sample 2, so flows 0 and 1 are one interval)
+    assert m.max_interval_drift(res) == 990.0
+    # a flow that joins late is measured from when all of the set are backlogged
+    late = fake(times, [W0, [0, 0, 0, 100, 300]], [[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    assert m.drift_set(late) == ([0, 1], 2)
+    # from sample 2 (t=20): W0 gains [0, 0, 200], W1 [0, 100, 300]: gap 100
+    assert m.max_drift(late) == 100.0
+    # fewer than two flows backlogged throughout: no drift
+    assert m.max_drift(fake(times, [W0, W1], [[1] * 5, [1, 0, 0, 0, 0]])) == 0.0
 
 
 def test_max_drift_normalises_by_weight():
     res = fake([0, 10], [[0, 200], [0, 100]], [[1, 1], [1, 1]], weights=(2.0, 1.0))
     assert m.max_drift(res) == 0.0
+    assert m.max_interval_drift(res) == 0.0
 
 
 def test_jain_index_among_backlogged_flows():

@@ -14,6 +14,7 @@ from sfq.sim.policies import (
     FIFO,
     SFQ,
     VTC,
+    SeedSFQ,
     WFQ,
     RoundRobin,
     RPMLimitedFIFO,
@@ -28,7 +29,8 @@ def fake_sim(n=2, weights=None, priorities=None, w_p=1.0, w_q=2.0):
     priorities = priorities or [0] * n
     flows = tuple(FlowSpec(f"f{i}", weights[i], priority=priorities[i]) for i in range(n))
     return types.SimpleNamespace(
-        flows=flows, w_p=w_p, w_q=w_q, running=[0] * n, running_prompt=[0] * n, running_admit=[0] * n
+        flows=flows, w_p=w_p, w_q=w_q, running=[0] * n, running_prompt=[0] * n, running_admit=[0] * n,
+        running_flows=set(), estimate=lambda r: r.est,
     )
 
 
@@ -152,7 +154,7 @@ def test_sfq_policy_runs_the_core_seed000_example(core):
     cls = sfq.Scheduler if core == "compiled" else sfq.ReferenceScheduler
     if core == "compiled" and sfq.CORE != "compiled":
         pytest.skip("compiled core not built")
-    pol = SFQ(core=cls)
+    pol = SeedSFQ(core=cls)
     f = Feed(pol, fake_sim(2))
     for _ in range(4):
         f.arrive(0, 3)
@@ -164,7 +166,7 @@ def test_sfq_policy_runs_the_core_seed000_example(core):
 
 
 def test_sfq_policy_stages_one_dispatch_until_it_is_admitted():
-    pol = SFQ(core=sfq.ReferenceScheduler)
+    pol = SeedSFQ(core=sfq.ReferenceScheduler)
     f = Feed(pol, fake_sim(2))
     r0 = f.arrive(0, 5)
     f.arrive(1, 1)
@@ -175,7 +177,7 @@ def test_sfq_policy_stages_one_dispatch_until_it_is_admitted():
 
 
 def test_sfq_policy_weights_reach_the_core():
-    f = Feed(SFQ(core=sfq.ReferenceScheduler), fake_sim(2, weights=[2.0, 1.0]))
+    f = Feed(SeedSFQ(core=sfq.ReferenceScheduler), fake_sim(2, weights=[2.0, 1.0]))
     for _ in range(6):
         f.arrive(0, 2)
         f.arrive(1, 2)
@@ -201,6 +203,7 @@ def test_vtc_decode_charge_per_step_and_weight():
     sim = fake_sim(2, weights=[1.0, 2.0], w_q=2.0)
     pol.bind(sim)
     sim.running[:] = [3, 2]
+    sim.running_flows.update({0, 1})
     pol.advance(10, 15)  # 5 steps: flow 0: 3*5*2 = 30; flow 1: 2*5*2 / 2 = 10
     assert pol.c == [30.0, 10.0]
 
@@ -211,6 +214,7 @@ def test_vtc_lift_to_min_active_counter():
     f.arrive(0)
     f.arrive(1)
     pol.c[:] = [500.0, 300.0, 50.0]
+    pol.rekey()
     f.arrive(2)  # 2 was not waiting: lifted to min(500, 300) = 300, not to the max
     assert pol.c[2] == 300.0
     pol.c[2] = 400.0
@@ -223,6 +227,7 @@ def test_vtc_lift_never_lowers_a_counter():
     f = Feed(pol, fake_sim(2))
     f.arrive(0)
     pol.c[:] = [100.0, 900.0]
+    pol.rekey()
     f.arrive(1)
     assert pol.c[1] == 900.0  # deficits are preserved
 
@@ -246,6 +251,7 @@ def test_lcf_banks_credit_while_idle():
         for _ in range(5):
             f.arrive(1, prompt=100)
         pol.c[:] = [0.0, 1000.0]  # flow 1 has been served a lot while flow 0 was away
+        pol.rekey()
         f.arrive(1, prompt=100)
         for _ in range(5):
             f.arrive(0, prompt=100)
@@ -264,6 +270,7 @@ def test_vtc_h_charges_context_increments():
     pol.bind(sim)
     # two running requests: (prompt 10, admitted at 3) and (prompt 20, admitted at 5)
     sim.running[0], sim.running_prompt[0], sim.running_admit[0] = 2, 30, 8
+    sim.running_flows.add(0)
     pol.advance(7, 11)
     expect = sum(h(w_p, w_q, p, 11 - a) - h(w_p, w_q, p, 7 - a) for p, a in ((10, 3), (20, 5)))
     assert pol.c[0] == pytest.approx(expect)

@@ -168,3 +168,51 @@ def test_trace_header_declares_flows_in_order():
         read_trace_lines([text[1], text[0]])
     with pytest.raises(ValueError, match="weight of flow 'b'"):
         read_trace_lines(['{"flows": [{"name": "b", "weight": -1}]}'])
+
+
+def test_closed_loop_trace_lines_parse_replay_and_round_trip(tmp_path):
+    text = [
+        '{"arrival": 0, "flow": "a", "prompt_tokens": 30, "output_tokens": 5}',
+        '{"flow": "a", "keep_waiting": 1}',
+        '{"flow": "b", "keep_waiting": 2, "prompt_tokens": [100, 200], "output_tokens": [5, 9], "max_tokens": 16,'
+        ' "start": 10, "end": 400}',
+    ]
+    wl = read_trace_lines(text, seed=3)
+    assert wl.flow_names == ["a", "b"] and len(wl) == 1
+    a, b = wl.closed
+    assert (a.flow, a.keep, a.prompt, a.output, a.cap, a.start, a.end, a.seed) == (0, 1, (64, 512), (32, 384), 384,
+                                                                                 0, None, 3)
+    assert (b.flow, b.keep, b.prompt, b.output, b.cap, b.start, b.end) == (1, 2, (100, 200), (5, 9), 16, 10, 400)
+    path = tmp_path / "c.jsonl"
+    save_trace(wl, path)
+    back = load_trace(path, seed=3)
+    assert back.closed == wl.closed
+    res = simulate(back, "sfq", Fleet(1, 8192), horizon=600)
+    mb = res.flow == 1
+    assert res.arrival[mb].min() == 10 and res.arrival[mb].max() < 400
+    assert (res.prompt[mb] >= 100).all() and (res.prompt[mb] <= 200).all() and (res.output[mb] <= 9).all()
+
+
+@pytest.mark.parametrize(
+    "line, err",
+    [
+        ('{"keep_waiting": 1}', r"<trace>:1: missing field 'flow'"),
+        ('{"flow": "a", "keep_waiting": 0}', r"<trace>:1: keep_waiting must be an int >= 1, got 0"),
+        ('{"flow": "a", "keep_waiting": true}', r"keep_waiting must be an int >= 1, got True"),
+        ('{"flow": "a", "keep_waiting": 1, "prompt_tokens": 5}', r"prompt_tokens of a keep_waiting line must be \[lo, hi\]"),
+        ('{"flow": "a", "keep_waiting": 1, "output_tokens": [9, 3]}', r"output_tokens .* got \[9, 3\]"),
+        ('{"flow": "a", "keep_waiting": 1, "output_tokens": [1, 30], "max_tokens": 20}',
+         r"max_tokens 20 is smaller than the largest output_tokens 30"),
+        ('{"flow": "a", "keep_waiting": 1, "start": 5, "end": 5}', r"end 5 must be after start 5"),
+        ('{"flow": "a", "keep_waiting": 1, "start": -1}', r"start must be an int >= 0, got -1"),
+        ('{"flow": "a", "keep_waiting": 1, "arrival": 3}', r"unknown field 'arrival' in a keep_waiting line"),
+    ],
+)
+def test_bad_closed_loop_lines_are_named(line, err):
+    with pytest.raises(ValueError, match=err):
+        read_trace_lines([line])
+
+
+def test_a_flow_has_one_closed_loop_line():
+    with pytest.raises(ValueError, match=r"<trace>:2: flow 'a' already has a keep_waiting line \(<trace>:1\)"):
+        read_trace_lines(['{"flow": "a", "keep_waiting": 1}', '{"flow": "a", "keep_waiting": 2}'])

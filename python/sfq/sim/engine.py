@@ -19,25 +19,41 @@ The model (seed 003's simulator, extended to a fleet)
   prefill counts at admission, decode as it happens (seed 003). Throughput is what the
   fleet delivered, in weighted tokens per step; nothing about it is assumed.
 
+* Closed-loop clients (``Workload.closed``) top their flow's waiting requests up to
+  their ``keep`` at the start of every step of their window (after arrivals).
+
 Event-driven, exactly
 ---------------------
-Between two events (an arrival, a completion, a policy wake-up, a mark) nothing can be
-admitted: occupancy only grows and the queue only changes at events. So the loop jumps
-from event to event and advances decode in bulk; per flow it keeps the number of running
-requests, their prompt sum and admit-step sum, so that the generated tokens at any step
-are ``sum(t - admit)`` in O(1). The result is identical to stepping one step at a time.
+Between two events (an arrival, a completion, a closed-loop top-up, a policy wake-up, a
+mark) free KV only shrinks and the queue does not change, so the request a policy names
+can start only at an event, *provided the policy's choice cannot change between events*.
+That holds for the balancer-side policies whose order moves only when something is
+admitted or completes. It does not hold for policies whose counters move with decode
+(lcf, vtc, and sfq charging service as it is delivered): there the stalled policy's
+``wakeup`` returns the first step at which another waiting flow could overtake the one it
+names (a lower bound; vtc-h: the next step), so the loop re-asks exactly then. The loop
+jumps from event to event and advances decode in bulk; per flow it keeps the number of
+running requests, their prompt sum and admit-step sum, so the generated tokens at any
+step are ``sum(t - admit)`` in O(1). ``tests/sim/test_sim_engine.py`` checks the result
+against stepping one step at a time and against seed 003's stepped pseudocode.
+
+Cost per event
+--------------
+The run records, at every event, only the flows whose state changed there (an arrival,
+an admission or a completion), so an event costs the same however many flows are idle;
+:class:`RunResult` rebuilds any flow's series from that log.
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from .estimate import Estimator, RatioEstimator
-from .model import FlowSpec, Workload
+from .model import FlowSpec, Request, Workload
 
 __all__ = ["Fleet", "RunResult", "Simulation", "simulate"]
 
@@ -66,14 +82,21 @@ class Fleet:
 class RunResult:
     """What one run recorded.
 
-    Samples (one row each): ``times`` (steps), cumulative ``prefill`` and ``decoded``
-    tokens per flow, and ``backlog`` (the flow had a request waiting at the balancer
-    during the segment that starts at this sample), and ``charged``: the estimated cost
-    of the flow's started requests (what the balancer-side policies order by). Two samples per event: before
-    admission (the admission jump follows) and after (decode follows).
-    Requests: ``arrival``, ``admit`` (-1: never started), ``finish`` (-1: not finished),
-    ``flow``, ``prompt``, ``output``, ``est``; ``rejected`` counts requests whose prompt
-    exceeds the KV budget (they can never run; rejected on arrival).
+    Samples: ``times`` (steps); two samples per event, one before admission (the
+    admission jump follows) and one after (decode follows). Per flow, a **log** of its
+    state at the samples where it changed (``log_k`` the sample index, ``log_flow``), each
+    entry holding the state from that sample until the flow's next entry: cumulative
+    prefill tokens ``log_pre``, decoded tokens of finished requests ``log_done``, running
+    requests ``log_n`` and the sum of their admit steps ``log_sa`` (decoded tokens at a
+    sample at step ``t``: ``done + n * t - sa``), requests waiting at the balancer
+    ``log_wait``, and ``log_charged``: the estimated cost of the flow's started requests
+    (what the balancer-side policies order by). Dense per-sample arrays (``prefill``,
+    ``decoded``, ``service``, ``backlog``, ``busy``, ``charged``; shape (samples, flows))
+    are built on demand; :meth:`series` builds one flow's.
+    Requests (index ``rid``): ``arrival``, ``admit`` (-1: never started), ``finish`` (-1:
+    not finished), ``flow``, ``prompt``, ``output``, ``est``, ``server``; ``rejected``
+    marks requests whose prompt exceeds the KV budget (they can never run; rejected on
+    arrival). Closed-loop requests follow the workload's, numbered in the order made.
     """
 
     policy: str
@@ -83,10 +106,14 @@ class RunResult:
     w_q: float
     end: int
     times: np.ndarray
-    prefill: np.ndarray
-    decoded: np.ndarray
-    backlog: np.ndarray
-    charged: np.ndarray
+    log_k: np.ndarray
+    log_flow: np.ndarray
+    log_pre: np.ndarray
+    log_done: np.ndarray
+    log_n: np.ndarray
+    log_sa: np.ndarray
+    log_wait: np.ndarray
+    log_charged: np.ndarray
     arrival: np.ndarray
     admit: np.ndarray
     finish: np.ndarray
@@ -97,11 +124,136 @@ class RunResult:
     server: np.ndarray  # the server it ran on, -1 if it never started
     rejected: np.ndarray  # bool per request
     events: int
+    _dense: dict[str, np.ndarray] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        nf = len(self.flows)
+        order = np.argsort(self.log_flow, kind="stable")  # by flow, then sample
+        self._order = order
+        self._bounds = np.searchsorted(self.log_flow[order], np.arange(nf + 1), side="left")
+
+    @classmethod
+    def from_dense(cls, policy: str, flows: Sequence[FlowSpec], fleet: Fleet, w_p: float, w_q: float, end: int,
+                   times: Any, prefill: Any, decoded: Any, waiting: Any, running: Any | None = None,
+                   charged: Any | None = None, **requests: Any) -> "RunResult":
+        """A record from dense per-sample arrays (shape (samples, flows)); service between
+        samples is linear. For tests of the metrics; ``requests``: the request arrays."""
+        times = np.asarray(times, dtype=np.int64)
+        pre = np.asarray(prefill, dtype=np.int64)
+        dec = np.asarray(decoded, dtype=np.int64)
+        wait = np.asarray(waiting, dtype=np.int64)
+        run = np.zeros_like(wait) if running is None else np.asarray(running, dtype=np.int64)
+        ch = pre.astype(float) if charged is None else np.asarray(charged, dtype=float)
+        T, nf = pre.shape
+        k = np.repeat(np.arange(T), nf)
+        fl = np.tile(np.arange(nf), T)
+        sa = (run * times[:, None]).ravel()  # done + n*t - sa == decoded at every sample
+        return cls(policy, tuple(flows), fleet, w_p, w_q, end, times, k, fl, pre.ravel(), dec.ravel(), run.ravel(), sa,
+                   wait.ravel(), ch.ravel(), **requests)
+
+    # ------------------------------------------------------------------ per flow
+    def flow_log(self, f: int) -> np.ndarray:
+        """Indices into the ``log_*`` arrays of flow ``f``'s entries, in sample order."""
+        return self._order[self._bounds[f]:self._bounds[f + 1]]
+
+    def series(self, f: int, what: str = "service", lo: int = 0, hi: int | None = None) -> np.ndarray:
+        """Flow ``f``'s ``what`` at samples ``lo .. hi-1``: ``service`` (weighted tokens),
+        ``prefill``, ``decoded``, ``charged``, ``waiting``, ``running``, ``busy`` (waiting
+        or running, bool) or ``backlog`` (waiting, bool)."""
+        hi = self.times.size if hi is None else hi
+        e = self.flow_log(f)
+        j = np.arange(lo, hi)
+        idx = np.searchsorted(self.log_k[e], j, side="right") - 1
+        has = idx >= 0
+        src = e[np.where(has, idx, 0)]
+
+        def col(arr: np.ndarray, dtype: Any = np.int64) -> np.ndarray:
+            return np.where(has, arr[src], 0).astype(dtype)
+
+        if what in ("service", "decoded", "prefill"):
+            pre = col(self.log_pre)
+            dec = col(self.log_done) + col(self.log_n) * self.times[lo:hi] - col(self.log_sa)
+            if what == "prefill":
+                return pre
+            if what == "decoded":
+                return dec
+            return self.w_p * pre + self.w_q * dec
+        if what == "charged":
+            return col(self.log_charged, float)
+        if what == "waiting":
+            return col(self.log_wait)
+        if what == "running":
+            return col(self.log_n)
+        if what == "backlog":
+            return col(self.log_wait) > 0
+        if what == "busy":
+            return (col(self.log_wait) + col(self.log_n)) > 0
+        raise ValueError(f"unknown series {what!r}")
+
+    def at_sample(self, j: int, what: str = "service") -> np.ndarray:
+        """Every flow's ``what`` (see :meth:`series`) at sample ``j``, shape (flows,)."""
+        nf = len(self.flows)
+        m = self.log_k <= j
+        last = np.full(nf, -1, dtype=np.int64)
+        idx = np.flatnonzero(m)
+        last[self.log_flow[idx]] = idx  # entries are in sample order: the last one wins
+        has = last >= 0
+        src = np.where(has, last, 0)
+
+        def col(arr: np.ndarray, dtype: Any = np.int64) -> np.ndarray:
+            return np.where(has, arr[src], 0).astype(dtype)
+
+        if what == "charged":
+            return col(self.log_charged, float)
+        if what == "busy":
+            return (col(self.log_wait) + col(self.log_n)) > 0
+        pre = col(self.log_pre)
+        dec = col(self.log_done) + col(self.log_n) * int(self.times[j]) - col(self.log_sa)
+        if what == "prefill":
+            return pre
+        if what == "decoded":
+            return dec
+        if what == "service":
+            return self.w_p * pre + self.w_q * dec
+        raise ValueError(f"unknown quantity {what!r}")
+
+    def final_service(self) -> np.ndarray:
+        """Weighted tokens per flow at the end of the run."""
+        return self.at_sample(self.times.size - 1)
+
+    # ------------------------------------------------------------------ dense views
+    def _dense_of(self, what: str) -> np.ndarray:
+        if what not in self._dense:
+            cols = [self.series(f, what) for f in range(len(self.flows))]
+            self._dense[what] = np.stack(cols, axis=1) if cols else np.zeros((self.times.size, 0))
+        return self._dense[what]
+
+    @property
+    def prefill(self) -> np.ndarray:
+        return self._dense_of("prefill")
+
+    @property
+    def decoded(self) -> np.ndarray:
+        return self._dense_of("decoded")
+
+    @property
+    def backlog(self) -> np.ndarray:
+        """A request of the flow waiting at the balancer at the sample."""
+        return self._dense_of("backlog")
+
+    @property
+    def busy(self) -> np.ndarray:
+        """The flow has work waiting or running at the sample."""
+        return self._dense_of("busy")
+
+    @property
+    def charged(self) -> np.ndarray:
+        return self._dense_of("charged")
 
     @property
     def service(self) -> np.ndarray:
         """Weighted tokens per flow at each sample, shape (samples, flows)."""
-        return self.w_p * self.prefill + self.w_q * self.decoded
+        return self._dense_of("service")
 
     @property
     def weights(self) -> np.ndarray:
@@ -111,16 +263,18 @@ class RunResult:
 class Simulation:
     """One run of ``policy`` on ``workload`` over ``fleet``.
 
-    ``horizon``: stop at this step (``None``: when every request is done). ``marks``:
-    extra steps at which to take samples (so windowed metrics are exact there).
-    ``estimator``: the cost estimate stamped on each request at arrival (``Request.est``);
-    it is told every completion. ``progress(t)`` is called now and then with the step.
+    ``horizon``: stop at this step (``None``: when every request is done; a workload with
+    closed-loop clients that never end needs one). ``marks``: extra steps at which to
+    take samples (so windowed metrics are exact there). ``estimator``: the cost estimate
+    stamped on each request at arrival (``Request.est``; a policy with
+    ``estimate_at_arrival = False`` estimates it itself, through :meth:`estimate`); it
+    is told every completion. ``progress(t)`` is called now and then with the step.
     """
 
     def __init__(
         self,
         workload: Workload,
-        policy,
+        policy: Any,
         fleet: Fleet = Fleet(),
         w_p: float = 1.0,
         w_q: float = 2.0,
@@ -134,6 +288,12 @@ class Simulation:
         for name, v in (("w_p", w_p), ("w_q", w_q)):
             if not (v >= 0.0) or v == float("inf"):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        if horizon is None and any(c.end is None for c in workload.closed):
+            raise ValueError("a closed-loop client without an end needs a horizon")
+        for c in workload.closed:
+            if c.prompt[1] > fleet.kv_budget:
+                raise ValueError(f"closed-loop client of flow {workload.flows[c.flow].name!r}: prompts up to "
+                                 f"{c.prompt[1]} tokens exceed the KV budget {fleet.kv_budget}")
         self.workload = workload
         self.flows = workload.flows
         self.policy = policy
@@ -149,8 +309,13 @@ class Simulation:
         self.running = [0] * nf  # running requests
         self.running_prompt = [0] * nf  # sum of their prompts (tokens)
         self.running_admit = [0] * nf  # sum of their admit steps
+        self.running_flows: set[int] = set()  # flows with a running request
         self.waiting = [0] * nf  # requests at the balancer (arrived, not started)
         self._ran = False
+
+    def estimate(self, r: Request) -> float:
+        """The estimator's cost of ``r`` now (weighted tokens)."""
+        return float(self.estimator.estimate(r))
 
     def run(self) -> RunResult:
         """Run to the horizon (or until nothing is left). A Simulation runs once: the
@@ -161,52 +326,73 @@ class Simulation:
         reqs = self.workload.requests()
         policy = self.policy
         est = self.estimator
+        stamp = getattr(policy, "estimate_at_arrival", True)
         nf = len(self.flows)
         S = self.fleet.servers
         M = self.fleet.kv_budget
         B = self.fleet.max_batch if self.fleet.max_batch is not None else (1 << 62)
         n_f, sp_f, sa_f, waiting = self.running, self.running_prompt, self.running_admit, self.waiting
+        running_flows = self.running_flows
         done_dec = [0] * nf
         pre = [0] * nf
         charged = [0.0] * nf  # estimated cost of started requests
-        heaps: list[list] = [[] for _ in range(S)]
+        heaps: list[list[Any]] = [[] for _ in range(S)]
         s_n = [0] * S
         s_p = [0] * S
         s_a = [0] * S
-        rejected = np.zeros(len(reqs), dtype=bool)
+        N = len(reqs)
+        rejected: list[int] = []
+        closed = [(c, c.sizes()) for c in self.workload.closed]
         policy.bind(self)
 
         times: list[int] = []
-        rows_p: list[list[int]] = []
-        rows_d: list[list[int]] = []
-        rows_b: list[list[bool]] = []
-        rows_c: list[list[float]] = []
+        # the log: one entry per flow whose state changed since the last sample
+        lk: list[int] = []
+        lf: list[int] = []
+        lpre: list[int] = []
+        ldone: list[int] = []
+        ln: list[int] = []
+        lsa: list[int] = []
+        lw: list[int] = []
+        lc: list[float] = []
+        dirty: list[int] = []
+        is_dirty = [False] * nf
 
         def sample(t: int) -> None:
+            k = len(times)
             times.append(t)
-            rows_p.append(pre[:])
-            rows_d.append([done_dec[f] + n_f[f] * t - sa_f[f] for f in range(nf)])
-            rows_b.append([w > 0 for w in waiting])
-            rows_c.append(charged[:])
+            for f in dirty:
+                lk.append(k)
+                lf.append(f)
+                lpre.append(pre[f])
+                ldone.append(done_dec[f])
+                ln.append(n_f[f])
+                lsa.append(sa_f[f])
+                lw.append(waiting[f])
+                lc.append(charged[f])
+                is_dirty[f] = False
+            dirty.clear()
 
         marks = list(self.marks)
         horizon = self.horizon
         progress = self.progress
-        N = len(reqs)
         i = 0
         t = 0
+        seq = 0
         events = 0
         heappop, heappush = heapq.heappop, heapq.heappush
         while True:
             events += 1
             if progress is not None and not events & 1023:
                 progress(t)
-            # 1. completions
+            # 1. completions (the policy hears of one before the running aggregates change)
             for s in range(S):
                 h = heaps[s]
                 while h and h[0][0] <= t:
                     fin, _, r = heappop(h)
                     f = r.flow
+                    r.finish = fin
+                    policy.complete(r, t)
                     s_n[s] -= 1
                     s_p[s] -= r.prompt
                     s_a[s] -= r.admit
@@ -214,22 +400,48 @@ class Simulation:
                     sp_f[f] -= r.prompt
                     sa_f[f] -= r.admit
                     done_dec[f] += r.output
-                    r.finish = fin
+                    if not n_f[f]:
+                        running_flows.discard(f)
                     est.observe(r)
-                    policy.complete(r, t)
+                    if not is_dirty[f]:
+                        is_dirty[f] = True
+                        dirty.append(f)
             if horizon is not None and t >= horizon:
                 sample(t)
                 break
-            # 2. arrivals
+            # 2. arrivals, then closed-loop clients top up to their `keep`
             while i < N and reqs[i].arrival <= t:
                 r = reqs[i]
                 i += 1
                 if r.prompt > M:  # can never be placed: rejected, with the reason in the report
-                    rejected[r.rid] = True
+                    rejected.append(r.rid)
                     continue
-                r.est = est.estimate(r)
-                waiting[r.flow] += 1
+                r.seq = seq
+                seq += 1
+                if stamp:
+                    r.est = est.estimate(r)
+                f = r.flow
+                waiting[f] += 1
+                if not is_dirty[f]:
+                    is_dirty[f] = True
+                    dirty.append(f)
                 policy.arrive(r, t)
+            for c, sizes in closed:
+                f = c.flow
+                if c.active(t) and waiting[f] < c.keep:
+                    while waiting[f] < c.keep:
+                        p, o = next(sizes)
+                        r = Request(len(reqs), f, t, p, o, c.cap)
+                        reqs.append(r)
+                        r.seq = seq
+                        seq += 1
+                        if stamp:
+                            r.est = est.estimate(r)
+                        waiting[f] += 1
+                        policy.arrive(r, t)
+                    if not is_dirty[f]:
+                        is_dirty[f] = True
+                        dirty.append(f)
             sample(t)
             # 3. admission: the policy names, the balancer places, or stalls
             while True:
@@ -261,8 +473,12 @@ class Simulation:
                 n_f[f] += 1
                 sp_f[f] += p
                 sa_f[f] += t
+                running_flows.add(f)
                 pre[f] += p
                 charged[f] += r.est
+                if not is_dirty[f]:
+                    is_dirty[f] = True
+                    dirty.append(f)
                 heappush(heaps[best], (t + r.output, r.rid, r))
             sample(t)
             # 4. the next event
@@ -270,6 +486,13 @@ class Simulation:
             for h in heaps:
                 if h and (nxt is None or h[0][0] < nxt):
                     nxt = h[0][0]
+            for c, _ in closed:
+                # the next top-up: next step if it is short of its keep, else its start
+                due = t + 1 if waiting[c.flow] < c.keep or c.start > t else None
+                if due is not None:
+                    due = max(due, c.start)
+                    if (c.end is None or due < c.end) and (nxt is None or due < nxt):
+                        nxt = due
             w = policy.wakeup(t)
             if w is not None and w > t and (nxt is None or w < nxt):
                 nxt = w
@@ -286,31 +509,36 @@ class Simulation:
         if progress is not None:
             progress(t)
 
-        times_a = np.asarray(times, dtype=np.int64)
-        res = RunResult(
+        n_req = len(reqs)
+        rej = np.zeros(n_req, dtype=bool)
+        rej[rejected] = True
+        return RunResult(
             policy=getattr(policy, "label", policy.name),
             flows=self.flows,
             fleet=self.fleet,
             w_p=self.w_p,
             w_q=self.w_q,
             end=t,
-            times=times_a,
-            prefill=np.asarray(rows_p, dtype=np.int64).reshape(len(times), nf),
-            decoded=np.asarray(rows_d, dtype=np.int64).reshape(len(times), nf),
-            backlog=np.asarray(rows_b, dtype=bool).reshape(len(times), nf),
-            charged=np.asarray(rows_c, dtype=float).reshape(len(times), nf),
-            arrival=np.fromiter((r.arrival for r in reqs), dtype=np.int64, count=N),
-            admit=np.fromiter((r.admit for r in reqs), dtype=np.int64, count=N),
-            finish=np.fromiter((r.finish for r in reqs), dtype=np.int64, count=N),
-            flow=np.fromiter((r.flow for r in reqs), dtype=np.int64, count=N),
-            prompt=np.fromiter((r.prompt for r in reqs), dtype=np.int64, count=N),
-            output=np.fromiter((r.output for r in reqs), dtype=np.int64, count=N),
-            est=np.fromiter((r.est for r in reqs), dtype=float, count=N),
-            server=np.fromiter((r.server for r in reqs), dtype=np.int64, count=N),
-            rejected=rejected,
+            times=np.asarray(times, dtype=np.int64),
+            log_k=np.asarray(lk, dtype=np.int64),
+            log_flow=np.asarray(lf, dtype=np.int64),
+            log_pre=np.asarray(lpre, dtype=np.int64),
+            log_done=np.asarray(ldone, dtype=np.int64),
+            log_n=np.asarray(ln, dtype=np.int64),
+            log_sa=np.asarray(lsa, dtype=np.int64),
+            log_wait=np.asarray(lw, dtype=np.int64),
+            log_charged=np.asarray(lc, dtype=float),
+            arrival=np.fromiter((r.arrival for r in reqs), dtype=np.int64, count=n_req),
+            admit=np.fromiter((r.admit for r in reqs), dtype=np.int64, count=n_req),
+            finish=np.fromiter((r.finish for r in reqs), dtype=np.int64, count=n_req),
+            flow=np.fromiter((r.flow for r in reqs), dtype=np.int64, count=n_req),
+            prompt=np.fromiter((r.prompt for r in reqs), dtype=np.int64, count=n_req),
+            output=np.fromiter((r.output for r in reqs), dtype=np.int64, count=n_req),
+            est=np.fromiter((r.est for r in reqs), dtype=float, count=n_req),
+            server=np.fromiter((r.server for r in reqs), dtype=np.int64, count=n_req),
+            rejected=rej,
             events=events,
         )
-        return res
 
 
 def simulate(workload: Workload, policy, fleet: Fleet = Fleet(), **kwargs) -> RunResult:

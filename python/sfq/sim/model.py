@@ -17,11 +17,16 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Iterable, Sequence
+from typing import IO, Iterable, Iterator, Sequence
 
 import numpy as np
 
-__all__ = ["FlowSpec", "Workload", "Request", "load_trace", "save_trace", "read_trace_lines"]
+__all__ = ["ClosedLoop", "FlowSpec", "Workload", "Request", "load_trace", "save_trace", "read_trace_lines"]
+
+#: seed 003's request sizes, the default of closed-loop clients: prompts U[64, 512],
+#: outputs U[32, 384], max_tokens 384
+DEFAULT_PROMPT = (64, 512)
+DEFAULT_OUTPUT = (32, 384)
 
 
 @dataclass(frozen=True)
@@ -48,11 +53,66 @@ class FlowSpec:
 
 
 @dataclass(frozen=True)
+class ClosedLoop:
+    """A closed-loop client: at the start of every step in ``[start, end)`` it tops its
+    requests waiting at the balancer up to ``keep`` (``end`` ``None``: until the run
+    ends). Sizes are uniform on the inclusive ``prompt``/``output`` ranges (tokens), every
+    request asks for ``max_tokens`` (default: the top of the output range), drawn from
+    the stream ``numpy.random.default_rng([seed, 7919, flow])``: the k-th request of the
+    client has the same size under every policy.
+    """
+
+    flow: int
+    keep: int
+    prompt: tuple[int, int] = DEFAULT_PROMPT
+    output: tuple[int, int] = DEFAULT_OUTPUT
+    max_tokens: int | None = None
+    start: int = 0
+    end: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("flow", "keep", "start", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "keep" else 0):
+                raise ValueError(f"closed-loop {name} must be an int >= {1 if name == 'keep' else 0}, got {v!r}")
+        if self.end is not None and (isinstance(self.end, bool) or not isinstance(self.end, int)
+                                     or self.end <= self.start):
+            raise ValueError(f"closed-loop end must be None or an int > start {self.start}, got {self.end!r}")
+        for name in ("prompt", "output"):
+            lo, hi = getattr(self, name)
+            if (isinstance(lo, bool) or isinstance(hi, bool) or not isinstance(lo, int) or not isinstance(hi, int)
+                    or not 1 <= lo <= hi):
+                raise ValueError(f"closed-loop {name} range must be ints 1 <= lo <= hi, got {[lo, hi]!r}")
+        if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
+                                            or self.max_tokens < self.output[1]):
+            raise ValueError(f"closed-loop max_tokens must be an int >= the largest output {self.output[1]}, "
+                             f"got {self.max_tokens!r}")
+
+    @property
+    def cap(self) -> int:
+        """``max_tokens`` of its requests."""
+        return self.max_tokens if self.max_tokens is not None else self.output[1]
+
+    def active(self, t: int) -> bool:
+        return self.start <= t and (self.end is None or t < self.end)
+
+    def sizes(self) -> Iterator[tuple[int, int]]:
+        """``(prompt, output)`` of its requests, in order, forever (blocks of 256 draws)."""
+        rng = np.random.default_rng([self.seed, 7919, self.flow])
+        while True:
+            p = rng.integers(self.prompt[0], self.prompt[1], size=256, endpoint=True).tolist()
+            o = rng.integers(self.output[0], self.output[1], size=256, endpoint=True).tolist()
+            yield from zip(p, o)
+
+
+@dataclass(frozen=True)
 class Workload:
     """Requests of several flows, as parallel integer arrays sorted by arrival.
 
     ``arrival`` (steps), ``flow`` (index into ``flows``), ``prompt``, ``output`` and
     ``max_tokens`` (tokens). Built with :meth:`from_arrays`, which validates and sorts.
+    ``closed``: closed-loop clients (:class:`ClosedLoop`), whose requests the run makes.
     """
 
     flows: tuple[FlowSpec, ...]
@@ -62,6 +122,7 @@ class Workload:
     output: np.ndarray
     max_tokens: np.ndarray
     meta: dict = field(default_factory=dict, compare=False)
+    closed: tuple[ClosedLoop, ...] = ()
 
     def __len__(self) -> int:
         return int(self.arrival.shape[0])
@@ -80,6 +141,7 @@ class Workload:
         output: Iterable[int],
         max_tokens: Iterable[int] | None = None,
         meta: dict | None = None,
+        closed: Sequence[ClosedLoop] = (),
     ) -> "Workload":
         """Validate, sort by ``(arrival, position in the given order)`` and freeze.
 
@@ -112,14 +174,19 @@ class Workload:
         arrs = [x[order].copy() for x in (a, fl, p, o, m)]
         for x in arrs:
             x.setflags(write=False)
-        return cls(flows, *arrs, meta=dict(meta or {}))
+        closed = tuple(closed)
+        for c in closed:
+            if not isinstance(c, ClosedLoop) or not 0 <= c.flow < len(flows):
+                raise ValueError(f"closed-loop client {c!r}: flow index must be in [0, {len(flows)})")
+        return cls(flows, *arrs, meta=dict(meta or {}), closed=closed)
 
     def with_flows(self, flows: Sequence[FlowSpec]) -> "Workload":
         """The same requests with other flow specs (same names, same order)."""
         flows = tuple(flows)
         if [f.name for f in flows] != self.flow_names:
             raise ValueError(f"flow names {[f.name for f in flows]} differ from {self.flow_names}")
-        return Workload(flows, self.arrival, self.flow, self.prompt, self.output, self.max_tokens, dict(self.meta))
+        return Workload(flows, self.arrival, self.flow, self.prompt, self.output, self.max_tokens, dict(self.meta),
+                        self.closed)
 
     def requests(self) -> list["Request"]:
         """Fresh mutable request records (one simulation run consumes them)."""
@@ -150,10 +217,12 @@ class Request:
     ``max_tokens`` (tokens). Filled in by the run: ``est`` (estimated cost, weighted
     tokens, fixed when the request reaches the balancer), ``admit`` (step it started,
     -1 if never), ``finish`` (step it left its server, -1 if not yet), ``server``,
-    ``tag`` (a policy's private sort key).
+    ``tag`` (a policy's private sort key), ``seq`` (the order in which requests reached
+    the balancer, the "first come" of every tie rule; ``rid`` until the run sets it).
     """
 
-    __slots__ = ("rid", "flow", "arrival", "prompt", "output", "max_tokens", "est", "admit", "finish", "server", "tag")
+    __slots__ = ("rid", "flow", "arrival", "prompt", "output", "max_tokens", "est", "admit", "finish", "server", "tag",
+                 "seq")
 
     def __init__(self, rid: int, flow: int, arrival: int, prompt: int, output: int, max_tokens: int):
         self.rid = rid
@@ -167,6 +236,7 @@ class Request:
         self.finish = -1
         self.server = -1
         self.tag = 0.0
+        self.seq = rid
 
     def __repr__(self) -> str:
         return (
@@ -186,18 +256,65 @@ class Request:
 #   {"flows": [{"name": "alice", "weight": 2.0, "class": "interactive", "priority": 0}, ...]}
 # Undeclared flows follow in order of first appearance (weight 1); the caller's
 # ``weights`` override both.
+#
+# A closed-loop client is one line with ``keep_waiting`` instead of ``arrival``:
+#   {"flow": "a", "keep_waiting": 1}
+#   {"flow": "b", "keep_waiting": 2, "prompt_tokens": [100, 200], "output_tokens": [50, 60],
+#    "max_tokens": 64, "start": 1000, "end": 5000}
+# From ``start`` (default 0) until ``end`` (default: the end of the run) the flow keeps that
+# many requests waiting at the balancer at every step (see :class:`ClosedLoop`); sizes are
+# seed 003's (prompts U[64, 512], outputs U[32, 384], max_tokens 384) unless given as
+# ``[lo, hi]`` ranges. One such line per flow; it may also send ordinary requests.
 
 _TRACE_FIELDS = ("arrival", "flow", "prompt_tokens", "output_tokens")
+_CLOSED_FIELDS = ("flow", "keep_waiting", "prompt_tokens", "output_tokens", "max_tokens", "start", "end")
+
+
+def _closed_line(rec: dict, where: str, flow_index: int, seed: int) -> ClosedLoop:
+    """A ``keep_waiting`` line as a :class:`ClosedLoop`; ``ValueError`` names the line and field."""
+    for k in rec:
+        if k not in _CLOSED_FIELDS:
+            raise ValueError(f"{where}: unknown field {k!r} in a keep_waiting line (allowed: {', '.join(_CLOSED_FIELDS)})")
+
+    def whole(k: str, v: object, lo: int) -> int:
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"{where}: {k} must be an int >= {lo}, got {v!r}")
+        return v
+
+    keep = whole("keep_waiting", rec["keep_waiting"], 1)
+    ranges = {}
+    for k, default in (("prompt_tokens", DEFAULT_PROMPT), ("output_tokens", DEFAULT_OUTPUT)):
+        v = rec.get(k, list(default))
+        if (not isinstance(v, list) or len(v) != 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in v)
+                or not 1 <= v[0] <= v[1]):
+            raise ValueError(f"{where}: {k} of a keep_waiting line must be [lo, hi], ints with 1 <= lo <= hi, got {v!r}")
+        ranges[k] = (int(v[0]), int(v[1]))
+    max_tokens = None
+    if "max_tokens" in rec:
+        max_tokens = whole("max_tokens", rec["max_tokens"], 1)
+        if max_tokens < ranges["output_tokens"][1]:
+            raise ValueError(f"{where}: max_tokens {max_tokens} is smaller than the largest output_tokens "
+                             f"{ranges['output_tokens'][1]}")
+    start = whole("start", rec.get("start", 0), 0)
+    end = None
+    if rec.get("end") is not None:
+        end = whole("end", rec["end"], 1)
+        if end <= start:
+            raise ValueError(f"{where}: end {end} must be after start {start}")
+    return ClosedLoop(flow_index, keep, ranges["prompt_tokens"], ranges["output_tokens"], max_tokens, start, end, seed)
 
 
 def read_trace_lines(
-    lines: Iterable[str], weights: dict[str, float] | None = None, source: str = "<trace>"
+    lines: Iterable[str], weights: dict[str, float] | None = None, source: str = "<trace>", seed: int = 0
 ) -> Workload:
-    """Parse JSONL trace lines into a :class:`Workload`; ``ValueError`` names the bad line."""
+    """Parse JSONL trace lines into a :class:`Workload`; ``ValueError`` names the bad line.
+    ``seed`` seeds the sizes of closed-loop clients' requests."""
     weights = dict(weights or {})
     names: dict[str, int] = {}
     declared: dict[str, FlowSpec] = {}
     cols: list[list[int]] = [[], [], [], [], []]
+    closed: list[ClosedLoop] = []
+    closed_at: dict[str, str] = {}
     for lineno, raw in enumerate(lines, 1):
         line = raw.strip()
         if not line or line.startswith("#"):
@@ -227,6 +344,20 @@ def read_trace_lines(
                     raise ValueError(f"{where}: flow {fs.name!r} declared twice")
                 declared[fs.name] = fs
                 names[fs.name] = len(names)
+            continue
+        if "keep_waiting" in rec:
+            if "flow" not in rec:
+                raise ValueError(f"{where}: missing field 'flow' in {line[:120]!r}")
+            flow = rec["flow"]
+            if not isinstance(flow, (str, int)) or isinstance(flow, bool):
+                raise ValueError(f"{where}: flow must be a string or an int, got {flow!r}")
+            flow = str(flow)
+            if flow in closed_at:
+                raise ValueError(f"{where}: flow {flow!r} already has a keep_waiting line ({closed_at[flow]})")
+            idx = names.get(flow, len(names))
+            closed.append(_closed_line(rec, where, idx, seed))
+            names.setdefault(flow, idx)
+            closed_at[flow] = where
             continue
         for k in _TRACE_FIELDS:
             if k not in rec:
@@ -263,14 +394,14 @@ def read_trace_lines(
             flows.append(FlowSpec(n, float(weights.get(n, 1.0))))
         else:
             flows.append(FlowSpec(n, float(weights.get(n, d.weight)), d.klass, d.priority))
-    return Workload.from_arrays(flows, *cols, meta={"source": source})
+    return Workload.from_arrays(flows, *cols, meta={"source": source}, closed=closed)
 
 
-def load_trace(path: str | Path, weights: dict[str, float] | None = None) -> Workload:
+def load_trace(path: str | Path, weights: dict[str, float] | None = None, seed: int = 0) -> Workload:
     """Read a JSONL trace file (see the format above)."""
     p = Path(path)
     with p.open("r", encoding="utf-8") as fh:
-        return read_trace_lines(fh, weights, source=str(p))
+        return read_trace_lines(fh, weights, source=str(p), seed=seed)
 
 
 def save_trace(workload: Workload, out: str | Path | IO[str]) -> None:
@@ -293,6 +424,14 @@ def save_trace(workload: Workload, out: str | Path | IO[str]) -> None:
                 separators=(", ", ": "),
             )
         )
+    for c in workload.closed:
+        rec: dict = {"flow": names[c.flow], "keep_waiting": c.keep, "prompt_tokens": list(c.prompt),
+                     "output_tokens": list(c.output), "start": c.start}
+        if c.max_tokens is not None:
+            rec["max_tokens"] = c.max_tokens
+        if c.end is not None:
+            rec["end"] = c.end
+        lines.append(json.dumps(rec, separators=(", ", ": ")))
     text = "\n".join(lines) + "\n"
     if isinstance(out, (str, Path)):
         Path(out).write_text(text, encoding="utf-8")

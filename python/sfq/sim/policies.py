@@ -6,19 +6,26 @@ The simulator calls, for each run on a fresh instance:
 * ``bind(sim)`` once (flows, weights, service weights ``w_p``/``w_q``, and the running
   aggregates per flow that in-engine policies read);
 * ``arrive(r, t)`` when request ``r`` reaches the balancer at step ``t`` (``r.est`` is
-  set: the estimated cost, weighted tokens);
+  set: the estimated cost, weighted tokens; unless the policy sets
+  ``estimate_at_arrival = False`` and estimates at dispatch with ``sim.estimate(r)``);
 * ``peek(t)``: the request that should start next, or ``None``. Asking twice without an
   ``admit`` in between returns the same request unless the policy's state changed (for
   the in-engine counters it may: they move with decode);
 * ``admit(r, t)``: the request returned by the last ``peek`` started;
 * ``advance(t0, t1)``: decode steps ``t0 .. t1-1`` ran (counters that charge decode);
-* ``complete(r, t)``: ``r`` finished; ``wakeup(t)``: the next step at which the policy
-  could start something without any other event (rate-limit windows), or ``None``.
+* ``complete(r, t)``: ``r`` finished (told before the running aggregates drop it);
+  ``wakeup(t)``: the next step at which the policy could start something without any
+  other event (rate-limit windows; for policies whose counters move with decode, the
+  first step at which another waiting flow could overtake the one named while the
+  balancer stalls), or ``None``.
+
+"First come" in every tie rule is ``r.seq``, the order requests reached the balancer.
 
 Balancer-side policies order by the estimate: ``fifo``, ``prio`` (strict priority by
 class, FIFO inside), ``rr`` (round robin by request), ``drr`` (deficit round robin with a
-quantum), ``wfq`` (finish tags), ``sfq`` (the project's core, ``sfq.Scheduler``), and
-``fifo`` behind a per-flow RPM gate. In-engine policies charge what is incurred
+quantum), ``wfq`` (finish tags), ``sfq`` (the project's core, ``sfq.Scheduler``, as the
+dispatcher drives it: see :class:`SFQ` and its charge modes), ``sfq-seed`` (the core
+under seed 000's rule, for comparison), and ``fifo`` behind a per-flow RPM gate. In-engine policies charge what is incurred
 (seed 003): ``lcf`` (least counter first, no lift), ``vtc`` (with the lift), and
 ``vtc-h`` (VTC charging ``h(n_p, n_q)`` increments).
 """
@@ -26,6 +33,7 @@ quantum), ``wfq`` (finish tags), ``sfq`` (the project's core, ``sfq.Scheduler``)
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from typing import Any, Callable
 
@@ -38,6 +46,9 @@ __all__ = [
     "DRR",
     "WFQ",
     "SFQ",
+    "SeedSFQ",
+    "CHARGE_MODES",
+    "DEFAULT_CHARGE",
     "VTC",
     "POLICIES",
     "make_policy",
@@ -51,6 +62,8 @@ class Policy:
     name = "policy"
     #: True for policies that act inside the engine on incurred service (lcf, vtc)
     in_engine = False
+    #: the simulator stamps ``r.est`` at arrival (False: the policy estimates at dispatch)
+    estimate_at_arrival = True
 
     def bind(self, sim: Any) -> None:
         self.sim = sim
@@ -150,28 +163,35 @@ class RPMLimitedFIFO(Policy):
     def bind(self, sim: Any) -> None:
         super().bind(sim)
         self.qs = [deque() for _ in range(self.nflows)]
-        self.used = [0] * self.nflows
+        self.used: dict[int, int] = {}  # starts per flow in the current window
+        self.active: set[int] = set()  # flows with a request waiting
         self.win = -1
         self.nwaiting = 0
 
     def arrive(self, r, t: int) -> None:
         self.qs[r.flow].append(r)
+        self.active.add(r.flow)
         self.nwaiting += 1
 
     def peek(self, t: int):
         w = t // self.window
         if w != self.win:
             self.win = w
-            self.used = [0] * self.nflows
+            self.used.clear()
         best = None
-        for f, q in enumerate(self.qs):
-            if q and self.used[f] < self.rpm and (best is None or q[0].rid < best.rid):
-                best = q[0]
+        used, rpm = self.used, self.rpm
+        for f in self.active:
+            head = self.qs[f][0]
+            if used.get(f, 0) < rpm and (best is None or head.seq < best.seq):
+                best = head
         return best
 
     def admit(self, r, t: int) -> None:
-        self.qs[r.flow].popleft()
-        self.used[r.flow] += 1
+        q = self.qs[r.flow]
+        q.popleft()
+        if not q:
+            self.active.discard(r.flow)
+        self.used[r.flow] = self.used.get(r.flow, 0) + 1
         self.nwaiting -= 1
 
     def wakeup(self, t: int) -> int | None:
@@ -278,7 +298,7 @@ class WFQ(Policy):
         start = self.last_finish[f] if self.last_finish[f] > self.v else self.v
         r.tag = start + r.est / self.weights[f]
         self.last_finish[f] = r.tag
-        heapq.heappush(self.heap, (r.tag, r.rid, r))
+        heapq.heappush(self.heap, (r.tag, r.seq, r))
 
     def peek(self, t: int):
         return self.heap[0][2] if self.heap else None
@@ -288,16 +308,37 @@ class WFQ(Policy):
         self.v = tag
 
 
-class SFQ(Policy):
-    """Start-time fair queueing: the project's core (``sfq.Scheduler``) orders dispatch.
+def _first_overtake(t: int, named: int, rate: Callable[[int], float], value: Callable[[int], float],
+                    others: Any) -> int | None:
+    """The first step after ``t`` at which one of ``others`` could overtake the flow
+    ``named`` (the smallest key wins) when keys grow linearly, ``value(f) + rate(f) * d``:
+    a lower bound (``floor`` of the crossing, at least ``t + 1``). ``None``: none can."""
+    vf, rf = value(named), rate(named)
+    best: int | None = None
+    for g in others:
+        if g == named:
+            continue
+        rg = rate(g)
+        if rf <= rg:
+            continue  # the gap never closes
+        d = (value(g) - vf) / (rf - rg)
+        step = t + max(1, math.floor(d))
+        if best is None or step < best:
+            best = step
+    return best
 
-    Each arrival is enqueued with its estimated cost; ``peek`` dispatches from the core
-    when nothing is staged and holds the request until it can be placed (the core charged
-    it at dispatch; the balancer stalls, seed 000 §5.2). ``core`` picks the scheduler
-    class (default ``sfq.Scheduler``, the compiled core when it is built).
+
+class SeedSFQ(Policy):
+    """Start-time fair queueing under seed 000's rule (``sfq-seed``), for comparison.
+
+    Each arrival is enqueued with its estimate, stamped at arrival and never corrected;
+    ``peek`` dispatches from the core when nothing is staged and holds the request until
+    it can be placed (the core charged it at dispatch; the balancer stalls, seed 000
+    §5.2); the busy period ends when the core's queue empties (its idle rule). ``core``
+    picks the scheduler class (default ``sfq.Scheduler``, the compiled core when built).
     """
 
-    name = "sfq"
+    name = "sfq-seed"
 
     def __init__(self, core: Callable[[], Any] | None = None):
         if core is None:
@@ -326,6 +367,160 @@ class SFQ(Policy):
 
     def admit(self, r, t: int) -> None:
         self.staged = None
+
+
+#: how the ``sfq`` policy charges a request (see :class:`SFQ`)
+CHARGE_MODES = ("seed", "settle", "served")
+#: the library's default, chosen by measurement (README, simulator section)
+DEFAULT_CHARGE = "served"
+
+
+class SFQ(Policy):
+    """Start-time fair queueing as the dispatcher drives the core (``sfq``).
+
+    * **Look before you pop**: ``peek`` asks the core's ``peek()``; the request is
+      dispatched (and charged) only when the balancer can place it, so nothing is charged
+      while it waits aside.
+    * **Estimate at dispatch**: the cost is estimated when the request starts, from what
+      the estimator has learned by then (it is enqueued at a lower bound, ``w_p * prompt``,
+      and the meter corrected with ``adjust()`` at dispatch: SFQ's order depends on the
+      flows' meters, not on the cost of their heads).
+    * **Busy period held while the engines work**: ``work_started()`` at admission,
+      ``work_done()`` at completion, so the core's idle rule fires when the fleet is idle,
+      not whenever the balancer's queue empties.
+    * **Charge modes** (``charge``): ``seed`` charges the estimate at dispatch and never
+      corrects it; ``settle`` corrects it to the actual cost at completion
+      (``adjust(actual - estimate)``); ``served`` charges the prompt at dispatch and each
+      output token as it is generated (``adjust`` per decode step, in bulk between
+      events), reconciled with the actual cost at completion; in this model the per-token
+      charges are exact, so the reconciliation is zero. ``served`` moves the meters between
+      events, so a stalled ``wakeup`` names the first step another flow could overtake.
+    """
+
+    name = "sfq"
+    estimate_at_arrival = False
+
+    def __init__(self, core: Callable[[], Any] | None = None, charge: str | None = None):
+        charge = DEFAULT_CHARGE if charge is None else charge
+        if charge not in CHARGE_MODES:
+            raise ValueError(f"unknown charge mode {charge!r}; choose from {', '.join(CHARGE_MODES)}")
+        if core is None:
+            import sfq
+
+            core = sfq.Scheduler
+        self.core = core
+        self.charge = charge
+
+    @property
+    def label(self) -> str:
+        return f"sfq charge={self.charge}"
+
+    def bind(self, sim: Any) -> None:
+        super().bind(sim)
+        self.sched = self.core()
+        for f, w in enumerate(self.weights):
+            if w != 1.0:
+                self.sched.set_weight(f, w)
+        self.served = self.charge == "served"
+        self.waiting = [0] * self.nflows
+        self.active: set[int] = set()  # flows with a request waiting here
+        self.named = None
+        # served: waiting flows with nothing running keep their meter, so for wakeup()
+        # they sit in a heap on it; those with running requests (the batch) are scanned
+        self.heap: list[tuple[float, int, int]] = []
+        self.ver = [0] * self.nflows
+        self.hot: set[int] = set()
+
+    def _place(self, f: int, running: bool) -> None:
+        if not self.served:
+            return
+        self.ver[f] += 1
+        if not self.waiting[f]:
+            self.hot.discard(f)
+        elif running:
+            self.hot.add(f)
+        else:
+            self.hot.discard(f)
+            heapq.heappush(self.heap, (self.sched.meter(f), f, self.ver[f]))
+
+    def _cold_top(self) -> int | None:
+        heap, ver = self.heap, self.ver
+        while heap:
+            _, f, v = heap[0]
+            if v == ver[f]:
+                return f
+            heapq.heappop(heap)
+        return None
+
+    def _floor(self, r) -> float:
+        c = self.w_p * r.prompt
+        return c if c > 0 else 1.0
+
+    def arrive(self, r, t: int) -> None:
+        self.sched.enqueue(r.flow, self._floor(r), r)
+        f = r.flow
+        self.waiting[f] += 1
+        if self.waiting[f] == 1:
+            self.active.add(f)
+            self._place(f, self.sim.running[f] > 0)
+
+    def peek(self, t: int):
+        d = self.sched.peek()
+        self.named = None if d is None else d.item
+        return self.named
+
+    def admit(self, r, t: int) -> None:
+        d = self.sched.dispatch()
+        if d is None or d.item is not r:  # pragma: no cover - peek() promises the same request
+            raise RuntimeError(f"the core dispatched {d!r}, not the request it named ({r!r})")
+        f = r.flow
+        r.est = self.sim.estimate(r)
+        target = self.w_p * r.prompt if self.served else r.est
+        if target != d.cost:
+            self.sched.adjust(f, target - d.cost)
+        self.sched.work_started()
+        self.waiting[f] -= 1
+        if not self.waiting[f]:
+            self.active.discard(f)
+        self._place(f, True)  # r runs from now
+        self.named = None
+
+    def advance(self, t0: int, t1: int) -> None:
+        self.named = None
+        if not self.served:
+            return
+        k = t1 - t0
+        n_f = self.sim.running
+        for f in self.sim.running_flows:
+            self.sched.adjust(f, self.w_q * k * n_f[f])
+
+    def complete(self, r, t: int) -> None:
+        actual = self.w_p * r.prompt + self.w_q * r.output
+        if self.charge == "settle":
+            delta = actual - r.est
+        elif self.served:
+            delta = actual - (self.w_p * r.prompt + self.w_q * (t - r.admit))  # zero here
+        else:
+            delta = 0.0
+        if delta:
+            self.sched.adjust(r.flow, delta)
+        self.sched.work_done()
+        if self.sim.running[r.flow] == 1:  # its last running request: the meter stops
+            self._place(r.flow, False)
+
+    def wakeup(self, t: int) -> int | None:
+        if not self.served or self.named is None or len(self.active) < 2:
+            return None
+        f = self.named.flow
+        if f not in self.hot:
+            return None  # its meter stands still: no waiting flow can pass it
+        others = list(self.hot)
+        top = self._cold_top()
+        if top is not None:
+            others.append(top)  # of the flows whose meters stand still, the lowest
+        n_f = self.sim.running
+        w_q, weights, meter = self.w_q, self.weights, self.sched.meter
+        return _first_overtake(t, f, lambda g: w_q * n_f[g] / weights[g], meter, others)
 
 
 def context_h(beta: float) -> Callable[[float, float, int, int], float]:
@@ -366,46 +561,105 @@ class VTC(Policy):
         super().bind(sim)
         self.c = [0.0] * self.nflows
         self.qs = [deque() for _ in range(self.nflows)]
+        self.active: set[int] = set()  # flows with a request waiting
         self.last_left: int | None = None
         self.h = context_h(self.beta)
+        self.named = None
+        # Waiting flows with nothing running keep their counter until they start something,
+        # so they sit in a heap on (counter, head seq); waiting flows with running requests
+        # (counters moving with decode; at most the batch) are scanned. Per event this costs
+        # O(running flows + log waiting flows), whatever the number of idle flows.
+        self.heap: list[tuple[float, int, int, int]] = []
+        self.ver = [0] * self.nflows
+        self.hot: set[int] = set()
+
+    def _place(self, f: int, running: bool) -> None:
+        self.ver[f] += 1
+        if not self.qs[f]:
+            self.hot.discard(f)
+        elif running:
+            self.hot.add(f)
+        else:
+            self.hot.discard(f)
+            heapq.heappush(self.heap, (self.c[f], self.qs[f][0].seq, f, self.ver[f]))
+
+    def rekey(self) -> None:
+        """Re-sort the waiting flows after their counters were changed from outside."""
+        for f in list(self.active):
+            self._place(f, self.sim.running[f] > 0)
+
+    def _cold_top(self) -> int | None:
+        heap, ver = self.heap, self.ver
+        while heap:
+            _, _, f, v = heap[0]
+            if v == ver[f]:
+                return f
+            heapq.heappop(heap)
+        return None
+
+    def _floor(self) -> float | None:
+        """The smallest counter of the waiting flows."""
+        c = self.c
+        top = self._cold_top()
+        floor = None if top is None else c[top]
+        for g in self.hot:
+            if floor is None or c[g] < floor:
+                floor = c[g]
+        return floor
 
     def arrive(self, r, t: int) -> None:
         f = r.flow
         q = self.qs[f]
-        if not q and self.lift:
-            floor = None
-            for g, qg in enumerate(self.qs):
-                if qg and (floor is None or self.c[g] < floor):
-                    floor = self.c[g]
-            if floor is None and self.last_left is not None:
-                floor = self.c[self.last_left]
-            if floor is not None and floor > self.c[f]:
-                self.c[f] = floor
-        q.append(r)
+        if not q:
+            if self.lift:
+                c = self.c
+                floor = self._floor()
+                if floor is None and self.last_left is not None:
+                    floor = c[self.last_left]
+                if floor is not None and floor > c[f]:
+                    c[f] = floor
+            self.active.add(f)
+            q.append(r)
+            self._place(f, self.sim.running[f] > 0)
+        else:
+            q.append(r)
 
     def peek(self, t: int):
-        best = None
-        bc = 0.0
-        c = self.c
-        for f, q in enumerate(self.qs):
-            if q:
-                if best is None or c[f] < bc or (c[f] == bc and q[0].rid < best.rid):
-                    best, bc = q[0], c[f]
+        c, qs = self.c, self.qs
+        top = self._cold_top()
+        best = None if top is None else qs[top][0]
+        bc = 0.0 if top is None else c[top]
+        for f in self.hot:
+            head = qs[f][0]
+            cf = c[f]
+            if best is None or cf < bc or (cf == bc and head.seq < best.seq):
+                best, bc = head, cf
+        self.named = best
         return best
 
     def admit(self, r, t: int) -> None:
         f = r.flow
-        self.qs[f].popleft()
+        q = self.qs[f]
+        q.popleft()
         self.c[f] += self.h(self.w_p, self.w_q, r.prompt, 0) / self.weights[f]
-        if not self.qs[f]:
+        if not q:
+            self.active.discard(f)
             self.last_left = f
+        self._place(f, True)  # r runs from now
+        self.named = None
+
+    def complete(self, r, t: int) -> None:
+        f = r.flow
+        if self.sim.running[f] == 1 and self.qs[f]:  # its last running request: the counter stops
+            self._place(f, False)
 
     def advance(self, t0: int, t1: int) -> None:
+        self.named = None
         k = t1 - t0
         sim = self.sim
         n_f, sp_f, sa_f = sim.running, sim.running_prompt, sim.running_admit
         beta = self.beta
-        for f in range(self.nflows):
+        for f in sim.running_flows:
             n = n_f[f]
             if n:
                 inc = self.w_q * k * n
@@ -414,20 +668,39 @@ class VTC(Policy):
                     inc += beta * (k * (sp_f[f] + n * t0 - sa_f[f]) + n * k * (k + 1) / 2)
                 self.c[f] += inc / self.weights[f]
 
+    def wakeup(self, t: int) -> int | None:
+        """While the balancer stalls on the named request, the first step at which another
+        waiting flow's counter could pass the named one's (counters of running flows grow
+        with decode): from there a smaller request may start."""
+        if self.named is None or len(self.active) < 2:
+            return None
+        f = self.named.flow
+        if f not in self.hot:
+            return None  # its counter stands still: no waiting flow can pass it
+        if self.beta:
+            return t + 1  # quadratic counters: re-ask every step
+        others = list(self.hot)
+        top = self._cold_top()
+        if top is not None:
+            others.append(top)  # of the flows whose counters stand still, the lowest
+        n_f, w_q, weights, c = self.sim.running, self.w_q, self.weights, self.c
+        return _first_overtake(t, f, lambda g: w_q * n_f[g] / weights[g], c.__getitem__, others)
+
 
 def _rpm_fifo(rpm: int | None = None, window: int = 2000, **_: Any) -> Policy:
     return FIFO() if rpm is None else RPMLimitedFIFO(rpm, window)
 
 
 #: name -> factory(**options); options: quantum (drr), beta (vtc-h), rpm/window (fifo),
-#: core (sfq). Unknown options are ignored by the factories that do not use them.
+#: core and charge (sfq; core for sfq-seed). Unknown options are ignored by the factories that do not use them.
 POLICIES: dict[str, Callable[..., Policy]] = {
     "fifo": _rpm_fifo,
     "prio": lambda **_: StrictPriority(),
     "rr": lambda **_: RoundRobin(),
     "drr": lambda quantum=1024.0, **_: DRR(quantum),
     "wfq": lambda **_: WFQ(),
-    "sfq": lambda core=None, **_: SFQ(core),
+    "sfq": lambda core=None, charge=None, **_: SFQ(core, charge),
+    "sfq-seed": lambda core=None, **_: SeedSFQ(core),
     "lcf": lambda **_: VTC(lift=False),
     "vtc": lambda **_: VTC(lift=True),
     "vtc-h": lambda beta=0.01, **_: VTC(lift=True, beta=beta),

@@ -19,7 +19,20 @@ themselves for the plots. Units: steps, tokens, weighted tokens (``w_p``, ``w_q`
                interactive requests (Poisson, 1 per 20 steps) from step 300, team C sends a
                burst of 24 every 2500 steps or so from step 1000; 8 slots (8 servers x 1);
                weights interactive 6, batch 1; strict priority ranks interactive first.
+``shallow``    two clients that each keep one request waiting at the balancer (closed
+               loop, seed 003's sizes), M = 8192, 40,000 steps: the drift at 1/4, 1/2
+               and all of the run (bounded, or growing with the run like FIFO's).
+``keep-one``   client 0 keeps one request waiting, client 1 floods (Poisson at 1.2 C),
+               20,000 steps: client 0's share of the service.
+``many``       1,000 clients sending 5 requests each at uniform times in the first 5,000
+               steps, 8 servers, run to completion: the cost of many flows.
 ``trace``      a JSONL trace (see :mod:`sfq.sim.model`) on the fleet given by the options.
+
+Every row's ``max_drift`` is seed 003's ``max_t |W_f(t0,t) - W_g(t0,t)|`` over the flows
+backlogged (work waiting or running) for the whole run (see :mod:`sfq.sim.metrics`;
+``drift_flows`` says how many); ``max_interval_drift`` is the interval form, which
+restarts whenever a flow's backlog empties; ``max_drift_est`` the interval form on the
+estimated cost charged, backlogged meaning waiting at the balancer (seed 000's bound).
 """
 
 from __future__ import annotations
@@ -28,12 +41,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from .engine import Fleet, RunResult, Simulation
 from .estimate import make_estimator
-from .metrics import flow_summary, jain_index, max_drift, service_at, throughput, wait_quantiles
-from .model import FlowSpec, Workload, load_trace
-from .policies import POLICIES, make_policy
-from .workloads import Batch, Bursts, FlowLoad, Phases, Poisson, Sizes, build_workload, capacity
+from .metrics import (drift_set, flow_summary, jain_index, max_drift, max_interval_drift, service_at, throughput,
+                      wait_quantiles)
+from .model import ClosedLoop, FlowSpec, Workload, load_trace
+from .policies import CHARGE_MODES, POLICIES, make_policy
+from .workloads import Batch, Bursts, FlowLoad, Phases, Poisson, Sizes, Uniform, build_workload, capacity
 
 __all__ = [
     "Options",
@@ -49,13 +65,16 @@ __all__ = [
 #: seed 003's request sizes: prompts U[64, 512], outputs U[32, 384], max_tokens 384
 SEED003_SIZES = Sizes(prompt=(64, 512), output=(32, 384), max_tokens=384)
 
-ALL_FAIR = ("fifo", "rr", "drr", "wfq", "sfq", "lcf", "vtc")
+ALL_FAIR = ("fifo", "rr", "drr", "wfq", "sfq", "sfq-seed", "lcf", "vtc")
 DEFAULT_POLICIES: dict[str, tuple[str, ...]] = {
     "drift": ALL_FAIR,
     "return": ALL_FAIR,
     "kv-sweep": ALL_FAIR,
     "rpm-sweep": ("fifo", "vtc", "sfq"),
-    "teams": ("fifo", "prio", "rr", "drr", "wfq", "sfq", "lcf", "vtc"),
+    "teams": ("fifo", "prio", "rr", "drr", "wfq", "sfq", "sfq-seed", "lcf", "vtc"),
+    "shallow": ("fifo", "sfq", "sfq-seed", "lcf", "vtc"),
+    "keep-one": ("fifo", "sfq", "sfq-seed", "lcf", "vtc"),
+    "many": ALL_FAIR,
     "trace": ALL_FAIR,
 }
 KV_SWEEP = (2048, 4096, 8192, 16384, 32768)
@@ -72,7 +91,8 @@ class Options:
     tokens), ``beta`` (vtc-h), ``w_p``/``w_q`` (service weights of prompt/output
     tokens), ``prior`` (the estimator's output/max_tokens ratio before any completion),
     ``rpm_window`` (steps per "minute"), ``trace``/``weights`` (trace replay), ``core``
-    (the scheduler class behind ``sfq``; default ``sfq.Scheduler``).
+    (the scheduler class behind ``sfq``; default ``sfq.Scheduler``), ``charge`` (the
+    ``sfq`` policy's charge mode, ``seed``/``settle``/``served``; default the library's).
     """
 
     seed: int = 0
@@ -89,6 +109,11 @@ class Options:
     trace: str | None = None
     weights: dict[str, float] = field(default_factory=dict)
     core: Any = None
+    charge: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.charge is not None and self.charge not in CHARGE_MODES:
+            raise ValueError(f"unknown charge mode {self.charge!r}; choose from {', '.join(CHARGE_MODES)}")
 
 
 class Progress:
@@ -160,7 +185,8 @@ def _run(
     label: str | None = None,
     **popts: Any,
 ) -> RunResult:
-    policy = make_policy(name, quantum=opts.quantum, beta=opts.beta, core=opts.core, window=opts.rpm_window, **popts)
+    policy = make_policy(name, quantum=opts.quantum, beta=opts.beta, core=opts.core, window=opts.rpm_window,
+                         charge=opts.charge, **popts)
     cb = progress.begin(label or policy.label, horizon)
     try:
         sim = Simulation(
@@ -191,15 +217,20 @@ def bound_of(res: RunResult) -> float:
 def _row(scenario: str, res: RunResult, rpm: int | None = None, **extra: Any) -> dict:
     drift = max_drift(res)
     bound = bound_of(res)
+    label = res.policy.split(" ")
+    charge = next((x.split("=", 1)[1] for x in label[1:] if x.startswith("charge=")), None)
     row: dict[str, Any] = {
         "scenario": scenario,
-        "policy": res.policy.split(" ")[0],
+        "policy": label[0],
+        "charge": charge,
         "kv_budget": res.fleet.kv_budget,
         "rpm": rpm,
         "max_drift": drift,
+        "drift_flows": len(drift_set(res)[0]),
         "bound": bound,
         "drift_ratio": drift / bound if bound else None,
-        "max_drift_est": max_drift(res, charged=True),
+        "max_interval_drift": max_interval_drift(res),
+        "max_drift_est": max_interval_drift(res, charged=True, busy=False),
         "throughput": throughput(res),
         "tokens_per_step": throughput(res, raw=True),
         "jain": jain_index(res),
@@ -293,6 +324,35 @@ def teams_workload(
             ),
         ],
     )
+
+
+def shallow_workload(seed: int, steps: int, keep: int = 1) -> Workload:
+    """Two closed-loop clients, each keeping ``keep`` requests waiting (seed 003's sizes)."""
+    flows = [FlowSpec("client-0"), FlowSpec("client-1")]
+    closed = [ClosedLoop(f, keep, SEED003_SIZES.prompt, SEED003_SIZES.output, SEED003_SIZES.max_tokens, 0, steps, seed)
+              for f in range(2)]
+    return build_workload(seed, [FlowLoad(s, Batch(0), SEED003_SIZES) for s in flows], closed=closed)
+
+
+def keep_one_workload(seed: int, kv_budget: int, steps: int, servers: int = 1) -> Workload:
+    """Client 0 keeps one request waiting; client 1 floods at 1.2 C (Poisson)."""
+    c = capacity(kv_budget, SEED003_SIZES) * servers
+    closed = [ClosedLoop(0, 1, SEED003_SIZES.prompt, SEED003_SIZES.output, SEED003_SIZES.max_tokens, 0, steps, seed)]
+    return build_workload(
+        seed,
+        [
+            FlowLoad(FlowSpec("keeper"), Batch(0), SEED003_SIZES),
+            FlowLoad(FlowSpec("flooder"), Poisson(1.2 * c, 0, steps), SEED003_SIZES),
+        ],
+        meta={"flooder_rate_per_step": 1.2 * c},
+        closed=closed,
+    )
+
+
+def many_workload(seed: int, steps: int, clients: int = 1000, each: int = 5) -> Workload:
+    """``clients`` clients sending ``each`` requests at uniform times in ``[0, steps)``."""
+    return build_workload(seed, [FlowLoad(FlowSpec(f"client-{k}"), Uniform(each, 0, steps), SEED003_SIZES)
+                                 for k in range(clients)])
 
 
 # ---------------------------------------------------------------------- scenarios
@@ -435,7 +495,8 @@ def run_teams(opts: Options, policies: Sequence[str] | None = None, progress: Pr
     runs, rows = [], []
     for n in names:
         res = _run(wl, n, fleet, opts, progress, steps)
-        total = float(res.service[-1].sum())
+        final = res.final_service()
+        total = float(final.sum())
         teams = {}
         for f, spec in enumerate(wl.flows):
             p50, p95, p99 = wait_quantiles(res, f)
@@ -446,7 +507,7 @@ def run_teams(opts: Options, policies: Sequence[str] | None = None, progress: Pr
                 "wait_p50": p50,
                 "wait_p95": p95,
                 "wait_p99": p99,
-                "cost_share": float(res.service[-1, f] / total) if total > 0 else None,
+                "cost_share": float(final[f] / total) if total > 0 else None,
                 "submitted": int(m.sum()),
                 "completed": int((m & (res.finish >= 0)).sum()),
             }
@@ -459,9 +520,11 @@ def run_trace(opts: Options, policies: Sequence[str] | None = None, progress: Pr
     if not opts.trace:
         raise ValueError("the trace scenario needs a trace file (--trace FILE.jsonl)")
     progress = progress or Progress()
-    wl = load_trace(opts.trace, opts.weights)
+    wl = load_trace(opts.trace, opts.weights, seed=opts.seed)
     fleet = _fleet(opts, 1, 8192, None)
     names = _policies(policies, "trace")
+    if opts.steps is None and any(c.end is None for c in wl.closed):
+        raise ValueError("the trace has closed-loop clients without an end: give a horizon (--steps N)")
     params = {
         **_common_params(opts),
         "trace": str(opts.trace),
@@ -469,6 +532,7 @@ def run_trace(opts: Options, policies: Sequence[str] | None = None, progress: Pr
         **_fleet_params(fleet),
         "flows": {f.name: {"weight": f.weight} for f in wl.flows},
         "requests": len(wl),
+        "closed_loop": {wl.flows[c.flow].name: c.keep for c in wl.closed},
         "policies": names,
         "quantum": opts.quantum,
     }
@@ -480,12 +544,81 @@ def run_trace(opts: Options, policies: Sequence[str] | None = None, progress: Pr
     return ScenarioResult("trace", params, rows, runs)
 
 
+SHALLOW_MARKS = (0.25, 0.5, 1.0)
+
+
+def run_shallow(opts: Options, policies: Sequence[str] | None = None,
+                progress: Progress | None = None) -> ScenarioResult:
+    progress = progress or Progress()
+    steps = opts.steps or 40_000
+    fleet = _fleet(opts, 1, 8192, None)
+    wl = shallow_workload(opts.seed, steps)
+    names = _policies(policies, "shallow")
+    marks = [int(steps * q) for q in SHALLOW_MARKS]
+    params = {**_common_params(opts), "steps": steps, **_fleet_params(fleet), "keep_waiting": 1,
+              "drift_at_steps": marks, "policies": names}
+    runs, rows = [], []
+    for n in names:
+        res = _run(wl, n, fleet, opts, progress, steps, marks=marks)
+        runs.append((res.policy, res))
+        # how often the balancer's queue emptied while the engines still had work
+        wait = np.zeros(res.times.size, dtype=np.int64)
+        run_ = np.zeros(res.times.size, dtype=np.int64)
+        for f in range(len(res.flows)):
+            wait += res.series(f, "waiting")
+            run_ += res.series(f, "running")
+        drained = (wait == 0) & (run_ > 0)
+        empties = int((drained[1:] & ~drained[:-1]).sum() + drained[0])
+        rows.append(_row("shallow", res, drift_at={str(m): max_drift(res, None, m) for m in marks},
+                         queue_empties=empties))
+    return ScenarioResult("shallow", params, rows, runs)
+
+
+def run_keep_one(opts: Options, policies: Sequence[str] | None = None,
+                 progress: Progress | None = None) -> ScenarioResult:
+    progress = progress or Progress()
+    steps = opts.steps or 20_000
+    fleet = _fleet(opts, 1, 8192, None)
+    wl = keep_one_workload(opts.seed, fleet.kv_budget, steps, fleet.servers)
+    names = _policies(policies, "keep-one")
+    params = {**_common_params(opts), "steps": steps, **_fleet_params(fleet),
+              "flooder_rate_per_step": wl.meta["flooder_rate_per_step"], "policies": names}
+    runs, rows = [], []
+    for n in names:
+        res = _run(wl, n, fleet, opts, progress, steps)
+        runs.append((res.policy, res))
+        final = res.final_service()
+        rows.append(_row("keep-one", res, keeper_share=float(final[0] / final.sum()) if final.sum() > 0 else None))
+    return ScenarioResult("keep-one", params, rows, runs)
+
+
+def run_many(opts: Options, policies: Sequence[str] | None = None, progress: Progress | None = None) -> ScenarioResult:
+    progress = progress or Progress()
+    steps = opts.steps or 5000
+    fleet = _fleet(opts, 8, 8192, None)
+    wl = many_workload(opts.seed, steps)
+    names = _policies(policies, "many")
+    params = {**_common_params(opts), "steps": steps, **_fleet_params(fleet), "clients": len(wl.flows),
+              "requests": len(wl), "policies": names}
+    runs, rows = [], []
+    for n in names:
+        res = _run(wl, n, fleet, opts, progress, None)
+        runs.append((res.policy, res))
+        row = _row("many", res, events=res.events, end_step=res.end)
+        row["flows"] = None  # 1,000 per-flow summaries: left out of the document
+        rows.append(row)
+    return ScenarioResult("many", params, rows, runs)
+
+
 SCENARIOS: dict[str, Callable[..., ScenarioResult]] = {
     "drift": run_drift,
     "return": run_return,
     "kv-sweep": run_kv_sweep,
     "rpm-sweep": run_rpm_sweep,
     "teams": run_teams,
+    "shallow": run_shallow,
+    "keep-one": run_keep_one,
+    "many": run_many,
     "trace": run_trace,
 }
 
@@ -523,5 +656,11 @@ def workload_for(name: str, opts: Options | None = None) -> Workload:
     if name == "trace":
         if not opts.trace:
             raise ValueError("the trace scenario needs a trace file (--trace FILE.jsonl)")
-        return load_trace(opts.trace, opts.weights)
+        return load_trace(opts.trace, opts.weights, seed=opts.seed)
+    if name == "shallow":
+        return shallow_workload(opts.seed, opts.steps or 40_000)
+    if name == "keep-one":
+        return keep_one_workload(opts.seed, kv, opts.steps or 20_000, servers)
+    if name == "many":
+        return many_workload(opts.seed, opts.steps or 5000)
     raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")

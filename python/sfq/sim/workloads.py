@@ -12,13 +12,14 @@ from typing import Sequence
 
 import numpy as np
 
-from .model import FlowSpec, Workload
+from .model import ClosedLoop, FlowSpec, Workload
 
 __all__ = [
     "Phases",
     "Poisson",
     "Periodic",
     "Batch",
+    "Uniform",
     "Bursts",
     "OnOff",
     "Sizes",
@@ -85,6 +86,18 @@ class Batch:
 
     def times(self, rng: np.random.Generator) -> np.ndarray:
         return np.full(self.count, self.at, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class Uniform:
+    """Exactly ``count`` requests at steps drawn uniformly from ``[start, end)``."""
+
+    count: int
+    start: int = 0
+    end: int = 10_000
+
+    def times(self, rng: np.random.Generator) -> np.ndarray:
+        return np.sort(rng.integers(self.start, self.end, size=self.count)).astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -155,8 +168,10 @@ class FlowLoad:
     sizes: object  # anything with .draw(rng, n) -> (prompt, output, max_tokens)
 
 
-def build_workload(seed: int, loads: Sequence[FlowLoad], meta: dict | None = None) -> Workload:
-    """Draw every flow's requests from its own seeded stream and merge them by arrival."""
+def build_workload(seed: int, loads: Sequence[FlowLoad], meta: dict | None = None,
+                   closed: Sequence[ClosedLoop] = ()) -> Workload:
+    """Draw every flow's requests from its own seeded stream and merge them by arrival;
+    ``closed``: closed-loop clients (their requests are made during the run)."""
     cols: list[list[np.ndarray]] = [[], [], [], [], []]
     for k, load in enumerate(loads):
         rng = np.random.default_rng([int(seed), k])
@@ -165,7 +180,7 @@ def build_workload(seed: int, loads: Sequence[FlowLoad], meta: dict | None = Non
         for col, arr in zip(cols, (t, np.full(t.size, k, dtype=np.int64), p, o, m)):
             col.append(arr)
     arrs = [np.concatenate(c) if c else np.zeros(0, dtype=np.int64) for c in cols]
-    return Workload.from_arrays([ld.spec for ld in loads], *arrs, meta=meta)
+    return Workload.from_arrays([ld.spec for ld in loads], *arrs, meta=meta, closed=closed)
 
 
 def capacity(kv_budget: int, sizes: Sizes) -> float:
