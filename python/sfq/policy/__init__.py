@@ -10,6 +10,8 @@ token buckets, the retry planner), so the same code runs under the asyncio
 
 from __future__ import annotations
 
+from typing import Any
+
 from .classify import Classifier, Flow
 from .config import (
     BackendSpec,
@@ -31,6 +33,17 @@ from .metrics import OUTCOMES, REASONS, PolicyMetrics
 from .queue import PolicyQueue, Request
 from .retry import IdempotencyIndex, RetryDecision, RetryPlanner, retry_after_of, retry_safe
 
+
+def __getattr__(name: str) -> Any:
+    # the asyncio layer (aiohttp, the dispatcher) loads on first use: check-config and the
+    # simulator do not need it
+    if name == "PolicyDispatcher":
+        from .dispatcher import PolicyDispatcher
+
+        return PolicyDispatcher
+    raise AttributeError(f"module 'sfq.policy' has no attribute {name!r}")
+
+
 __all__ = [
     "OUTCOMES",
     "REASONS",
@@ -42,6 +55,7 @@ __all__ = [
     "IdempotencyIndex",
     "OrgSpec",
     "Policy",
+    "PolicyDispatcher",
     "PolicyEngine",
     "PolicyMetrics",
     "PolicyQueue",

@@ -222,12 +222,14 @@ class PolicyEngine:
         cs = self.policy.cost
         return float(p) + float(c), cs.input_weight * float(p) + cs.output_weight * float(c)  # type: ignore[arg-type]
 
-    def fail(self, r: Request, error: BaseException, *, deadline_hit: bool = False) -> RetryDecision:
+    def fail(self, r: Request, error: BaseException, *, deadline_hit: bool = False,
+             retryable: bool = True) -> RetryDecision:
         """A running attempt failed with ``error``. Frees its slots, pauses its backend for an
         upstream 429's ``Retry-After``, then plans a retry by the policy's rules: on
         ``retry=True`` the request waits (state ``backoff``) and the caller calls
         :meth:`requeue` after ``delay`` seconds; otherwise it ends as failed.
-        ``deadline_hit``: the attempt was aborted at the request's deadline (never retried)."""
+        ``deadline_hit``: the attempt was aborted at the request's deadline (never retried);
+        ``retryable=False``: the caller cannot repeat it (a stream that already passed events on)."""
         if r.state != RUNNING:
             raise ValueError(f"fail({r!r}): the request is not running")
         now = self.clock()
@@ -241,7 +243,8 @@ class PolicyEngine:
         if deadline_hit:
             decision = RetryDecision(False, 0.0, "deadline")
         else:
-            decision = self.retry.plan(r.flow, r.tries, now, safe=retry_safe(error, r.idempotency_key),
+            decision = self.retry.plan(r.flow, r.tries, now,
+                                       safe=retryable and retry_safe(error, r.idempotency_key),
                                        deadline=r.deadline, retry_after=ra)
         if decision.retry:
             r.state = BACKOFF
