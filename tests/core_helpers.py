@@ -13,7 +13,8 @@ def snapshot(s: Any, flows: list[Hashable]) -> tuple:
         s.waiting_flows,
         s.known_flows,
         s.virtual_time,
-        tuple((s.meter(f), s.pending(f), s.weight(f)) for f in flows),
+        s.in_flight,
+        tuple((s.meter(f), s.pending(f), s.weight(f), s.suspended(f)) for f in flows),
     )
 
 

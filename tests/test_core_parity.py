@@ -21,6 +21,12 @@ costs = st.one_of(
 )
 weights = st.one_of(st.sampled_from([1, 1.0, 2, 0.5, 3, 8, 0.1]), st.floats(min_value=2.0**-10, max_value=2.0**20))
 bad_costs = st.sampled_from([0, -1, float("nan"), float("inf"), "3", None, True, 2**31, 10**400, [1]])
+deltas = st.one_of(
+    st.sampled_from([0, 1, -1, 0.5, -1000, 2.0**30, -(2.0**30)]),
+    st.floats(min_value=-1e4, max_value=1e4, allow_nan=False),
+    st.integers(min_value=-(10**6), max_value=10**6),
+)
+bad_deltas = st.sampled_from([float("nan"), float("inf"), float("-inf"), "3", None, True, 2.0**31, -(10**400), [1]])
 bad_weights = st.sampled_from([0, -2.0, float("nan"), float("-inf"), "1", None, 1e-9, 1e9, 10**400])
 
 ops = st.one_of(
@@ -33,6 +39,13 @@ ops = st.one_of(
     st.tuples(st.just("bad_weight"), st.sampled_from(FLOWS + [[1]]), bad_weights),
     st.tuples(st.just("dispatch_many"), st.integers(min_value=0, max_value=5)),
     st.tuples(st.just("enqueue_many"), st.lists(st.tuples(st.sampled_from(FLOWS), costs), max_size=5)),
+    st.tuples(st.just("suspend"), st.sampled_from(FLOWS)),
+    st.tuples(st.just("resume"), st.sampled_from(FLOWS)),
+    st.tuples(st.just("adjust"), st.sampled_from(FLOWS), deltas),
+    st.tuples(st.just("bad_adjust"), st.sampled_from(FLOWS + [[1]]), bad_deltas),
+    st.tuples(st.just("peek")),
+    st.tuples(st.just("work_started")),
+    st.tuples(st.just("work_done")),
 )
 
 
@@ -58,6 +71,18 @@ def apply(s, op, item):
         if kind == "enqueue_many":
             fl = [f for f, _ in op[1]]
             return s.enqueue_many(fl, [c for _, c in op[1]], [item] * len(fl)).tolist()
+        if kind == "suspend":
+            return s.suspend(op[1])
+        if kind == "resume":
+            return s.resume(op[1])
+        if kind in ("adjust", "bad_adjust"):
+            return s.adjust(op[1], op[2])
+        if kind == "peek":
+            return dispatch_tuple(s.peek())
+        if kind == "work_started":
+            return s.work_started()
+        if kind == "work_done":
+            return s.work_done()
     except (TypeError, ValueError, OverflowError) as exc:
         return (type(exc).__name__, str(exc))
     raise AssertionError(op)
@@ -105,3 +130,64 @@ def test_twins_identical_on_long_runs_with_many_flows(seed):
     while len(r):
         assert dispatch_tuple(c.dispatch()) == dispatch_tuple(r.dispatch())
     assert c.dispatch() is None and snapshot(c, flows) == snapshot(r, flows)
+
+
+@pytest.mark.parametrize("seed,huge", [(0, False), (1, False), (2, True), (3, True)])
+def test_twins_identical_with_suspend_adjust_and_held_busy_periods(seed, huge):
+    """The delivered-service and policy operations, mixed with everything else; with huge
+    charges (cost 2**30 at weight 2**-10) the compiled core renormalises many times."""
+    rnd = random.Random(seed)
+    c, r = sfq.Scheduler(), sfq.ReferenceScheduler()
+    flows = list(range(40))
+    tickets: list[int] = []
+    for f in flows[:10]:
+        w = 2.0**-10 if huge else rnd.choice([1, 2, 0.5])
+        c.set_weight(f, w)
+        r.set_weight(f, w)
+    for step in range(6000):
+        x = rnd.random()
+        f = rnd.choice(flows)
+        if x < 0.35:
+            cost = 2.0**30 if huge and rnd.random() < 0.5 else rnd.randint(1, 1000)
+            t = c.enqueue(f, cost, step)
+            assert r.enqueue(f, cost, step) == t
+            tickets.append(t)
+        elif x < 0.65:
+            assert dispatch_tuple(c.dispatch()) == dispatch_tuple(r.dispatch())
+        elif x < 0.7:
+            t = rnd.choice(tickets) if tickets else 0
+            assert c.cancel(t) == r.cancel(t)
+        elif x < 0.77:
+            c.suspend(f)
+            r.suspend(f)
+        elif x < 0.85:
+            c.resume(f)
+            r.resume(f)
+        elif x < 0.92:
+            d = rnd.choice([2.0**30, -(2.0**30)]) if huge else rnd.uniform(-500, 500)
+            out = []
+            for s in (c, r):
+                try:
+                    s.adjust(f, d)
+                    out.append(None)
+                except OverflowError as exc:
+                    out.append(str(exc))
+            assert out[0] == out[1]
+        elif x < 0.96:
+            c.work_started()
+            r.work_started()
+        else:
+            if r.in_flight:
+                c.work_done()
+                r.work_done()
+        assert dispatch_tuple(c.peek()) == dispatch_tuple(r.peek())
+        if step % 200 == 0:
+            assert snapshot(c, flows) == snapshot(r, flows), step
+    for f in flows:
+        c.resume(f)
+        r.resume(f)
+    while len(r):
+        assert dispatch_tuple(c.dispatch()) == dispatch_tuple(r.dispatch())
+    assert snapshot(c, flows) == snapshot(r, flows)
+    if huge:
+        assert c.renormalisations > 5

@@ -430,3 +430,176 @@ def test_exception_in_eq_during_lookup_changes_nothing(make):
             call()
         assert snapshot(s, [a]) == before
     consistent(s)
+
+
+# ----------------------------------------------------------------- hooks at random points
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+class _Reentry:
+    """Shared by the hooks: the scheduler being driven, and what the hooks saw."""
+
+    def __init__(self):
+        self.s = None
+        self.log = []  # outcomes of payload hooks, which fire at the same points in both twins
+        self.ran_inside = 0  # a hash or cost hook whose re-entrant call was not refused
+
+    def attempt(self, what):
+        s = self.s
+        try:
+            if what == "dispatch":
+                s.dispatch()
+            elif what == "enqueue":
+                s.enqueue("hooked", 1)
+            elif what == "pending":
+                s.pending("a")
+            elif what == "cancel":
+                s.cancel(1)
+            elif what == "suspend":
+                s.suspend("a")
+            self.ran_inside += 1
+        except SchedulerBusy:
+            pass
+
+
+class HKey:
+    def __init__(self, name, ctx, what):
+        self.name, self.ctx, self.what = name, ctx, what
+
+    def __hash__(self):
+        self.ctx.attempt(self.what)  # always inside a scheduler method here: refused
+        return hash(self.name)
+
+    def __eq__(self, other):
+        return isinstance(other, HKey) and other.name == self.name
+
+    def __repr__(self):
+        return f"HKey({self.name!r})"
+
+
+class RCost:
+    def __init__(self, value, ctx, what, fail):
+        self.value, self.ctx, self.what, self.fail = value, ctx, what, fail
+
+    def __float__(self):
+        self.ctx.attempt(self.what)
+        if self.fail:
+            raise SchedulerBusy("a cost that gives up")
+        return float(self.value)
+
+
+numbers.Real.register(RCost)
+
+
+class DelPayload:
+    def __init__(self, ctx, what, tag):
+        self.ctx, self.what, self.tag = ctx, what, tag
+
+    def __del__(self):
+        s = self.ctx.s
+        try:
+            if self.what == "dispatch":
+                d = s.dispatch()
+                self.ctx.log.append((self.tag, "dispatch", None if d is None else (d.flow, d.ticket)))
+            elif self.what == "enqueue":
+                self.ctx.log.append((self.tag, "enqueue", s.enqueue("from-del", 2, None)))
+            else:
+                self.ctx.log.append((self.tag, "len", len(s)))
+        except SchedulerBusy:
+            self.ctx.log.append((self.tag, "refused"))
+
+
+WHATS = ["dispatch", "enqueue", "pending", "cancel", "suspend"]
+hook_ops = st.one_of(
+    st.tuples(st.just("enqueue"), st.integers(0, 4), st.integers(1, 50), st.sampled_from(WHATS + ["len"])),
+    st.tuples(st.just("enqueue_hcost"), st.integers(0, 4), st.integers(1, 50), st.sampled_from(WHATS), st.booleans()),
+    st.tuples(st.just("dispatch")),
+    st.tuples(st.just("dispatch")),
+    st.tuples(st.just("cancel"), st.integers(1, 40)),
+    st.tuples(st.just("dispatch_many"), st.integers(0, 4)),
+    st.tuples(st.just("enqueue_many"), st.lists(st.tuples(st.integers(0, 4), st.integers(1, 50)), max_size=4)),
+    st.tuples(st.just("suspend"), st.integers(0, 4)),
+    st.tuples(st.just("resume"), st.integers(0, 4)),
+    st.tuples(st.just("adjust"), st.integers(0, 4), st.integers(-100, 100)),
+    st.tuples(st.just("set_weight"), st.integers(0, 4), st.sampled_from([1, 2, 0.5])),
+)
+
+
+def _drive(s, ctx, keys, op, k):
+    kind = op[0]
+    try:
+        if kind == "enqueue":
+            return s.enqueue(keys[op[1]], op[2], DelPayload(ctx, op[3], k))
+        if kind == "enqueue_hcost":
+            return s.enqueue(keys[op[1]], RCost(op[2], ctx, op[3], op[4]), DelPayload(ctx, "len", k))
+        if kind == "dispatch":
+            return dispatch_tuple(s.dispatch())
+        if kind == "cancel":
+            return s.cancel(op[1])
+        if kind == "dispatch_many":
+            b = s.dispatch_many(op[1])
+            return (b.flows, b.items, b.tickets.tolist())
+        if kind == "enqueue_many":
+            return s.enqueue_many([keys[i] for i, _ in op[1]], [c for _, c in op[1]],
+                                  [DelPayload(ctx, "dispatch", (k, j)) for j in range(len(op[1]))]).tolist()
+        if kind == "suspend":
+            return s.suspend(keys[op[1]])
+        if kind == "resume":
+            return s.resume(keys[op[1]])
+        if kind == "adjust":
+            return s.adjust(keys[op[1]], op[2])
+        if kind == "set_weight":
+            return s.set_weight(keys[op[1]], op[2])
+    except (SchedulerBusy, TypeError, ValueError, OverflowError) as exc:
+        return (type(exc).__name__, str(exc))
+    raise AssertionError(op)
+
+
+def _comparable(out):
+    """Results with payload objects replaced by their tags (payloads are per twin)."""
+    if isinstance(out, tuple) and len(out) == 6:  # a dispatch tuple
+        fl, item, *rest = out
+        return (fl.name if isinstance(fl, HKey) else fl, getattr(item, "tag", item), *rest)
+    if isinstance(out, tuple) and len(out) == 3 and isinstance(out[0], list):
+        return ([getattr(f, "name", f) for f in out[0]], [getattr(i, "tag", i) for i in out[1]], out[2])
+    return out
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(hook_ops, max_size=50))
+def test_reentrant_hooks_at_random_points(seq):
+    """Hash, cost and payload hooks call back into the scheduler at random points: the process
+    survives, re-entrant calls from inside a method are refused, payload hooks (run after the
+    method) work, bad input changes nothing, and the two twins stay identical."""
+    runs = []
+    for cls in (sfq.Scheduler, sfq.ReferenceScheduler):
+        ctx = _Reentry()
+        s = cls()
+        ctx.s = s
+        keys = [HKey(f"f{i}", ctx, WHATS[i]) for i in range(5)]
+        outs, snaps = [], []
+        for k, op in enumerate(seq):
+            out = _drive(s, ctx, keys, op, k)
+            outs.append(_comparable(out))
+            del out
+            snaps.append(snapshot(s, keys))
+        for f in keys:
+            s.resume(f)
+        rest = []
+        for _ in range(3):  # payload hooks run as the drained results are dropped, and may enqueue
+            rest += [_comparable(dispatch_tuple(d)) for d in drain(s)]
+        assert len(s) == 0
+        assert ctx.ran_inside == 0, "a re-entrant call from inside a method was let through"
+        runs.append((outs, [_snap_names(x) for x in snaps], rest, ctx.log))
+        del s, keys
+        ctx.s = None
+    if sfq.CORE == "compiled":
+        assert runs[0][0] == runs[1][0]
+        assert runs[0][1] == runs[1][1]
+        assert runs[0][2] == runs[1][2]
+        assert runs[0][3] == runs[1][3]
+
+
+def _snap_names(snap):
+    return snap
