@@ -1,5 +1,7 @@
 """Microbenchmarks of the SFQ core: the compiled ``sfq.Scheduler``, the pure-Python twin
-``sfq.ReferenceScheduler`` and a natural ``heapq`` SFQ (``heapq_sfq.py``), side by side.
+``sfq.ReferenceScheduler``, a full-contract ``heapq`` SFQ (``heapq_sfq.py``), the minimal heapq
+SFQ a user would write (``minimal_heapq.py``, steady group only) and the C-loop floor
+(``cfloor.pyx``, steady group only), side by side.
 
 Workload (seeded, identical for every implementation): T flows, every flow backlogged with
 ``DEPTH = 4`` waiting requests, weights drawn from {1, 2, 4, 8}, costs uniform integers in
@@ -13,7 +15,9 @@ divides a round's time by that count: **ns per pair**.
 
 Groups
 ------
-steady   ``d = s.dispatch(); s.enqueue(d.flow, cost, d.item)``, K pairs per round.
+steady   ``d = s.dispatch(); s.enqueue(d.flow, cost, d.item)``, K pairs per round. The minimal
+         heapq runs ``s.enqueue(s.dispatch(), cost)`` (no payloads); the C floor runs the K
+         pairs in one call, on the same weights and costs as the compiled core's run.
 burst    on a fresh scheduler (weights set), enqueue N = 4T requests spread over the T flows in
          random order, then drain them all: N pairs per round.
 churn    the T backlogged flows plus flows that come and go with fresh keys: each step enqueues
@@ -39,6 +43,7 @@ import pytest
 
 import sfq
 from heapq_sfq import HeapqSFQ
+from minimal_heapq import MinimalSFQ
 
 DEPTH = 4
 WEIGHTS = np.array([1.0, 2.0, 4.0, 8.0])
@@ -46,7 +51,8 @@ MAX_COST = 1000
 SEED = 20240601
 
 IMPLS = {"compiled": sfq.Scheduler, "twin": sfq.ReferenceScheduler, "heapq": HeapqSFQ}
-FAST = {"compiled"}
+FAST = {"compiled", "floor"}
+SCHEDULERS = ("compiled", "twin", "heapq")  # the implementations of the whole contract
 GROUP_IDS = {"steady": 1, "burst": 2, "churn": 3, "cancel": 4, "batch": 5}
 
 
@@ -100,6 +106,36 @@ def steady_pairs(s, cs: list[float]) -> None:
     for c in cs:
         d = dispatch()
         enqueue(d.flow, c, d.item)
+
+
+def minimal_pairs(s: MinimalSFQ, cs: list[float]) -> None:
+    dispatch, enqueue = s.dispatch, s.enqueue
+    for c in cs:
+        enqueue(dispatch(), c)
+
+
+def build_minimal(T: int) -> tuple[MinimalSFQ, np.random.Generator]:
+    """The steady group's state (same draws as ``test_steady``) on the minimal heapq, warmed up;
+    returns it with the generator, positioned where ``test_steady``'s rounds start drawing."""
+    rng = rng_for("steady", T)
+    s = MinimalSFQ()
+    for f, w in enumerate(weights(rng, T)):
+        if w != 1.0:
+            s.set_weight(f, w)
+    cs = costs(rng, DEPTH * T)
+    for i, c in enumerate(cs):
+        s.enqueue(i % T, c)
+    minimal_pairs(s, costs(rng, max(T, 1000)))
+    return s, rng
+
+
+def build_floor(cfloor, T: int):
+    """The same for the C floor (``cfloor.Floor``)."""
+    rng = rng_for("steady", T)
+    ws = weights(rng, T)
+    fl = cfloor.Floor(ws, np.asarray(costs(rng, DEPTH * T)))
+    fl.steady(np.asarray(costs(rng, max(T, 1000))))
+    return fl, rng
 
 
 def plan(impl: str, T: int, quick: bool, fast_pairs: int, slow_pairs: int) -> tuple[int, int]:
@@ -164,6 +200,57 @@ def test_heapq_baseline_matches_reference():
         assert len(a) == len(b) and a.virtual_time == b.virtual_time
 
 
+def test_steady_baselines_match_core(T: int, quick: bool, cfloor) -> None:
+    """The minimal heapq and the C floor make the compiled core's decisions on the steady
+    workload: the same flow dispatched, at the same start tag, pair for pair."""
+    n = 2_000 if quick else 20_000
+    rng = rng_for("steady", T)
+    s = build_backlogged("compiled", T, rng)
+    steady_pairs(s, costs(rng, max(T, 1000)))
+    cs = costs(rng, n)
+    want_flows, want_starts = [], []
+    dispatch, enqueue = s.dispatch, s.enqueue
+    for c in cs:
+        d = dispatch()
+        want_flows.append(d.flow)
+        want_starts.append(d.start)
+        enqueue(d.flow, c, d.item)
+
+    m, rng_m = build_minimal(T)
+    got = []
+    for c in costs(rng_m, n):
+        f = m.dispatch()
+        got.append((f, m.v))
+        m.enqueue(f, c)
+    assert got == list(zip(want_flows, want_starts))
+
+    fl, rng_f = build_floor(cfloor, T)
+    flows_out, starts_out = np.empty(n, np.int32), np.empty(n, np.int64)
+    fl.steady(np.asarray(costs(rng_f, n)), flows_out, starts_out)
+    assert flows_out.tolist() == want_flows
+    assert (starts_out / float(2**20)).tolist() == want_starts
+    assert s.virtual_time == m.v == fl.virtual_time
+
+
+def test_minimal_baseline_matches_core_with_idle_flows() -> None:
+    """Beyond the steady workload: flows that leave and rejoin, and busy periods that end."""
+    rng = np.random.default_rng(11)
+    a, b = sfq.Scheduler(), MinimalSFQ()
+    for f in range(30):
+        w = float(rng.choice(WEIGHTS))
+        a.set_weight(f, w)
+        b.set_weight(f, w)
+    for step in range(20_000):
+        if rng.random() < 0.5:
+            f, c = int(rng.integers(0, 40)), float(rng.integers(1, 1001))
+            a.enqueue(f, c)
+            b.enqueue(f, c)
+        else:
+            da, fb = a.dispatch(), b.dispatch()
+            assert (None if da is None else da.flow) == fb, step
+        assert a.virtual_time == b.v, step
+
+
 # --------------------------------------------------------------------------- 1. steady state
 def test_steady(benchmark, impl: str, T: int, quick: bool) -> None:
     rng = rng_for("steady", T)
@@ -177,6 +264,41 @@ def test_steady(benchmark, impl: str, T: int, quick: bool) -> None:
     benchmark.pedantic(lambda cs: steady_pairs(s, cs), setup=setup, rounds=rounds, iterations=1)
     label(benchmark, "steady", impl, T, K)
     assert len(s) == DEPTH * T and s.waiting_flows == T
+
+
+test_steady.sfq_impls = SCHEDULERS  # type: ignore[attr-defined]
+
+
+def test_steady_minimal(benchmark, impl: str, T: int, quick: bool) -> None:
+    """The steady pair on the minimal heapq SFQ: int flow ids, no payloads."""
+    s, rng = build_minimal(T)
+    K, rounds = plan(impl, T, quick, fast_pairs=200_000, slow_pairs=20_000)
+
+    def setup():
+        return (costs(rng, K),), {}
+
+    benchmark.pedantic(lambda cs: minimal_pairs(s, cs), setup=setup, rounds=rounds, iterations=1)
+    label(benchmark, "steady", impl, T, K)
+    assert len(s.heap) == T and len(s) == DEPTH * T
+
+
+test_steady_minimal.sfq_impls = ("minimal",)  # type: ignore[attr-defined]
+
+
+def test_steady_floor(benchmark, impl: str, T: int, quick: bool, cfloor) -> None:
+    """The steady pair as a C loop: one call runs the round's K pairs."""
+    fl, rng = build_floor(cfloor, T)
+    K, rounds = plan(impl, T, quick, fast_pairs=200_000, slow_pairs=20_000)
+
+    def setup():
+        return (np.asarray(costs(rng, K)),), {}
+
+    benchmark.pedantic(fl.steady, setup=setup, rounds=rounds, iterations=1)
+    label(benchmark, "steady", impl, T, K)
+    assert len(fl) == DEPTH * T and fl.waiting_flows == T
+
+
+test_steady_floor.sfq_impls = ("floor",)  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------------- 2. burst
@@ -205,6 +327,9 @@ def test_burst(benchmark, impl: str, T: int, quick: bool) -> None:
 
     benchmark.pedantic(run, setup=lambda: burst_setup(impl, T, rng, ws, False), rounds=rounds, iterations=1)
     label(benchmark, "burst", impl, T, N)
+
+
+test_burst.sfq_impls = SCHEDULERS  # type: ignore[attr-defined]
 
 
 def test_burst_batch(benchmark, impl: str, T: int, quick: bool) -> None:
@@ -265,6 +390,9 @@ def test_churn(benchmark, impl: str, T: int, quick: bool) -> None:
     assert s.waiting_flows >= T
 
 
+test_churn.sfq_impls = SCHEDULERS  # type: ignore[attr-defined]
+
+
 # --------------------------------------------------------------------------- 4. cancel-heavy
 def cancel_steps(s, extra_flows: list[int], cs: list[float], items: list, victims: deque) -> int:
     enqueue, dispatch, cancel = s.enqueue, s.dispatch, s.cancel
@@ -301,6 +429,9 @@ def test_cancel(benchmark, impl: str, T: int, quick: bool) -> None:
     benchmark.pedantic(run, setup=setup, rounds=rounds, iterations=1)
     label(benchmark, "cancel", impl, T, 2 * K, cancelled_fraction=round(sum(done) / (len(done) * K), 4))
     assert sum(done) >= 0.95 * len(done) * K  # the extra requests really were waiting when cancelled
+
+
+test_cancel.sfq_impls = SCHEDULERS  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------------- 5. batch steady state

@@ -6,7 +6,8 @@ of the default test run (``testpaths = ["tests"]`` and the files are named ``ben
 Options (all optional):
 
 ``--sfq-sizes=100,1000``      numbers of flows T to run (default 100,1000,10000,100000)
-``--sfq-impls=compiled,heapq`` implementations to run (default compiled,twin,heapq)
+``--sfq-impls=compiled,heapq`` implementations to run (default compiled,twin,heapq,minimal,floor;
+                              minimal and floor run in the steady group only)
 ``--sfq-quick``               a smoke run: fewer pairs and rounds per benchmark (not for quoting)
 
 The JSON that ``--benchmark-json`` writes gains an ``"sfq"`` key: the machine (CPU model, cores),
@@ -31,16 +32,16 @@ try:
 except ImportError:  # a checkout that was not installed: use python/ (with its in-place build)
     sys.path.insert(0, str(HERE.parent / "python"))
 
-collect_ignore = ["report.py", "memory.py", "heapq_sfq.py"]
+collect_ignore = ["report.py", "memory.py", "heapq_sfq.py", "minimal_heapq.py", "floor_build.py", "profile_core.py"]
 
 ALL_SIZES = (100, 1_000, 10_000, 100_000)
-ALL_IMPLS = ("compiled", "twin", "heapq")
+ALL_IMPLS = ("compiled", "twin", "heapq", "minimal", "floor")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     g = parser.getgroup("sfq benchmarks")
     g.addoption("--sfq-sizes", default=",".join(map(str, ALL_SIZES)), help="comma-separated flow counts T")
-    g.addoption("--sfq-impls", default=",".join(ALL_IMPLS), help="comma-separated: compiled,twin,heapq")
+    g.addoption("--sfq-impls", default=",".join(ALL_IMPLS), help="comma-separated: " + ",".join(ALL_IMPLS))
     g.addoption("--sfq-quick", action="store_true", help="smoke run: few pairs and rounds (numbers not for quoting)")
 
 
@@ -70,6 +71,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         if only is not None:
             wanted = [i for i in wanted if i in only]
         metafunc.parametrize("impl", wanted)
+
+
+@pytest.fixture(scope="session")
+def cfloor():
+    """The C-loop floor module, built on first use into benchmarks/build/ (git-ignored)."""
+    from floor_build import load_cfloor
+
+    return load_cfloor()
 
 
 @pytest.fixture(scope="session")
