@@ -1,0 +1,212 @@
+"""Hypothesis: random arrivals, starts, completions, failures, cancellations, retries and clock
+jumps through the PolicyEngine; after every step nothing is lost and every limit holds."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import sfq
+from sfq.errors import BackendHTTPError, BackendUnavailable, Refused
+from sfq.policy import OUTCOMES, Flow, PolicyEngine, Request, parse_policy
+from sfq.policy.queue import BACKOFF, RUNNING, WAITING
+
+POLICY = parse_policy("""
+pools:
+  gpu:
+    models: [m1]
+    backends:
+      - {url: "http://127.0.0.1:1", max_in_flight: 2}
+      - {url: "http://127.0.0.1:2", max_in_flight: 3, max_context: 4000}
+    limits: {max_in_flight: 4, requests_per_minute: 30, tokens_per_minute: 20000}
+  api:
+    models: [m2]
+    backends:
+      - {url: "http://127.0.0.1:3", max_in_flight: 2}
+classes:
+  system: {strict: true, max_in_flight: 1, max_queue_length: 3, max_queue_age_seconds: 20}
+  interactive: {weight: 4, max_queue_length: 6, max_queue_age_seconds: 60, small_cost: 100, small_picks: 2}
+  batch: {weight: 1, max_in_flight: 3, max_queue_length: 10}
+orgs:
+  a: {keys: [ka], classes: [batch, interactive], max_in_flight: 2, requests_per_minute: 40}
+  b: {keys: [kb], classes: [interactive, system], weight: 2}
+  c: {keys: [kc], classes: [batch, system], max_in_flight: 3}
+retry: {max_attempts: 3, budget_per_flow_percent: 20}
+""")
+FLOWS = [Flow(o, c, p) for o, c, p in POLICY.flows()]
+TWINS = [sfq.ReferenceScheduler] + ([sfq.Scheduler] if sfq.CORE == "compiled" else [])
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def machine(make):  # one state machine per twin
+    class PolicyMachine(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.clock = Clock()
+            self.e = PolicyEngine(POLICY, clock=self.clock, scheduler=make, rng=random.Random(0))
+            self.all: list[Request] = []
+            self.refused = 0
+
+        # ---------------------------------------------------------- rules
+        @rule(f=st.sampled_from(FLOWS), cost=st.sampled_from([1, 50, 99, 100, 101, 2000, 9000]),
+              tokens=st.sampled_from([0, 10, 500, 25000]), need=st.sampled_from([0, 100, 3000, 6000]),
+              deadline=st.one_of(st.none(), st.floats(0.0, 120.0)))
+        def submit(self, f: Flow, cost: float, tokens: float, need: float, deadline: float | None) -> None:
+            try:
+                r = self.e.submit(f, cost=cost, tokens=tokens, need=need,
+                                  deadline=None if deadline is None else self.clock.t + deadline)
+            except Refused as exc:
+                assert exc.reason in ("queue_full", "rate_limited", "deadline")
+                if exc.reason in ("queue_full", "rate_limited"):
+                    assert exc.retry_after is not None and exc.retry_after >= 0
+                self.refused += 1
+                return
+            except ValueError:  # too large for the api pool (no max_context there: never) or gpu: never
+                raise
+            self.all.append(r)
+
+        @rule()
+        def poll(self) -> None:
+            started = self.e.poll()
+            now = self.clock.t
+            for r in started:
+                assert r.state == RUNNING and r.backend is not None and r.started_at == now
+                assert r.drop_at > now  # never started past its queue age or deadline
+            for r in self.e.dropped:
+                assert r.outcome in ("refused", "failed") and r.reason in ("queue_timeout", "deadline")
+            # nothing waiting is past its time after a poll
+            for r in self.e.live.values():
+                if r.state == WAITING:
+                    assert r.drop_at > now
+
+        def _pick(self, data: st.DataObject, state: str) -> Request | None:
+            rs = [r for r in self.e.live.values() if r.state == state]
+            return data.draw(st.sampled_from(rs)) if rs else None
+
+        @rule(data=st.data(), usage=st.booleans())
+        def complete(self, data: st.DataObject, usage: bool) -> None:
+            r = self._pick(data, RUNNING)
+            if r is not None:
+                self.e.complete(r, {"prompt_tokens": 10, "completion_tokens": 20} if usage else None)
+                assert r.outcome == "completed"
+
+        @rule(data=st.data(), kind=st.sampled_from(["429", "503", "500", "refused"]))
+        def fail(self, data: st.DataObject, kind: str) -> None:
+            r = self._pick(data, RUNNING)
+            if r is None:
+                return
+            if kind == "refused":
+                err: Exception = BackendUnavailable("cannot connect", never_sent=True)
+            else:
+                err = BackendHTTPError(kind, status=int(kind), retry_after=1.0 if kind == "429" else None)
+            d = self.e.fail(r, err)
+            if d.retry:
+                assert r.state == BACKOFF and kind != "500" and r.tries < POLICY.retry.max_attempts
+                assert r.deadline is None or self.clock.t + d.delay < r.deadline
+            else:
+                assert r.outcome == "failed"
+
+        @rule(data=st.data())
+        def requeue(self, data: st.DataObject) -> None:
+            r = self._pick(data, BACKOFF)
+            if r is not None:
+                self.e.requeue(r)
+                assert r.state == WAITING or r.outcome == "failed"
+
+        @rule(data=st.data(), state=st.sampled_from([WAITING, RUNNING, BACKOFF]))
+        def cancel(self, data: st.DataObject, state: str) -> None:
+            r = self._pick(data, state)
+            if r is not None:
+                self.e.cancel(r)
+                assert r.outcome in ("cancelled_before_start", "cancelled_during_execution")
+
+        @rule(dt=st.sampled_from([0.0, 0.01, 0.5, 2.0, 7.0, 30.0, 61.0, 3600.0]))
+        def advance(self, dt: float) -> None:
+            self.clock.t += dt
+
+        # ---------------------------------------------------------- invariants
+        @invariant()
+        def nothing_lost(self) -> None:
+            e = self.e
+            ended = [r for r in self.all if r.outcome is not None]
+            live = [r for r in self.all if r.outcome is None]
+            assert {r.id for r in live} == set(e.live)
+            for r in ended:
+                assert r.outcome in OUTCOMES and r.state == "ended"
+            for r in live:
+                assert r.state in (WAITING, RUNNING, BACKOFF)
+            counts = Counter()
+            for fc in e.metrics.flows.values():
+                counts.update(fc.outcomes)
+            assert sum(counts.values()) + len(e.live) == e.submitted == len(self.all) + self.refused
+            waiting = Counter(r.flow for r in live if r.state == WAITING)
+            running = Counter(r.flow for r in live if r.state == RUNNING)
+            for f in FLOWS:
+                fc = e.metrics.flows[tuple(f)]
+                assert fc.waiting == waiting[f] and fc.in_flight == running[f]
+                assert e.queues[f.pool].waiting(f) == waiting[f]
+
+        @invariant()
+        def limits_hold(self) -> None:
+            e = self.e
+            running = [r for r in e.live.values() if r.state == RUNNING]
+            for name, q in e.queues.items():
+                mine = [r for r in running if r.flow.pool == name]
+                assert q.in_flight == len(mine)
+                if q.slots.limit is not None:
+                    assert q.in_flight <= q.slots.limit
+                per_backend = Counter(r.backend for r in mine)
+                for b in q.backends.values():
+                    assert b.in_flight == per_backend[b.name] <= b.limit
+                    if b.max_context is not None:
+                        assert all(r.need <= b.max_context for r in mine if r.backend == b.name)
+                assert q.sched.in_flight == q.in_flight
+                if q.rpm is not None:
+                    assert q.rpm.level >= -1e-9  # never more starts than the bucket allows
+                # one entry per weighted flow with waiting requests
+                assert len(q.sched) == sum(1 for fq in q.flows.values() if fq.n)
+                for f, fq in q.flows.items():
+                    if e.shared.room(f) is False:
+                        assert q.sched.suspended(f)
+            by_org = Counter(r.flow.org for r in running)
+            by_cls = Counter(r.flow.cls for r in running)
+            for o in POLICY.orgs.values():
+                if o.max_in_flight is not None:
+                    assert by_org[o.name] <= o.max_in_flight
+            for c in POLICY.classes.values():
+                if c.max_in_flight is not None:
+                    assert by_cls[c.name] <= c.max_in_flight
+            for (kind, name), s in e.shared.slots.items():
+                assert s.used == (by_org if kind == "org" else by_cls)[name]
+            # queue lengths: new requests never push a class past its limit (retries of accepted
+            # requests go back to their flow even when it is full)
+            for name, q in e.queues.items():
+                for c in POLICY.classes.values():
+                    first = sum(1 for r in e.live.values()
+                                if r.state == WAITING and r.flow.pool == name and r.flow.cls == c.name and r.tries == 0)
+                    if c.max_queue_length is not None:
+                        assert first <= c.max_queue_length
+
+    return PolicyMachine
+
+
+@pytest.mark.parametrize("make", TWINS, ids=lambda m: m.__name__)
+def test_random_operations_keep_every_promise(make) -> None:
+    if not all(hasattr(make(), op) for op in ("suspend", "peek", "adjust", "work_started")):
+        pytest.skip("this twin has no suspend/peek/adjust yet")
+    m = machine(make)
+    m.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None,
+                                   suppress_health_check=[HealthCheck.too_slow])
+    m.TestCase().runTest()
