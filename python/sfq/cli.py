@@ -115,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--out", default="out/simulate", metavar="DIR", help="where the PNG plots go (out/simulate)")
     sim.add_argument("--no-plots", action="store_true", help="do not write plots")
     sim.add_argument("--write-trace", metavar="FILE", help="write the scenario's workload as a JSONL trace and exit")
+    cc = sub.add_parser(
+        "check-config", help="validate a policy file and print the resolved policy",
+        description="Validate a policy file (YAML, docs/policy.md) and print the resolved policy: the flows "
+                    "with their weights as shares of the pool, and every limit. Exit status 1 when the file "
+                    "is invalid (the message names the bad field), 2 when it cannot be read.")
+    cc.add_argument("file", metavar="FILE", help="the policy file")
+    cc.add_argument("--plain", action="store_true", help="plain text tables (the default when rich is not installed)")
     return parser
 
 
@@ -270,6 +277,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.command == "simulate":
         return _simulate(args, parser)
+    if args.command == "check-config":
+        from .policy.report import check_config
+
+        return check_config(args.file, plain=args.plain)
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse rejects it first
     return 2
 

@@ -1,0 +1,121 @@
+"""The resolved policy as tables (``sfq check-config``): flows with their weights as shares of
+the pool, and every limit. Rendered with rich when it is installed, as plain aligned text
+otherwise (the base install has no rich)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .config import Policy
+
+__all__ = ["check_config", "policy_tables", "render_plain", "render_rich"]
+
+Table = tuple[str, list[str], list[list[str]]]
+
+
+def _n(v: float | int | None, unit: str = "") -> str:
+    if v is None:
+        return "-"
+    s = f"{v:g}" if isinstance(v, float) else str(v)
+    return s + unit
+
+
+def policy_tables(policy: Policy) -> list[Table]:
+    """``(title, headers, rows)`` for flows, pools, backends, classes, orgs, cost and retries."""
+    flows: list[list[str]] = []
+    for pool in policy.pools:
+        for org, cls, _ in policy.flows(pool):
+            c = policy.classes[cls]
+            share = policy.share((org, cls, pool))
+            flows.append([pool, org, cls, "strict" if c.strict else _n(policy.flow_weight(org, cls)),
+                          "first (capped)" if share is None else f"{share:.1%}"])
+    pools = [[p.name, ", ".join(p.models), str(len(p.backends)), str(sum(b.max_in_flight for b in p.backends)),
+              _n(p.limits.max_in_flight), _n(p.limits.requests_per_minute), _n(p.limits.tokens_per_minute)]
+             for p in policy.pools.values()]
+    backends = [[p.name, b.name, b.url, str(b.max_in_flight), _n(b.max_context)]
+                for p in policy.pools.values() for b in p.backends]
+    classes = [[c.name, "strict" if c.strict else "weighted", "-" if c.strict else _n(c.weight), _n(c.max_in_flight),
+                _n(c.max_queue_length), _n(c.max_queue_age_seconds, " s"),
+                "off" if c.small_cost is None or c.strict else f"<= {c.small_cost:g}, {c.small_picks} in a row"]
+               for c in policy.classes.values()]
+    orgs = [[o.name, str(len(o.key_digests)), ", ".join(o.classes), o.default_class, _n(o.weight),
+             _n(o.max_in_flight), _n(o.requests_per_minute)] for o in policy.orgs.values()]
+    r, cs = policy.retry, policy.cost
+    other = [["cost", f"{cs.input_weight:g} x prompt + {cs.output_weight:g} x output tokens "
+                      f"(default max_tokens {cs.default_max_tokens}, prior ratio {cs.prior_ratio:g})"],
+             ["retry", f"max_attempts {r.max_attempts} (first try included), budget {r.budget_per_flow_percent:g}% "
+                       f"of a flow's attempts per minute (one always allowed), {r.backoff} "
+                       f"{r.base_seconds:g}..{r.max_seconds:g} s"]]
+    if policy.state is not None:
+        st = policy.state
+        other.append(["state", f"redis {st.redis} prefix {st.prefix!r} lease {st.lease_seconds:g} s "
+                               "(shared by sfq serve replicas; the in-process library keeps its state in memory)"])
+    return [
+        ("Flows (org, class, pool): weight = org x class; share = of the pool's weighted capacity when all are busy",
+         ["pool", "org", "class", "weight", "share"], flows),
+        ("Pools", ["pool", "models", "backends", "backend slots", "max_in_flight", "requests/min", "tokens/min"], pools),
+        ("Backends", ["pool", "name", "url", "max_in_flight", "max_context"], backends),
+        ("Classes", ["class", "kind", "weight", "max_in_flight", "max_queue_length", "max_queue_age",
+                     "small requests first"], classes),
+        ("Orgs", ["org", "keys", "classes", "default", "weight", "max_in_flight", "requests/min"], orgs),
+        ("Cost and retries", ["section", "resolved"], other),
+    ]
+
+
+def render_plain(tables: list[Table]) -> str:
+    out: list[str] = []
+    for title, headers, rows in tables:
+        widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+        out.append(title)
+        out.append("  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip())
+        out.append("  ".join("-" * w for w in widths))
+        for r in rows:
+            out.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        out.append("")
+    return "\n".join(out)
+
+
+def render_rich(tables: list[Table], console: Any) -> None:
+    from rich.table import Table as RichTable
+
+    for title, headers, rows in tables:
+        t = RichTable(title=title, title_justify="left")
+        for h in headers:
+            t.add_column(h)
+        for r in rows:
+            t.add_row(*r)
+        console.print(t)
+
+
+def check_config(path: str, *, plain: bool = False) -> int:
+    """``sfq check-config FILE``: 0 and the tables on stdout when the file is valid; 1 and the
+    error (``FILE: field.path: problem``) on stderr when it is not; 2 when it cannot be read."""
+    import sys
+
+    from ..errors import PolicyError
+    from .config import load_policy
+
+    try:
+        policy = load_policy(path)
+    except PolicyError as exc:
+        sys.stderr.write(f"sfq check-config: {path}: {exc}\n")
+        return 1
+    except (OSError, UnicodeDecodeError) as exc:
+        sys.stderr.write(f"sfq check-config: cannot read {path}: {exc}\n")
+        return 2
+    tables = policy_tables(policy)
+    console = None
+    if not plain:
+        try:
+            from rich.console import Console
+
+            console = Console(width=None if sys.stdout.isatty() else 200, highlight=False)
+        except ImportError:
+            console = None
+    if console is None:
+        sys.stdout.write(render_plain(tables))
+    else:
+        render_rich(tables, console)
+    sys.stdout.write(f"{path}: valid ({len(policy.pools)} pools, {len(policy.classes)} classes, "
+                     f"{len(policy.orgs)} orgs, {len(policy.flows())} flows)\n")
+    return 0
