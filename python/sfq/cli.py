@@ -78,22 +78,28 @@ def _policies(values: list[str] | None) -> list[str] | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sfq", description="Start-time Fair Queueing for shared LLM-serving fleets.")
+    from . import __version__
+    from . import _cli_help as words
+
+    parser = argparse.ArgumentParser(
+        prog="sfq",
+        description="Start-time Fair Queueing for shared LLM-serving fleets: whose request goes next.",
+        epilog="Run 'sfq COMMAND --help' for a command's options. The library: import sfq (docs/API.md).",
+    )
+    parser.add_argument("--version", action="version", version=f"sfq {__version__} (sfq-scheduler)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sim = sub.add_parser(
         "simulate",
         help="compare scheduling policies on a simulated fleet",
-        description=(
-            "Simulate a fleet of continuous-batching engines under a fairness policy. "
-            "Scenarios: drift, return, kv-sweep, rpm-sweep (seed 003), teams (seed 004's overload test), "
-            "trace (replay a JSONL trace). No scenario: teams and return. Times are decode steps, "
-            "service is weighted tokens w_p*prompt + w_q*output."
-        ),
+        description=words.description(),
+        epilog=words.epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sim.add_argument("scenario", nargs="?", choices=_SCENARIOS, metavar="SCENARIO",
-                     help=f"one of {', '.join(_SCENARIOS)} (default: teams and return)")
+                     help=f"one of {', '.join(_SCENARIOS)}, described below (default: teams, then return)")
     sim.add_argument("--policy", "-p", action="append", metavar="NAME[,NAME]",
-                     help=f"policies to run (repeatable; default: all that apply): {', '.join(_POLICIES)}")
+                     help="policies to run, repeatable or comma-separated (default: those that apply to the "
+                          f"scenario): {', '.join(_POLICIES)}")
     sim.add_argument("--seed", type=_nonneg_int, default=0, help="workload seed (default 0)")
     sim.add_argument("--steps", type=_positive_int, help="run length in steps (return: length of the first phase)")
     sim.add_argument("--kv", type=_positive_int, dest="kv_budget", metavar="M", help="KV budget per server, tokens")
@@ -272,9 +278,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``sfq`` console script; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
-    if args.command is None:
+    if args.command is None:  # plain `sfq`: say what there is, successfully
         parser.print_help()
-        return 2
+        return 0
     if args.command == "simulate":
         return _simulate(args, parser)
     if args.command == "check-config":
