@@ -8,7 +8,7 @@ first use, so embedding only the core does not import aiohttp.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._common import MAX_COST, MAX_WEIGHT, MIN_WEIGHT, SCALE, DispatchBatch
 from ._core import CORE, Dispatch, ReferenceDispatch, ReferenceScheduler, Scheduler
@@ -30,6 +30,12 @@ from .errors import (
 )
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # what the lazy names below are, for type checkers (tests/test_types.py keeps them in step)
+    from .backends import Backend, OpenAIBackend, ProbeReading, SaturationProbe
+    from .cost import CostEstimator, Estimate
+    from .dispatch import Dispatcher, DispatchRecord
+    from .policy import Policy, PolicyDispatcher, PolicyEngine, load_policy, parse_policy
 
 _LAZY = {
     "Backend": ".backends",
