@@ -1,4 +1,4 @@
-"""Cost estimation for LLM requests (seed 000 §7.4).
+"""Cost estimation for LLM requests.
 
 A request's cost is fixed when it is dispatched and never corrected afterwards::
 
@@ -15,6 +15,18 @@ backends' ``usage.prompt_tokens`` (``chars_per_token`` before any sample).
 Calibration happens only from completed requests (``observe``) and only changes the costs
 of *later* requests: the scheduler's meters never see a correction. The calibration state
 can be saved to and loaded from JSON so a restarted proxy keeps it.
+
+No single usage report can poison the calibration. Every field is checked and clamped to
+what the request could have produced: ``completion_tokens`` to ``[0, max_tokens]``;
+``prompt_tokens`` to ``[chars / 16, 4 * chars]`` (no tokenizer makes tokens of more than 16
+characters on average, or more than one token per UTF-8 byte) and, further, to within a
+factor 4 of what the current chars-per-token ratio predicts (``clamped`` counts the fields
+clamped). The ratio itself is robust: the prior ``chars_per_token`` counts as 256 characters
+of evidence, so the first report cannot set it alone, and one report moves it by at most its
+share of the characters seen (a chat template's own tokens on a tiny prompt included). A saved state is validated on load: a
+non-finite, negative or impossible total (output above its cap, a chars-per-token ratio
+outside ``[1/4, 16]``) is a ``ValueError`` naming the entry and the field, and the estimator is
+left unchanged.
 
 Units: tokens for every count, "cost units" for costs (whatever ``input_weight`` and
 ``output_weight`` make of a token; 1.0 each by default, i.e. tokens).
@@ -35,6 +47,13 @@ from ._common import MAX_COST
 __all__ = ["CostEstimator", "Estimate", "prompt_of"]
 
 STATE_VERSION = 1
+#: bounds of a prompt's characters per token (a report outside them is clamped into them)
+MIN_CHARS_PER_TOKEN = 0.25
+MAX_CHARS_PER_TOKEN = 16.0
+#: one report may move a prompt's token count at most this factor away from the estimate
+MAX_PROMPT_SURPRISE = 4.0
+#: the weight of the prior chars_per_token, in characters of evidence
+PRIOR_CHARS = 256.0
 
 #: a tokenizer: text -> the number of tokens, or the tokens themselves (their len() is used)
 Tokenizer = Callable[[str], "int | Sized"]
@@ -99,6 +118,19 @@ class _Sums:
         if min(s.output, s.cap, s.chars, s.tokens, s.n_out, s.n_prompt) < 0 or not all(
                 math.isfinite(x) for x in (s.output, s.cap, s.chars, s.tokens)):
             raise ValueError(f"bad calibration entry {where}: negative or non-finite totals in {d!r}")
+        if s.output > s.cap * (1 + 1e-9):
+            raise ValueError(f"bad calibration entry {where}: 'output' {s.output!r} exceeds 'cap' {s.cap!r} "
+                             "(no server generates more than it was allowed)")
+        if (s.n_out == 0) != (s.cap == 0):
+            raise ValueError(f"bad calibration entry {where}: 'n_out' {s.n_out!r} and 'cap' {s.cap!r} disagree")
+        if s.n_prompt or s.chars or s.tokens:
+            if s.n_prompt == 0 or s.tokens <= 0 or s.chars <= 0:
+                raise ValueError(f"bad calibration entry {where}: 'chars' {s.chars!r}, 'tokens' {s.tokens!r} "
+                                 f"and 'n_prompt' {s.n_prompt!r} disagree")
+            cpt = s.chars / s.tokens
+            if not MIN_CHARS_PER_TOKEN * (1 - 1e-9) <= cpt <= MAX_CHARS_PER_TOKEN * (1 + 1e-9):
+                raise ValueError(f"bad calibration entry {where}: 'chars' / 'tokens' = {cpt!r} characters per token, "
+                                 f"outside [{MIN_CHARS_PER_TOKEN}, {MAX_CHARS_PER_TOKEN}]")
         return s
 
 
@@ -213,6 +245,7 @@ class CostEstimator:
         self._flows: dict[tuple[str, Hashable], _Sums] = {}
         self.observed = 0  # completions observed
         self.ignored = 0  # completions without a usable usage report
+        self.clamped = 0  # usage fields clamped to what the request could have produced
 
     # ---------------------------------------------------------------- calibration
     def ratio(self, model: str, flow: Hashable = None) -> float:
@@ -230,7 +263,7 @@ class CostEstimator:
         """The characters-per-token ratio used now for ``model``'s estimated prompts."""
         m = self._models.get(model)
         if m is not None and m.n_prompt > 0 and m.tokens > 0 and m.chars > 0:
-            return m.chars / m.tokens
+            return (m.chars + PRIOR_CHARS) / (m.tokens + PRIOR_CHARS / self.chars_per_token)
         return self.chars_per_token
 
     def estimate(self, body: Mapping[str, Any], flow: Hashable = None) -> Estimate:
@@ -297,7 +330,9 @@ class CostEstimator:
             return False
         # no server generates more than the cap it was given: a larger report is clamped, so one
         # absurd usage report cannot drive the ratio above 1 (or to infinity) for everyone
-        comp = min(comp, estimate.max_tokens)
+        if comp > estimate.max_tokens:
+            comp = estimate.max_tokens
+            self.clamped += 1
         self.observed += 1
         model = estimate.model
         m = self._models.get(model)
@@ -317,9 +352,17 @@ class CostEstimator:
             f.cap += estimate.max_tokens
             f.n_out += 1
         pt = usage.get("prompt_tokens")  # type: ignore[union-attr]
-        if not estimate.prompt_exact and estimate.prompt_chars > 0 and type(pt) is int and pt > 0:
-            m.chars += estimate.prompt_chars
-            m.tokens += pt
+        chars = estimate.prompt_chars
+        if not estimate.prompt_exact and chars > 0 and type(pt) is int and pt > 0:
+            cpt = self.chars_per_token_of(model)
+            lo = max(chars / MAX_CHARS_PER_TOKEN, chars / cpt / MAX_PROMPT_SURPRISE)
+            hi = min(chars / MIN_CHARS_PER_TOKEN, chars / cpt * MAX_PROMPT_SURPRISE)
+            tokens = float(pt)
+            if not lo <= tokens <= hi:
+                tokens = min(max(tokens, lo), hi)
+                self.clamped += 1
+            m.chars += chars
+            m.tokens += tokens
             m.n_prompt += 1
         return True
 
@@ -349,6 +392,7 @@ class CostEstimator:
             "flows": flows,
             "observed": self.observed,
             "ignored": self.ignored,
+            "clamped": self.clamped,
         }
 
     def restore(self, state: Mapping[str, Any]) -> None:
@@ -368,11 +412,12 @@ class CostEstimator:
                 raise ValueError(f"bad flow entry in cost-estimator state: {entry!r}")
             key = (str(entry["model"]), _flow_from_json(entry["flow"]))
             flows[key] = _Sums.from_json(entry, f"for flow {key[1]!r} of model {key[0]!r}")
-        observed, ignored = state.get("observed", 0), state.get("ignored", 0)
-        if not (isinstance(observed, int) and isinstance(ignored, int)):
-            raise ValueError(f"bad counters in cost-estimator state: observed={observed!r} ignored={ignored!r}")
+        observed, ignored, clamped = state.get("observed", 0), state.get("ignored", 0), state.get("clamped", 0)
+        if not all(type(c) is int and c >= 0 for c in (observed, ignored, clamped)):
+            raise ValueError(f"bad counters in cost-estimator state: observed={observed!r} ignored={ignored!r} "
+                             f"clamped={clamped!r}")
         self._models, self._flows = models, flows
-        self.observed, self.ignored = observed, ignored
+        self.observed, self.ignored, self.clamped = observed, ignored, clamped
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the calibration to ``path`` as JSON (atomically: a temporary file, then a rename)."""

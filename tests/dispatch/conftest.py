@@ -101,7 +101,14 @@ class FakeServer:
     one entry per request. Behaviours: ``ok``, ``500``, ``503``, ``400``, ``stall`` (never
     answers), ``slow`` (answers after ``delay`` s; streams one event per ``delay`` s),
     ``cut`` (drops the connection mid-body / mid-stream), ``garbage`` (200 with a non-JSON
-    body), ``sse_error`` (a stream that reports an error event after one chunk).
+    body), ``sse_error`` (a stream that reports an error event after one chunk), ``drop``
+    (reads the request, then closes the connection without a reply), ``429`` (with
+    ``Retry-After: retry_after`` when set), ``absurd`` (a reply whose usage claims 10**12
+    tokens), ``forever`` (a stream of tokens and keep-alive comments that never ends),
+    ``bigline`` (a stream whose one event is ``big_event`` bytes long).
+
+    ``health_route``/``models_route``: whether ``GET /health`` and ``GET /v1/models`` exist
+    (404 otherwise). ``fail_prompt``: requests with this prompt get a 500 whatever the mode.
     """
 
     def __init__(self) -> None:
@@ -109,6 +116,12 @@ class FakeServer:
         self.modes: deque[str] = deque()
         self.delay = 0.05
         self.health_status = 200
+        self.health_route = True
+        self.models_route = True
+        self.models_calls = 0
+        self.retry_after: str | None = None
+        self.fail_prompt: str | None = None
+        self.big_event = 32 << 20
         self.health_calls = 0
         self.metrics_text = ""
         self.requests: list[dict[str, Any]] = []
@@ -118,12 +131,22 @@ class FakeServer:
         self.url = ""
         self._runner: web.AppRunner | None = None
 
+    def big_payload(self, chat: bool = False) -> bytes:
+        """The ``bigline`` event (built once: building it is the test's work, not the client's)."""
+        key = ("big", chat, self.big_event)
+        cached = getattr(self, "_big", None)
+        if cached is None or cached[0] != key:
+            data = b"data: " + json.dumps(_chunk(chat, "y" * self.big_event)).encode() + b"\n\n"
+            self._big = cached = (key, data)
+        return cached[1]
+
     # -------------------------------------------------------------- server
     async def start(self) -> None:
         app = web.Application()
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
@@ -136,8 +159,17 @@ class FakeServer:
         if self._runner is not None:
             await self._runner.cleanup()
 
+    async def _models(self, request: web.Request) -> web.Response:
+        self.models_calls += 1
+        if not self.models_route:
+            raise web.HTTPNotFound()
+        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]},
+                                 status=self.health_status)
+
     async def _health(self, request: web.Request) -> web.Response:
         self.health_calls += 1
+        if not self.health_route:
+            raise web.HTTPNotFound()
         return web.json_response({"status": "ok" if self.health_status == 200 else "down"},
                                  status=self.health_status)
 
@@ -148,13 +180,23 @@ class FakeServer:
         body = await request.json()
         self.requests.append(body)
         mode = self.modes.popleft() if self.modes else self.mode
+        if self.fail_prompt is not None and body.get("prompt") == self.fail_prompt:
+            mode = "500"
         chat = request.path.endswith("chat/completions")
         n = int(body.get("max_tokens", 4))
         prompt = json.dumps(body.get("messages")) if chat else str(body.get("prompt", ""))
         usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
+        if mode == "absurd":
+            usage = {"prompt_tokens": 10**12, "completion_tokens": 10**12, "total_tokens": 2 * 10**12}
         try:
             if mode in ("500", "503", "400"):
                 return web.json_response({"error": {"message": f"injected {mode}"}}, status=int(mode))
+            if mode == "429":
+                headers = {"Retry-After": self.retry_after} if self.retry_after is not None else {}
+                return web.json_response({"error": {"message": "slow down"}}, status=429, headers=headers)
+            if mode == "drop":
+                request.transport.close()  # type: ignore[union-attr]
+                return web.Response()
             if mode == "stall":
                 await asyncio.sleep(3600)
             if mode == "garbage":
@@ -182,6 +224,15 @@ class FakeServer:
                       usage: dict[str, Any]) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if mode == "forever":
+            while True:
+                await resp.write(b": keep-alive\n\ndata: " + json.dumps(_chunk(chat, "x")).encode() + b"\n\n")
+                await asyncio.sleep(0.01)
+        if mode == "bigline":
+            await resp.write(self.big_payload(chat))
+            await resp.write(b"data: [DONE]\n\n")
+            self.finished += 1
+            return resp
         if mode == "sse_odd":  # legal but awkward SSE: CRLF, comments, split writes, multi-line data
             one = json.dumps(_chunk(chat, "a")).encode()
             for part in (b": ping\r\n\r\n", b"event: message\r\nda", b"ta: " + one[:7], one[7:],

@@ -60,7 +60,7 @@ from ..errors import (
 )
 from .base import ENDPOINTS, Backend
 from .probe import SaturationProbe
-from .sse import DONE, SSEParser
+from .sse import DONE, Payload, SSEParser
 
 __all__ = ["OpenAIBackend"]
 
@@ -76,13 +76,12 @@ _PROBE_BODY = {"prompt": "", "max_tokens": 1}
 
 
 class _Attempt:
-    """What the trace hooks saw of one POST: a reused pooled connection, headers handed over."""
+    """What the trace hook saw of one POST: whether its connection came from the pool."""
 
-    __slots__ = ("reused", "sent")
+    __slots__ = ("reused",)
 
     def __init__(self) -> None:
         self.reused = False
-        self.sent = False
 
 
 async def _on_reuse(session: aiohttp.ClientSession, ctx: SimpleNamespace, params: object) -> None:
@@ -91,10 +90,18 @@ async def _on_reuse(session: aiohttp.ClientSession, ctx: SimpleNamespace, params
         a.reused = True
 
 
-async def _on_headers_sent(session: aiohttp.ClientSession, ctx: SimpleNamespace, params: object) -> None:
-    a = ctx.trace_request_ctx
-    if isinstance(a, _Attempt):
-        a.sent = True
+def _never_written(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is aiohttp's refusal to write to a transport that was
+    already closing: that check comes before any byte of the request is handed to the socket
+    (the headers go out with the body), so the server cannot have seen the request."""
+    e: BaseException | None = exc
+    for _ in range(4):
+        if e is None:
+            return False
+        if isinstance(e, ConnectionResetError) and "closing transport" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
@@ -228,7 +235,6 @@ class OpenAIBackend(Backend):
             # limit=0: the dispatcher already bounds what is in flight; connections are kept alive
             trace = aiohttp.TraceConfig()
             trace.on_connection_reuseconn.append(_on_reuse)
-            trace.on_request_headers_sent.append(_on_headers_sent)
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True,
                                                keepalive_timeout=self.keepalive_timeout),
@@ -282,7 +288,7 @@ class OpenAIBackend(Backend):
                 # resend only what provably never got through: a pooled keep-alive connection
                 # that the server had closed, failing before the request was written (or any
                 # lost connection when the caller said a duplicate is harmless)
-                never = att.reused and not att.sent
+                never = att.reused and _never_written(exc)
                 if not (never or idempotent) or attempt == _RESENDS or session.closed:
                     raise self._map(exc, url, "POST", never_sent=never) from exc
                 self.resent += 1
@@ -383,13 +389,14 @@ class OpenAIBackend(Backend):
                     raise StreamInterrupted(f"{err} after {chunks} events", backend=self.name, chunks=chunks,
                                             unhealthy=True) from exc
                 for payload in parser.feed(piece):
-                    if payload == DONE:
-                        done = True
-                        break
-                    if len(payload) > _BIG_EVENT:
-                        event = await asyncio.to_thread(self._event, payload, url, chunks)
+                    if payload.size > _BIG_EVENT:  # joined and decoded off the loop
+                        event = await asyncio.to_thread(self._big_event, payload, url, chunks)
                     else:
-                        event = self._event(payload, url, chunks)
+                        data = payload.join()
+                        if data == DONE:
+                            done = True
+                            break
+                        event = self._event(data, url, chunks)
                     chunks += 1
                     yield event
             if not done:
@@ -401,6 +408,9 @@ class OpenAIBackend(Backend):
                 resp.release()
             else:  # an error, a cancellation or the consumer stopped early: drop the connection
                 resp.close()
+
+    def _big_event(self, payload: Payload, url: str, chunks: int) -> dict[str, Any]:
+        return self._event(payload.join(), url, chunks)
 
     def _event(self, payload: bytes, url: str, chunks: int) -> dict[str, Any]:
         try:

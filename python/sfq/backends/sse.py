@@ -1,62 +1,114 @@
 """A server-sent-events parser that is linear in the stream's size.
 
-Bytes are appended to one ``bytearray``; the newline search resumes where the last one
-stopped, so a line that arrives in many pieces is scanned once and copied once (a 32 MB
-line in 64 KB pieces costs 32 MB of work, not 16 GB). Consumed bytes are dropped from the
-front once per ``feed``. Only ``data:`` fields matter to an OpenAI stream; comments
-(``:``), ``event:``, ``id:`` and ``retry:`` are skipped; lines may end in LF or CRLF; an
-event's ``data`` lines are joined with ``\\n``; a blank line ends an event.
+Each piece of the stream is scanned once for newlines. A line that arrives in many pieces is
+kept as the list of its pieces (no buffer that grows by copying: a 32 MB line in 64 KB pieces
+costs 32 MB of work, not gigabytes); the pieces are joined once, when the line is complete,
+and a large event (``Payload.size`` above a threshold the caller picks) can be joined and
+decoded off the event loop (``Payload.join``). Only ``data:`` fields matter to an OpenAI
+stream; comments (``:``), ``event:``, ``id:`` and ``retry:`` are skipped; lines may end in LF
+or CRLF; an event's ``data`` lines are joined with ``\\n``; a blank line ends an event.
 """
 
 from __future__ import annotations
 
-__all__ = ["SSEParser", "DONE"]
+__all__ = ["SSEParser", "Payload", "DONE"]
 
 #: the payload of OpenAI's end-of-stream event
 DONE = b"[DONE]"
 
 
+class Payload:
+    """One event's data, still in pieces: ``join()`` makes the bytes (one copy)."""
+
+    __slots__ = ("lines", "size")
+
+    def __init__(self, lines: list[list[bytes]], size: int) -> None:
+        self.lines = lines  # each data line as its pieces, the "data:" prefix and CR already cut
+        self.size = size
+
+    def join(self) -> bytes:
+        if len(self.lines) == 1:
+            parts = self.lines[0]
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+        return b"\n".join(b"".join(parts) for parts in self.lines)
+
+
+def _cut_prefix(parts: list[bytes]) -> tuple[list[bytes], int] | None:
+    """The pieces of a ``data:`` line without its field name (and one space); ``None`` when the
+    line is not a data line. Looks at the first bytes only. Also returns the bytes cut."""
+    head = parts[0]
+    i = 1
+    while len(head) < 6 and i < len(parts):
+        head += parts[i]
+        i += 1
+    if not head.startswith(b"data:"):
+        return None
+    skip = cut = 6 if head.startswith(b"data: ") else 5
+    out: list[bytes] = []
+    for p in parts:
+        if skip >= len(p):
+            skip -= len(p)
+            continue
+        out.append(p[skip:] if skip else p)
+        skip = 0
+    return (out or [b""]), cut
+
+
 class SSEParser:
     """Feed bytes with ``feed``; it returns the payloads of the events completed so far."""
 
-    __slots__ = ("_buf", "_scan", "_data", "bytes_seen")
+    __slots__ = ("_line", "_line_len", "_data", "_data_len", "bytes_seen")
 
     def __init__(self) -> None:
-        self._buf = bytearray()
-        self._scan = 0  # the newline search resumes here (bytes before it hold no newline)
-        self._data: list[bytes] = []  # data lines of the event being read
+        self._line: list[bytes] = []  # pieces of the incomplete line
+        self._line_len = 0
+        self._data: list[list[bytes]] = []  # data lines of the event being read
+        self._data_len = 0
         self.bytes_seen = 0
 
-    def feed(self, piece: bytes) -> list[bytes]:
+    def feed(self, piece: bytes) -> list[Payload]:
         self.bytes_seen += len(piece)
-        buf = self._buf
-        buf += piece
-        out: list[bytes] = []
-        start = 0
-        find = buf.find
-        while True:
-            nl = find(b"\n", self._scan)
+        out: list[Payload] = []
+        pos = 0
+        find = piece.find
+        n = len(piece)
+        while pos < n:
+            nl = find(b"\n", pos)
             if nl < 0:
-                self._scan = len(buf)
+                self._line.append(piece[pos:] if pos else piece)
+                self._line_len += n - pos
                 break
-            end = nl - 1 if nl > start and buf[nl - 1] == 0x0D else nl  # CRLF
-            self._scan = nl + 1
-            if end > start:
-                if buf.startswith(b"data:", start):
-                    skip = 6 if buf.startswith(b"data: ", start) else 5
-                    self._data.append(bytes(buf[start + skip:end]))
+            if self._line:
+                parts = self._line
+                if nl > pos:
+                    parts.append(piece[pos:nl])
+                length = self._line_len + nl - pos
+                self._line = []
+                self._line_len = 0
+            else:
+                parts = [piece[pos:nl]]
+                length = nl - pos
+            pos = nl + 1
+            if length and parts[-1].endswith(b"\r"):
+                last = parts[-1][:-1]
+                length -= 1
+                if last:
+                    parts[-1] = last
+                else:
+                    parts.pop()
+            if length:
+                data = _cut_prefix(parts)
+                if data is not None:
+                    self._data.append(data[0])
+                    self._data_len += length - data[1] + (1 if len(self._data) > 1 else 0)
                 # comments, event:, id:, retry: carry nothing an OpenAI stream needs
             elif self._data:
-                data = self._data
-                out.append(data[0] if len(data) == 1 else b"\n".join(data))
+                out.append(Payload(self._data, self._data_len))
                 self._data = []
-            start = nl + 1
-        if start:
-            del buf[:start]
-            self._scan -= start
+                self._data_len = 0
         return out
 
     @property
     def pending(self) -> int:
-        """Bytes received but not yet part of a complete line."""
-        return len(self._buf)
+        """Bytes of the incomplete line received so far."""
+        return self._line_len

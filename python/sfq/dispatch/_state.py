@@ -50,7 +50,8 @@ class BState:
     __slots__ = ("backend", "name", "pool", "index", "max_in_flight", "max_context", "in_flight", "healthy",
                  "saturated", "dispatched", "completed", "errors", "aborted", "last_error", "backoff",
                  "recover_task", "probe_task", "reading", "probe_errors", "unhealthy_spells", "replies",
-                 "reply_errors", "transport_failures", "paused", "pause_handle", "rate_limited", "down_reason")
+                 "reply_errors", "transport_failures", "paused", "pause_handle", "rate_limited", "down_reason",
+                 "check_delay")
 
     def __init__(self, backend: Backend, pool: Pool, index: int, backoff: float, window: int) -> None:
         self.backend = backend
@@ -80,6 +81,7 @@ class BState:
         self.pause_handle: asyncio.TimerHandle | None = None
         self.rate_limited = 0  # 429s received
         self.down_reason: str | None = None
+        self.check_delay: float | None = None  # seconds to the next health check while out of rotation
 
 
 class Pool:

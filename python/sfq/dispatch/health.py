@@ -106,6 +106,7 @@ class Health(DispatcherBase):
         """Health-check an unhealthy backend with capped exponential backoff until it passes."""
         try:
             while not self._closed:
+                bs.check_delay = delay
                 await asyncio.sleep(delay)
                 try:
                     ok = await bs.backend.check_health()
@@ -117,6 +118,7 @@ class Health(DispatcherBase):
                 delay = min(delay * 2, self.max_backoff)
         finally:
             bs.recover_task = None
+            bs.check_delay = None
 
     def _back_in_rotation(self, bs: BState) -> None:
         bs.healthy = True

@@ -102,6 +102,7 @@ class Statistics(DispatcherBase):
         ``saturated``, ``paused`` (after a 429), ``dispatched``, ``completed``, ``errors``,
         ``aborted``, ``rate_limited`` (429s), ``recent_5xx`` (5xx among the last
         ``error_window`` replies), ``last_error``, ``down_reason``, ``unhealthy_spells``,
+        ``check_interval`` (seconds between health checks while out of rotation, else ``None``),
         ``probe`` (the last reading as a dict, or ``None``), ``probe_errors``.
         ``pools[model]``: ``waiting``, ``held``, ``in_flight``, ``virtual_time``, ``backends``
         (names), ``healthy`` (count).
@@ -114,6 +115,7 @@ class Statistics(DispatcherBase):
                 "dispatched": bs.dispatched, "completed": bs.completed, "errors": bs.errors,
                 "aborted": bs.aborted, "rate_limited": bs.rate_limited, "recent_5xx": bs.reply_errors,
                 "last_error": bs.last_error, "down_reason": bs.down_reason, "unhealthy_spells": bs.unhealthy_spells,
+                "check_interval": bs.check_delay,
                 "probe": bs.reading._asdict() if bs.reading is not None else None, "probe_errors": bs.probe_errors,
             }
         pools = {
