@@ -11,8 +11,9 @@ import pytest
 
 import sfq
 
-# what a plain ``import sfq`` must not load: the dispatcher's and the simulator's libraries
-HEAVY = ("aiohttp", "yaml", "matplotlib", "rich", "prometheus_client")
+# what a plain ``import sfq`` must not load: numpy (the batch API imports it on first use),
+# the dispatcher's, the policy file's and the simulator's libraries
+HEAVY = ("numpy", "aiohttp", "yaml", "matplotlib", "rich", "prometheus_client")
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -44,15 +45,15 @@ def test_core_import_is_light(no_ext):
     assert out.stdout.strip() == ""
 
 
-def test_twin_import_leaves_numpy_unloaded():
-    # the pure-Python twin needs numpy only for the batch API, and imports it there
+@pytest.mark.parametrize("no_ext", ["0", "1"])
+def test_numpy_is_imported_by_the_batch_api_only(no_ext):
     code = (
         "import sys, sfq\n"
         "s = sfq.Scheduler(); s.enqueue('a', 1); s.dispatch()\n"
         "print('numpy' in sys.modules)\n"
         "s.enqueue_many(['a', 'b'], [1.0, 2.0]); print('numpy' in sys.modules)\n"
     )
-    out = _python(code, SFQ_NO_EXTENSIONS="1")
+    out = _python(code, SFQ_NO_EXTENSIONS=no_ext)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "True"]
 
