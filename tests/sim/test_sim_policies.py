@@ -307,3 +307,109 @@ def test_rpm_fifo_caps_each_flow_per_window():
 def test_bad_policy_options_are_named(kw, err):
     with pytest.raises(ValueError, match=err):
         make_policy(kw.pop("name"), **kw)
+
+
+def sfq_feed(charge, n=2, weights=None):
+    pol = SFQ(core=sfq.ReferenceScheduler, charge=charge)
+    sim = fake_sim(n, weights=weights)
+    return pol, sim, Feed(pol, sim)
+
+
+def start(pol, sim, r, t=0):
+    """What the simulator does when a named request starts."""
+    pol.admit(r, t)
+    r.admit = t
+    sim.running[r.flow] += 1
+    sim.running_flows.add(r.flow)
+
+
+def finish(pol, sim, r, t):
+    r.finish = t
+    pol.complete(r, t)
+    sim.running[r.flow] -= 1
+    if not sim.running[r.flow]:
+        sim.running_flows.discard(r.flow)
+
+
+@pytest.mark.parametrize("charge", ["seed", "settle", "served"])
+def test_sfq_looks_before_it_pops_and_estimates_at_dispatch(charge):
+    pol, sim, f = sfq_feed(charge)
+    a = f.arrive(0, est=500.0, prompt=100, output=50)
+    assert pol.peek(0) is a and pol.peek(0) is a
+    assert pol.sched.meter(0) == 0.0 and len(pol.sched) == 1  # named, not dispatched, not charged
+    a.est = 0.0  # the run's estimate comes at dispatch, from the estimator (here: est 700)
+    sim.estimate = lambda r: 700.0
+    start(pol, sim, a)
+    assert a.est == 700.0
+    assert pol.sched.meter(0) == (100.0 if charge == "served" else 700.0)
+    assert pol.sched.in_flight == 1 and len(pol.sched) == 0
+
+
+def test_sfq_charge_modes_settle_and_served_by_hand():
+    # settle: the estimate at dispatch, corrected to the actual cost at completion
+    pol, sim, f = sfq_feed("settle")
+    sim.estimate = lambda r: 400.0
+    a = f.arrive(0, prompt=100, output=50)  # actual: 100 + 2 * 50 = 200
+    b = f.arrive(1, prompt=100, output=90)  # keeps the fleet busy after a ends
+    start(pol, sim, a)
+    assert pol.sched.meter(0) == 400.0
+    start(pol, sim, pol.peek(0))
+    pol.advance(0, 50)
+    assert pol.sched.meter(0) == 400.0  # nothing moves while it runs
+    finish(pol, sim, a, 50)
+    assert pol.sched.meter(0) == 200.0 and pol.sched.in_flight == 1
+    # the last work done and nothing waiting: the busy period closes (v = largest finish)
+    finish(pol, sim, b, 90)
+    assert pol.sched.in_flight == 0 and pol.sched.meter(0) == pol.sched.meter(1) == 400.0
+    # served: the prompt at dispatch, two per output token as they are generated
+    pol, sim, f = sfq_feed("served")
+    a = f.arrive(0, prompt=100, output=50)
+    b = f.arrive(1, prompt=30, output=10)
+    start(pol, sim, a)
+    assert pol.sched.meter(0) == 100.0
+    start(pol, sim, pol.peek(0))  # b
+    pol.advance(0, 10)  # ten steps: a and b decode ten tokens each
+    assert (pol.sched.meter(0), pol.sched.meter(1)) == (120.0, 50.0)
+    finish(pol, sim, b, 10)  # reconciled with the actual cost: nothing left to correct
+    assert pol.sched.meter(1) == 50.0
+    pol.advance(10, 50)
+    finish(pol, sim, a, 50)
+    assert pol.sched.meter(0) == 200.0 and pol.sched.in_flight == 0
+
+
+def test_sfq_holds_the_busy_period_while_work_runs():
+    """The flow that is ahead keeps its lead while its work runs, though no request waits:
+    seed 000's rule would reset v to the largest finish tag the moment the queue empties."""
+    for cls, keeps in ((SFQ, True), (SeedSFQ, False)):
+        pol = cls(core=sfq.ReferenceScheduler) if cls is SeedSFQ else cls(core=sfq.ReferenceScheduler, charge="seed")
+        sim = fake_sim(2)
+        f = Feed(pol, sim)
+        sim.estimate = lambda r: r.est
+        a = f.arrive(0, est=100.0)
+        big = f.arrive(1, est=1000.0)
+        for r in (a, big):
+            assert pol.peek(0) is r
+            start(pol, sim, r)
+        # both dispatched, nothing waits; both come back (flow 1 first) while the work runs:
+        # flow 0 is 900 behind unless the reset to the largest finish tag wiped that out
+        assert pol.sched.waiting_flows == 0
+        f.arrive(1, est=100.0)
+        f.arrive(0, est=100.0)
+        first = pol.peek(1)
+        assert (first.flow == 0) == keeps, cls.__name__
+
+
+def test_sfq_served_wakes_when_a_running_flow_falls_behind_no_more():
+    pol, sim, f = sfq_feed("served")
+    a = f.arrive(0, prompt=100, output=300)
+    start(pol, sim, a)
+    big = f.arrive(0, prompt=950)
+    small = f.arrive(1, prompt=50)
+    pol.sched.adjust(1, 150.0)  # flow 1 was served 150 before
+    assert pol.peek(1) is big  # meters 100 vs 150: flow 0's big one is named (and stalls)
+    # flow 0's meter grows 2 per step while a decodes: it passes 150 after step 26
+    assert pol.wakeup(1) == 26  # a lower bound: floor((150 - 100) / 2) = 25 steps on
+    with pytest.raises(ValueError, match="unknown charge mode 'nope'"):
+        SFQ(charge="nope")
+    assert make_policy("sfq").charge == "served" and make_policy("sfq", charge="settle").charge == "settle"
+    assert make_policy("sfq-seed").name == "sfq-seed"

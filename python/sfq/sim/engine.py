@@ -163,6 +163,11 @@ class RunResult:
         hi = self.times.size if hi is None else hi
         e = self.flow_log(f)
         j = np.arange(lo, hi)
+        if e.size == 0:  # nothing ever happened to the flow
+            zero = np.zeros(j.size, dtype=bool if what in ("busy", "backlog") else np.int64)
+            if what not in ("busy", "backlog", "charged", "service"):
+                self._check_what(what)
+            return zero.astype(float) if what in ("charged", "service") else zero
         idx = np.searchsorted(self.log_k[e], j, side="right") - 1
         has = idx >= 0
         src = e[np.where(has, idx, 0)]
@@ -188,7 +193,14 @@ class RunResult:
             return col(self.log_wait) > 0
         if what == "busy":
             return (col(self.log_wait) + col(self.log_n)) > 0
-        raise ValueError(f"unknown series {what!r}")
+        self._check_what(what)
+        raise AssertionError  # pragma: no cover - _check_what raised
+
+    _SERIES = ("service", "prefill", "decoded", "charged", "waiting", "running", "busy", "backlog")
+
+    def _check_what(self, what: str) -> None:
+        if what not in self._SERIES:
+            raise ValueError(f"unknown series {what!r}; choose from {', '.join(self._SERIES)}")
 
     def at_sample(self, j: int, what: str = "service") -> np.ndarray:
         """Every flow's ``what`` (see :meth:`series`) at sample ``j``, shape (flows,)."""

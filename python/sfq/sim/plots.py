@@ -21,6 +21,8 @@ from .scenarios import ScenarioResult
 __all__ = ["write_plots"]
 
 _META = {"Software": None}
+#: flows drawn per panel of a service plot
+MAX_LINES = 8
 
 
 def _figure(w: float, h: float):
@@ -55,11 +57,16 @@ def _service_plot(res: ScenarioResult, path: Path, points: int = 400) -> Path:
         ax = fig.add_subplot(rows, cols, k + 1)
         lo = 0 if mark is None else max(0, mark - 300)
         grid = np.linspace(lo, run.end, points)
-        W = run.service
-        for f, spec in enumerate(run.flows):
-            y = np.interp(grid, run.times, W[:, f])
+        # at most MAX_LINES flows, those with the most service (one series each, not the
+        # dense table of every flow: a run may have thousands)
+        final = run.final_service()
+        shown = sorted(np.argsort(-final, kind="stable")[:MAX_LINES].tolist())
+        for f in shown:
+            spec = run.flows[f]
+            W = run.series(f)
+            y = np.interp(grid, run.times, W)
             if mark is not None:
-                y = y - np.interp(mark, run.times, W[:, f])
+                y = y - np.interp(mark, run.times, W)
             ax.plot(grid, y, label=spec.name, linewidth=1.3)
         if mark is not None:
             ax.axvline(mark, color="grey", linestyle=":", linewidth=1)

@@ -470,6 +470,9 @@ class SFQ(Policy):
         return self.named
 
     def admit(self, r, t: int) -> None:
+        # the work starts with the dispatch: reported first, so that taking the last waiting
+        # request does not close the busy period it opens
+        self.sched.work_started()
         d = self.sched.dispatch()
         if d is None or d.item is not r:  # pragma: no cover - peek() promises the same request
             raise RuntimeError(f"the core dispatched {d!r}, not the request it named ({r!r})")
@@ -478,7 +481,6 @@ class SFQ(Policy):
         target = self.w_p * r.prompt if self.served else r.est
         if target != d.cost:
             self.sched.adjust(f, target - d.cost)
-        self.sched.work_started()
         self.waiting[f] -= 1
         if not self.waiting[f]:
             self.active.discard(f)

@@ -26,6 +26,10 @@ def _waits(d: dict, keys=("wait_p50", "wait_p95", "wait_p99")) -> str:
     return " / ".join(_n(d[k]) for k in keys)
 
 
+def _label(r: dict[str, Any]) -> str:
+    return r["policy"] if not r.get("charge") else f"{r['policy']} ({r['charge']})"
+
+
 def table_rows(res: ScenarioResult) -> tuple[str, list[str], list[list[str]], str]:
     """``(title, headers, rows, caption)`` for a scenario's table."""
     s = res.scenario
@@ -66,7 +70,7 @@ def table_rows(res: ScenarioResult) -> tuple[str, list[str], list[list[str]], st
             sub = {r["policy"]: r for r in res.results if r["kv_budget"] == m}
             rows.append([_n(m), _n(next(iter(sub.values()))["bound"])] + [_n(sub[x]["max_drift"]) for x in pols])
         title = f"kv-sweep: max drift between two overloaded clients vs the KV budget, {p['steps']:,} steps"
-        caption = "drift in weighted tokens over intervals where both clients wait"
+        caption = "drift: max |W_f(0,t) - W_g(0,t)| from the start, weighted tokens"
     elif s == "rpm-sweep":
         headers = ["policy", "RPM limit", "max drift", "throughput W/step", "tokens/step"]
         for r in res.results:
@@ -74,18 +78,44 @@ def table_rows(res: ScenarioResult) -> tuple[str, list[str], list[list[str]], st
                          _n(r["throughput"], 1), _n(r["tokens_per_step"], 1)])
         title = f"rpm-sweep: per-client request limits, a minute = {p['minute_steps']:,} steps, {p['steps']:,} steps"
         caption = "drift in weighted tokens; throughput measured"
+    elif s == "shallow":
+        marks = p["drift_at_steps"]
+        headers = ["policy"] + [f"drift to step {m:,}" for m in marks] + ["queue emptied", "W/step"]
+        for r in res.results:
+            rows.append([_label(r)] + [_n(r["drift_at"][str(m)]) for m in marks]
+                        + [_n(r["queue_empties"]), _n(r["throughput"], 1)])
+        title = f"shallow: two clients each keeping one request waiting, M={p['kv_budget']:,}, {p['steps']:,} steps"
+        caption = ("drift: max |W_f(0,t) - W_g(0,t)| up to the step, weighted tokens; queue emptied: times the "
+                   "balancer's queue drained while the engine still had work")
+    elif s == "keep-one":
+        headers = ["policy", "keeper's share of service", "max drift", "W/step"]
+        for r in res.results:
+            rows.append([_label(r), _pct(r["keeper_share"]), _n(r["max_drift"]), _n(r["throughput"], 1)])
+        title = f"keep-one: a client keeping one request waiting against a flooder, {p['steps']:,} steps"
+        caption = "service in weighted tokens (w_p=%g, w_q=%g), M=%s" % (p["w_p"], p["w_q"], f"{p['kv_budget']:,}")
+    elif s == "many":
+        headers = ["policy", "events", "last step", "W/step", "Jain"]
+        for r in res.results:
+            rows.append([_label(r), _n(r["events"]), _n(r["end_step"]), _n(r["throughput"], 1), _n(r["jain"], 4)])
+        title = (f"many: {p['clients']:,} clients, {p['requests']:,} requests, {p['servers']} servers, "
+                 "run to completion")
+        caption = "Jain's index among flows backlogged at least 10% of the run"
     else:  # drift, trace
-        headers = ["policy", "max drift", "drift / bound", "drift of est. cost", "W/step", "tokens/step", "Jain",
-                   "worst p99 wait"]
+        headers = ["policy", "max drift", "drift / bound", "interval drift", "drift of est. cost", "W/step",
+                   "tokens/step", "Jain", "worst p99 wait"]
         for r in res.results:
             worst = max((f["wait_p99"] or 0) for f in r["flows"].values()) if r["flows"] else None
-            rows.append([r["policy"], _n(r["max_drift"]), _n(r["drift_ratio"], 3), _n(r["max_drift_est"]),
-                         _n(r["throughput"], 1), _n(r["tokens_per_step"], 1), _n(r["jain"], 4), _n(worst)])
+            rows.append([_label(r), _n(r["max_drift"]), _n(r["drift_ratio"], 3), _n(r["max_interval_drift"]),
+                         _n(r["max_drift_est"]), _n(r["throughput"], 1), _n(r["tokens_per_step"], 1),
+                         _n(r["jain"], 4), _n(worst)])
         if s == "drift":
             title = f"drift: two clients over their share, M={p['kv_budget']:,}, {p['steps']:,} steps"
         else:
             title = f"trace: {p['trace']} ({p['requests']:,} requests), {p['servers']} server(s), M={p['kv_budget']:,}"
-        caption = "drift in weighted tokens (w_p=%g, w_q=%g); bound = 2 max(w_p L_input, w_q M)" % (p["w_p"], p["w_q"])
+        caption = ("max drift: max |W_f(0,t) - W_g(0,t)| over the flows backlogged the whole run; interval drift: "
+                   "the same restarted whenever a backlog empties; drift of est. cost: the interval form on the "
+                   "estimates charged while both wait at the balancer; weighted tokens (w_p=%g, w_q=%g); "
+                   "bound = 2 max(w_p L_input, w_q M)" % (p["w_p"], p["w_q"]))
     return title, headers, rows, caption
 
 
