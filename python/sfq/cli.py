@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
 __all__ = ["main", "build_parser"]
 
@@ -21,7 +21,7 @@ _POLICIES = ("fifo", "prio", "rr", "drr", "wfq", "sfq", "sfq-seed", "lcf", "vtc"
 _CHARGES = ("seed", "settle", "served")
 
 
-def _int_at_least(lo: int):
+def _int_at_least(lo: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             v = int(text)
@@ -143,6 +143,7 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 2
     from rich.console import Console
 
+    from .sim.progress import RichProgress
     from .sim.scenarios import HEADLINE, Options, run_scenario, workload_for
 
     err = Console(stderr=True)
@@ -190,7 +191,7 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     results = []
     try:
-        with _progress(err) as progress:
+        with RichProgress(err) as progress:
             for n in names:
                 results.append(run_scenario(n, opts, policies, progress))
     except (OSError, ValueError) as exc:
@@ -232,46 +233,6 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if plots:
         out.print("plots: " + "  ".join(plots), markup=False, highlight=False, soft_wrap=True)
     return 0
-
-
-class _progress:
-    """A rich progress bar on stderr (terminals only): one line per run."""
-
-    def __init__(self, console):
-        from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
-
-        self.bar = Progress(
-            TextColumn("{task.description:<22}"),
-            BarColumn(),
-            TaskProgressColumn(),
-            TextColumn("{task.fields[runs]} runs done"),
-            console=console,
-            transient=True,
-            disable=not console.is_terminal,
-        )
-        self.task = None
-        self.runs = 0
-
-    def __enter__(self):
-        self.bar.__enter__()
-        self.task = self.bar.add_task("simulating", total=None, runs=0)
-        return self
-
-    def __exit__(self, *exc):
-        return self.bar.__exit__(*exc)
-
-    # the sfq.sim.scenarios.Progress protocol
-    def begin(self, label: str, horizon: int | None):
-        self.bar.reset(self.task, total=horizon, description=label, runs=self.runs)
-
-        def update(t: int) -> None:
-            self.bar.update(self.task, completed=t)
-
-        return update
-
-    def end(self) -> None:
-        self.runs += 1
-        self.bar.update(self.task, runs=self.runs)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,9 +18,10 @@ class RichProgress(Progress):
     """A rich progress bar on stderr (terminals only): one line per run."""
 
     def __init__(self, console: Console) -> None:
-        from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
+        from rich.progress import BarColumn, TaskProgressColumn, TextColumn
+        from rich.progress import Progress as Bar
 
-        self.bar = Progress(
+        self.bar = Bar(
             TextColumn("{task.description:<22}"),
             BarColumn(),
             TaskProgressColumn(),
