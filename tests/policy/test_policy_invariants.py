@@ -73,8 +73,6 @@ def machine(make):  # one state machine per twin
                     assert exc.retry_after is not None and exc.retry_after >= 0
                 self.refused += 1
                 return
-            except ValueError:  # too large for the api pool (no max_context there: never) or gpu: never
-                raise
             self.all.append(r)
 
         @rule()

@@ -209,8 +209,10 @@ def test_max_context_placement(clock: Clock, core) -> None:
     e = engine(pol, clock, core)
     big = e.submit(Flow("a", "batch", "p"), cost=1, need=5000)
     assert e.poll()[0].backend == "http://127.0.0.1:2" and big.backend == "http://127.0.0.1:2"
-    with pytest.raises(ValueError, match="more than any backend"):
+    with pytest.raises(Refused, match="more than any backend") as info:
         e.submit(Flow("a", "batch", "p"), cost=1, need=9000)
+    assert info.value.reason == "too_large"
+    assert e.stats()["flows"]["a/batch/p"]["reasons"] == {"too_large": 1}
 
 
 # ------------------------------------------------------------------ rate limits

@@ -219,12 +219,8 @@ class PolicyDispatcher:
             self.engine.refuse(flow, "bad_request")
             raise Refused("bad_request", str(exc)) from None
         per_seq = est.max_tokens // max(1, est.copies)
-        try:
-            r = self.engine.submit(flow, cost=est.cost, tokens=est.prompt_tokens + est.max_tokens,
-                                   need=est.prompt_tokens + per_seq, deadline=deadline, idempotency_key=key)
-        except ValueError as exc:
-            self.engine.refuse(flow, "too_large")
-            raise Refused("too_large", str(exc)) from None
+        r = self.engine.submit(flow, cost=est.cost, tokens=est.prompt_tokens + est.max_tokens,
+                               need=est.prompt_tokens + per_seq, deadline=deadline, idempotency_key=key)
         self._waiters[r.id] = asyncio.get_running_loop().create_future()
         self._pump()
         return r

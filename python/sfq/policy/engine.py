@@ -103,8 +103,9 @@ class PolicyEngine:
         ``cost``: cost units (> 0); ``tokens``: the estimate debited from the pool's
         ``tokens_per_minute``; ``need``: prompt + max_tokens (backends' ``max_context``);
         ``deadline``: absolute clock time. Raises ``Refused`` (recorded) with reason
-        ``rate_limited`` (the org's ``requests_per_minute``), ``queue_full`` or ``deadline``
-        (already past), each refusal with ``retry_after`` where trying later can help;
+        ``rate_limited`` (the org's ``requests_per_minute``), ``queue_full``, ``deadline``
+        (already past) or ``too_large`` (no backend's ``max_context`` fits ``need``), with
+        ``retry_after`` where trying later can help;
         ``ValueError`` for a flow the policy does not allow or a bad number (nothing recorded).
         """
         if not isinstance(flow, Flow):
@@ -119,11 +120,14 @@ class PolicyEngine:
         if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
                                      or math.isnan(deadline)):
             raise ValueError(f"deadline must be a clock time (a number) or None, got {deadline!r}")
-        if need > q.largest_context:
-            raise ValueError(f"the request needs about {need:.0f} tokens (prompt + max_tokens), more than any backend "
-                             f"of pool {flow.pool!r} takes (largest max_context {q.largest_context:.0f})")
         now = self.clock()
         key = tuple(flow)
+        if need > q.largest_context:
+            self.submitted += 1
+            self.metrics.ended(key, "refused", "too_large")  # type: ignore[arg-type]
+            raise Refused("too_large", f"the request needs about {need:.0f} tokens (prompt + max_tokens), more than "
+                                       f"any backend of pool {flow.pool!r} takes (largest max_context "
+                                       f"{q.largest_context:.0f})")
         if deadline is not None and deadline <= now:
             self.submitted += 1
             self.metrics.ended(key, "refused", "deadline")  # type: ignore[arg-type]
