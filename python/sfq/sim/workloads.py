@@ -8,7 +8,7 @@ same workload on every run. Times are in decode steps, sizes in tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
@@ -159,16 +159,28 @@ class Mix:
         return p, o, m
 
 
+class Arrivals(Protocol):
+    """An arrival process: ``times(rng)`` gives the arrival steps (int64)."""
+
+    def times(self, rng: np.random.Generator) -> np.ndarray: ...
+
+
+class SizeDraw(Protocol):
+    """Request sizes: ``draw(rng, n)`` gives ``(prompt, output, max_tokens)`` arrays."""
+
+    def draw(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
+
+
 @dataclass(frozen=True)
 class FlowLoad:
     """A flow and how it sends: an arrival process and a size distribution."""
 
     spec: FlowSpec
-    arrivals: object  # anything with .times(rng) -> int64 array
-    sizes: object  # anything with .draw(rng, n) -> (prompt, output, max_tokens)
+    arrivals: Arrivals
+    sizes: SizeDraw
 
 
-def build_workload(seed: int, loads: Sequence[FlowLoad], meta: dict | None = None,
+def build_workload(seed: int, loads: Sequence[FlowLoad], meta: dict[str, Any] | None = None,
                    closed: Sequence[ClosedLoop] = ()) -> Workload:
     """Draw every flow's requests from its own seeded stream and merge them by arrival;
     ``closed``: closed-loop clients (their requests are made during the run)."""
@@ -180,7 +192,8 @@ def build_workload(seed: int, loads: Sequence[FlowLoad], meta: dict | None = Non
         for col, arr in zip(cols, (t, np.full(t.size, k, dtype=np.int64), p, o, m)):
             col.append(arr)
     arrs = [np.concatenate(c) if c else np.zeros(0, dtype=np.int64) for c in cols]
-    return Workload.from_arrays([ld.spec for ld in loads], *arrs, meta=meta, closed=closed)
+    t, f, p, o, m = arrs
+    return Workload.from_arrays([ld.spec for ld in loads], t, f, p, o, m, meta=meta, closed=closed)
 
 
 def capacity(kv_budget: int, sizes: Sizes) -> float:
@@ -195,4 +208,4 @@ def capacity(kv_budget: int, sizes: Sizes) -> float:
     o = np.arange(lo, hi + 1, dtype=float)
     eo, eo2 = o.mean(), (o * o).mean()
     per_resident = sizes.mean_prompt() + eo2 / (2 * eo)
-    return kv_budget / per_resident / eo
+    return float(kv_budget / per_resident / eo)
