@@ -17,7 +17,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Iterable, Iterator, Sequence
+from typing import IO, Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -121,7 +121,7 @@ class Workload:
     prompt: np.ndarray
     output: np.ndarray
     max_tokens: np.ndarray
-    meta: dict = field(default_factory=dict, compare=False)
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
     closed: tuple[ClosedLoop, ...] = ()
 
     def __len__(self) -> int:
@@ -140,7 +140,7 @@ class Workload:
         prompt: Iterable[int],
         output: Iterable[int],
         max_tokens: Iterable[int] | None = None,
-        meta: dict | None = None,
+        meta: dict[str, Any] | None = None,
         closed: Sequence[ClosedLoop] = (),
     ) -> "Workload":
         """Validate, sort by ``(arrival, position in the given order)`` and freeze.
@@ -178,7 +178,8 @@ class Workload:
         for c in closed:
             if not isinstance(c, ClosedLoop) or not 0 <= c.flow < len(flows):
                 raise ValueError(f"closed-loop client {c!r}: flow index must be in [0, {len(flows)})")
-        return cls(flows, *arrs, meta=dict(meta or {}), closed=closed)
+        sa, sf, sp, so, sm = arrs
+        return cls(flows, sa, sf, sp, so, sm, meta=dict(meta or {}), closed=closed)
 
     def with_flows(self, flows: Sequence[FlowSpec]) -> "Workload":
         """The same requests with other flow specs (same names, same order)."""
@@ -270,7 +271,7 @@ _TRACE_FIELDS = ("arrival", "flow", "prompt_tokens", "output_tokens")
 _CLOSED_FIELDS = ("flow", "keep_waiting", "prompt_tokens", "output_tokens", "max_tokens", "start", "end")
 
 
-def _closed_line(rec: dict, where: str, flow_index: int, seed: int) -> ClosedLoop:
+def _closed_line(rec: dict[str, Any], where: str, flow_index: int, seed: int) -> ClosedLoop:
     """A ``keep_waiting`` line as a :class:`ClosedLoop`; ``ValueError`` names the line and field."""
     for k in rec:
         if k not in _CLOSED_FIELDS:
@@ -394,7 +395,9 @@ def read_trace_lines(
             flows.append(FlowSpec(n, float(weights.get(n, 1.0))))
         else:
             flows.append(FlowSpec(n, float(weights.get(n, d.weight)), d.klass, d.priority))
-    return Workload.from_arrays(flows, *cols, meta={"source": source}, closed=closed)
+    arrival, flow_of, prompt, output, max_tokens = cols
+    return Workload.from_arrays(flows, arrival, flow_of, prompt, output, max_tokens, meta={"source": source},
+                                closed=closed)
 
 
 def load_trace(path: str | Path, weights: dict[str, float] | None = None, seed: int = 0) -> Workload:
@@ -425,7 +428,7 @@ def save_trace(workload: Workload, out: str | Path | IO[str]) -> None:
             )
         )
     for c in workload.closed:
-        rec: dict = {"flow": names[c.flow], "keep_waiting": c.keep, "prompt_tokens": list(c.prompt),
+        rec: dict[str, Any] = {"flow": names[c.flow], "keep_waiting": c.keep, "prompt_tokens": list(c.prompt),
                      "output_tokens": list(c.output), "start": c.start}
         if c.max_tokens is not None:
             rec["max_tokens"] = c.max_tokens
