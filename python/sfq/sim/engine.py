@@ -48,12 +48,15 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
 from .estimate import Estimator, RatioEstimator
 from .model import FlowSpec, Request, Workload
+
+if TYPE_CHECKING:
+    from .policies import Policy
 
 __all__ = ["Fleet", "RunResult", "Simulation", "simulate"]
 
@@ -177,7 +180,7 @@ class RunResult:
 
         if what in ("service", "decoded", "prefill"):
             pre = col(self.log_pre)
-            dec = col(self.log_done) + col(self.log_n) * self.times[lo:hi] - col(self.log_sa)
+            dec: np.ndarray = col(self.log_done) + col(self.log_n) * self.times[lo:hi] - col(self.log_sa)
             if what == "prefill":
                 return pre
             if what == "decoded":
@@ -192,7 +195,7 @@ class RunResult:
         if what == "backlog":
             return col(self.log_wait) > 0
         if what == "busy":
-            return (col(self.log_wait) + col(self.log_n)) > 0
+            return np.asarray((col(self.log_wait) + col(self.log_n)) > 0)
         self._check_what(what)
         raise AssertionError  # pragma: no cover - _check_what raised
 
@@ -218,9 +221,9 @@ class RunResult:
         if what == "charged":
             return col(self.log_charged, float)
         if what == "busy":
-            return (col(self.log_wait) + col(self.log_n)) > 0
+            return np.asarray((col(self.log_wait) + col(self.log_n)) > 0)
         pre = col(self.log_pre)
-        dec = col(self.log_done) + col(self.log_n) * int(self.times[j]) - col(self.log_sa)
+        dec: np.ndarray = col(self.log_done) + col(self.log_n) * int(self.times[j]) - col(self.log_sa)
         if what == "prefill":
             return pre
         if what == "decoded":
@@ -553,7 +556,7 @@ class Simulation:
         )
 
 
-def simulate(workload: Workload, policy, fleet: Fleet = Fleet(), **kwargs) -> RunResult:
+def simulate(workload: Workload, policy: Policy | str, fleet: Fleet = Fleet(), **kwargs: Any) -> RunResult:
     """Run ``policy`` (a :class:`~sfq.sim.policies.Policy` or a policy name) on ``workload``."""
     if isinstance(policy, str):
         from .policies import make_policy

@@ -64,7 +64,7 @@ def service_at(res: RunResult, t: int, raw: bool = False) -> np.ndarray:
 
     def at(j: int) -> np.ndarray:
         if raw:
-            return (res.at_sample(j, "prefill") + res.at_sample(j, "decoded")).astype(float)
+            return np.asarray((res.at_sample(j, "prefill") + res.at_sample(j, "decoded")).astype(float))
         return res.at_sample(j).astype(float)
 
     times = res.times
@@ -76,7 +76,7 @@ def service_at(res: RunResult, t: int, raw: bool = False) -> np.ndarray:
     t0, t1 = times[k - 1], times[k]
     a = (t - t0) / (t1 - t0)
     v0 = at(k - 1)
-    return v0 + a * (at(k) - v0)
+    return np.asarray(v0 + a * (at(k) - v0))
 
 
 def _window(res: RunResult, t0: int | None, t1: int | None) -> slice:
@@ -130,7 +130,7 @@ def drift_curve(res: RunResult, t0: int | None = None, t1: int | None = None,
     for f in F:
         x = res.series(f, what, j0, hi).astype(float) / res.flows[f].weight
         x -= x[0]
-        if hi_v is None:
+        if hi_v is None or lo_v is None:
             hi_v, lo_v = x.copy(), x.copy()
         else:
             np.maximum(hi_v, x, out=hi_v)
@@ -202,7 +202,7 @@ def jain_index(res: RunResult, t0: int | None = None, t1: int | None = None, min
     w_p, w_q = res.w_p, res.w_q
 
     def value(i: np.ndarray, j: np.ndarray) -> np.ndarray:  # entry i's service at sample j
-        return w_p * pre[i] + w_q * (done[i] + n[i] * times[j] - sa[i])
+        return np.asarray(w_p * pre[i] + w_q * (done[i] + n[i] * times[j] - sa[i]))
 
     idx = np.arange(K.size)
     W_s = value(idx, s_)
@@ -227,10 +227,10 @@ def waits(res: RunResult, flow: int | None = None) -> np.ndarray:
         m &= res.flow == flow
     started = res.admit[m]
     arr = res.arrival[m]
-    return np.where(started >= 0, started, res.end) - arr
+    return np.asarray(np.where(started >= 0, started, res.end) - arr)
 
 
-def wait_quantiles(res: RunResult, flow: int | None = None, qs=(50, 95, 99)) -> list[float | None]:
+def wait_quantiles(res: RunResult, flow: int | None = None, qs: Sequence[float] = (50, 95, 99)) -> list[float | None]:
     w = waits(res, flow)
     if w.size == 0:
         return [None for _ in qs]
