@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .scenarios import ScenarioResult
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["write_plots"]
 
@@ -25,7 +29,7 @@ _META = {"Software": None}
 MAX_LINES = 8
 
 
-def _figure(w: float, h: float):
+def _figure(w: float, h: float) -> Figure:
     from .._optional import require
 
     require("matplotlib.figure", "sim", "sfq.sim's plots")
@@ -37,7 +41,7 @@ def _figure(w: float, h: float):
     return fig
 
 
-def _save(fig, path: Path) -> Path:
+def _save(fig: Figure, path: Path) -> Path:
     fig.savefig(path, format="png", metadata=_META)
     return path
 

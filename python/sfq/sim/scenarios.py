@@ -129,12 +129,12 @@ class Progress:
 @dataclass
 class ScenarioResult:
     scenario: str
-    params: dict
-    results: list[dict]
+    params: dict[str, Any]
+    results: list[dict[str, Any]]
     runs: list[tuple[str, RunResult]] = field(default_factory=list)
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
-    def document(self) -> dict:
+    def document(self) -> dict[str, Any]:
         """``{"scenario", "params", "results"}`` with floats rounded (the JSON output)."""
         return {"scenario": self.scenario, "params": clean(self.params), "results": clean(self.results)}
 
@@ -214,7 +214,7 @@ def bound_of(res: RunResult) -> float:
     return 2.0 * max(res.w_p * l_in, res.w_q * m)
 
 
-def _row(scenario: str, res: RunResult, rpm: int | None = None, **extra: Any) -> dict:
+def _row(scenario: str, res: RunResult, rpm: int | None = None, **extra: Any) -> dict[str, Any]:
     drift = max_drift(res)
     bound = bound_of(res)
     label = res.policy.split(" ")
@@ -252,11 +252,11 @@ def _fleet(opts: Options, servers: int, kv: int, slots: int | None) -> Fleet:
     )
 
 
-def _fleet_params(fleet: Fleet) -> dict:
+def _fleet_params(fleet: Fleet) -> dict[str, Any]:
     return {"servers": fleet.servers, "kv_budget": fleet.kv_budget, "slots": fleet.max_batch}
 
 
-def _common_params(opts: Options) -> dict:
+def _common_params(opts: Options) -> dict[str, Any]:
     return {"seed": opts.seed, "w_p": opts.w_p, "w_q": opts.w_q, "estimator_prior": opts.prior}
 
 
@@ -356,7 +356,7 @@ def many_workload(seed: int, steps: int, clients: int = 1000, each: int = 5) -> 
 
 
 # ---------------------------------------------------------------------- scenarios
-def _two_overloaded_clients(opts: Options, policies: Sequence[str] | None, scenario: str) -> tuple[int, Any, Any, list]:
+def _two_overloaded_clients(opts: Options, policies: Sequence[str] | None, scenario: str) -> tuple[int, Any, Any, list[str]]:
     """Seed 003's setting shared by drift and rpm-sweep: one server, M = 8192 by default,
     two clients always over their share."""
     steps = opts.steps or 20_000
