@@ -37,6 +37,8 @@ import math
 from collections import deque
 from typing import Any, Callable
 
+from .model import Request
+
 __all__ = [
     "Policy",
     "FIFO",
@@ -76,19 +78,19 @@ class Policy:
     def label(self) -> str:
         return self.name
 
-    def arrive(self, r, t: int) -> None:  # pragma: no cover - abstract
+    def arrive(self, r: Request, t: int) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def peek(self, t: int):  # pragma: no cover - abstract
+    def peek(self, t: int) -> Request | None:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def admit(self, r, t: int) -> None:  # pragma: no cover - abstract
+    def admit(self, r: Request, t: int) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def advance(self, t0: int, t1: int) -> None:
         pass
 
-    def complete(self, r, t: int) -> None:
+    def complete(self, r: Request, t: int) -> None:
         pass
 
     def wakeup(self, t: int) -> int | None:
@@ -102,15 +104,15 @@ class FIFO(Policy):
 
     def bind(self, sim: Any) -> None:
         super().bind(sim)
-        self.q: deque = deque()
+        self.q: deque[Request] = deque()
 
-    def arrive(self, r, t: int) -> None:
+    def arrive(self, r: Request, t: int) -> None:
         self.q.append(r)
 
-    def peek(self, t: int):
+    def peek(self, t: int) -> Request | None:
         return self.q[0] if self.q else None
 
-    def admit(self, r, t: int) -> None:
+    def admit(self, r: Request, t: int) -> None:
         self.q.popleft()
 
 
@@ -125,19 +127,19 @@ class StrictPriority(Policy):
         super().bind(sim)
         self.prio_of = [f.priority for f in sim.flows]
         self.levels = sorted(set(self.prio_of))
-        self.qs = {p: deque() for p in self.levels}
+        self.qs: dict[int, deque[Request]] = {p: deque() for p in self.levels}
 
-    def arrive(self, r, t: int) -> None:
+    def arrive(self, r: Request, t: int) -> None:
         self.qs[self.prio_of[r.flow]].append(r)
 
-    def peek(self, t: int):
+    def peek(self, t: int) -> Request | None:
         for p in self.levels:
             q = self.qs[p]
             if q:
                 return q[0]
         return None
 
-    def admit(self, r, t: int) -> None:
+    def admit(self, r: Request, t: int) -> None:
         self.qs[self.prio_of[r.flow]].popleft()
 
 
@@ -162,18 +164,18 @@ class RPMLimitedFIFO(Policy):
 
     def bind(self, sim: Any) -> None:
         super().bind(sim)
-        self.qs = [deque() for _ in range(self.nflows)]
+        self.qs: list[deque[Request]] = [deque() for _ in range(self.nflows)]
         self.used: dict[int, int] = {}  # starts per flow in the current window
         self.active: set[int] = set()  # flows with a request waiting
         self.win = -1
         self.nwaiting = 0
 
-    def arrive(self, r, t: int) -> None:
+    def arrive(self, r: Request, t: int) -> None:
         self.qs[r.flow].append(r)
         self.active.add(r.flow)
         self.nwaiting += 1
 
-    def peek(self, t: int):
+    def peek(self, t: int) -> Request | None:
         w = t // self.window
         if w != self.win:
             self.win = w
@@ -186,7 +188,7 @@ class RPMLimitedFIFO(Policy):
                 best = head
         return best
 
-    def admit(self, r, t: int) -> None:
+    def admit(self, r: Request, t: int) -> None:
         q = self.qs[r.flow]
         q.popleft()
         if not q:
@@ -206,19 +208,19 @@ class RoundRobin(Policy):
 
     def bind(self, sim: Any) -> None:
         super().bind(sim)
-        self.qs = [deque() for _ in range(self.nflows)]
-        self.active: deque = deque()
+        self.qs: list[deque[Request]] = [deque() for _ in range(self.nflows)]
+        self.active: deque[int] = deque()
 
-    def arrive(self, r, t: int) -> None:
+    def arrive(self, r: Request, t: int) -> None:
         q = self.qs[r.flow]
         if not q:
             self.active.append(r.flow)
         q.append(r)
 
-    def peek(self, t: int):
+    def peek(self, t: int) -> Request | None:
         return self.qs[self.active[0]][0] if self.active else None
 
-    def admit(self, r, t: int) -> None:
+    def admit(self, r: Request, t: int) -> None:
         f = self.active.popleft()
         q = self.qs[f]
         q.popleft()
@@ -247,9 +249,9 @@ class DRR(RoundRobin):
         super().bind(sim)  # round robin's per-flow queues and circular list of active flows
         self.deficit = [0.0] * self.nflows
         self.visiting = [False] * self.nflows  # the current visit's quantum was granted
-        self.chosen = None
+        self.chosen: Request | None = None
 
-    def peek(self, t: int):
+    def peek(self, t: int) -> Request | None:
         if self.chosen is not None:
             return self.chosen
         active, deficit, visiting = self.active, self.deficit, self.visiting
@@ -266,7 +268,7 @@ class DRR(RoundRobin):
             active.rotate(-1)
         return None
 
-    def admit(self, r, t: int) -> None:
+    def admit(self, r: Request, t: int) -> None:
         f = r.flow
         self.qs[f].popleft()
         self.deficit[f] -= r.est
@@ -289,21 +291,21 @@ class WFQ(Policy):
 
     def bind(self, sim: Any) -> None:
         super().bind(sim)
-        self.heap: list = []
+        self.heap: list[tuple[float, int, Request]] = []
         self.last_finish = [0.0] * self.nflows
         self.v = 0.0
 
-    def arrive(self, r, t: int) -> None:
+    def arrive(self, r: Request, t: int) -> None:
         f = r.flow
         start = self.last_finish[f] if self.last_finish[f] > self.v else self.v
         r.tag = start + r.est / self.weights[f]
         self.last_finish[f] = r.tag
         heapq.heappush(self.heap, (r.tag, r.seq, r))
 
-    def peek(self, t: int):
+    def peek(self, t: int) -> Request | None:
         return self.heap[0][2] if self.heap else None
 
-    def admit(self, r, t: int) -> None:
+    def admit(self, r: Request, t: int) -> None:
         tag, _, _ = heapq.heappop(self.heap)
         self.v = tag
 
@@ -355,17 +357,17 @@ class SeedSFQ(Policy):
                 self.sched.set_weight(f, w)
         self.staged = None
 
-    def arrive(self, r, t: int) -> None:
+    def arrive(self, r: Request, t: int) -> None:
         self.sched.enqueue(r.flow, r.est, r)
 
-    def peek(self, t: int):
+    def peek(self, t: int) -> Request | None:
         if self.staged is None:
             d = self.sched.dispatch()
             if d is not None:
                 self.staged = d.item
         return self.staged
 
-    def admit(self, r, t: int) -> None:
+    def admit(self, r: Request, t: int) -> None:
         self.staged = None
 
 
@@ -452,11 +454,11 @@ class SFQ(Policy):
             heapq.heappop(heap)
         return None
 
-    def _floor(self, r) -> float:
+    def _floor(self, r: Request) -> float:
         c = self.w_p * r.prompt
         return c if c > 0 else 1.0
 
-    def arrive(self, r, t: int) -> None:
+    def arrive(self, r: Request, t: int) -> None:
         self.sched.enqueue(r.flow, self._floor(r), r)
         f = r.flow
         self.waiting[f] += 1
@@ -464,12 +466,12 @@ class SFQ(Policy):
             self.active.add(f)
             self._place(f, self.sim.running[f] > 0)
 
-    def peek(self, t: int):
+    def peek(self, t: int) -> Request | None:
         d = self.sched.peek()
         self.named = None if d is None else d.item
         return self.named
 
-    def admit(self, r, t: int) -> None:
+    def admit(self, r: Request, t: int) -> None:
         # the work starts with the dispatch: reported first, so that taking the last waiting
         # request does not close the busy period it opens
         self.sched.work_started()
@@ -496,7 +498,7 @@ class SFQ(Policy):
         for f in self.sim.running_flows:
             self.sched.adjust(f, self.w_q * k * n_f[f])
 
-    def complete(self, r, t: int) -> None:
+    def complete(self, r: Request, t: int) -> None:
         actual = self.w_p * r.prompt + self.w_q * r.output
         if self.charge == "settle":
             delta = actual - r.est
@@ -562,11 +564,11 @@ class VTC(Policy):
     def bind(self, sim: Any) -> None:
         super().bind(sim)
         self.c = [0.0] * self.nflows
-        self.qs = [deque() for _ in range(self.nflows)]
+        self.qs: list[deque[Request]] = [deque() for _ in range(self.nflows)]
         self.active: set[int] = set()  # flows with a request waiting
         self.last_left: int | None = None
         self.h = context_h(self.beta)
-        self.named = None
+        self.named: Request | None = None
         # Waiting flows with nothing running keep their counter until they start something,
         # so they sit in a heap on (counter, head seq); waiting flows with running requests
         # (counters moving with decode; at most the batch) are scanned. Per event this costs
@@ -609,7 +611,7 @@ class VTC(Policy):
                 floor = c[g]
         return floor
 
-    def arrive(self, r, t: int) -> None:
+    def arrive(self, r: Request, t: int) -> None:
         f = r.flow
         q = self.qs[f]
         if not q:
@@ -626,7 +628,7 @@ class VTC(Policy):
         else:
             q.append(r)
 
-    def peek(self, t: int):
+    def peek(self, t: int) -> Request | None:
         c, qs = self.c, self.qs
         top = self._cold_top()
         best = None if top is None else qs[top][0]
@@ -639,7 +641,7 @@ class VTC(Policy):
         self.named = best
         return best
 
-    def admit(self, r, t: int) -> None:
+    def admit(self, r: Request, t: int) -> None:
         f = r.flow
         q = self.qs[f]
         q.popleft()
@@ -650,7 +652,7 @@ class VTC(Policy):
         self._place(f, True)  # r runs from now
         self.named = None
 
-    def complete(self, r, t: int) -> None:
+    def complete(self, r: Request, t: int) -> None:
         f = r.flow
         if self.sim.running[f] == 1 and self.qs[f]:  # its last running request: the counter stops
             self._place(f, False)
