@@ -3,9 +3,12 @@ GitHub markdown for the README. Both come from the same rows of strings."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .scenarios import ScenarioResult
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 __all__ = ["table_rows", "rich_table", "markdown_table"]
 
@@ -22,7 +25,7 @@ def _pct(x: Any) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-def _waits(d: dict, keys=("wait_p50", "wait_p95", "wait_p99")) -> str:
+def _waits(d: dict[str, Any], keys: tuple[str, ...] = ("wait_p50", "wait_p95", "wait_p99")) -> str:
     return " / ".join(_n(d[k]) for k in keys)
 
 
@@ -119,7 +122,7 @@ def table_rows(res: ScenarioResult) -> tuple[str, list[str], list[list[str]], st
     return title, headers, rows, caption
 
 
-def rich_table(res: ScenarioResult):
+def rich_table(res: ScenarioResult) -> Table:
     """A ``rich.table.Table`` of the scenario."""
     from .._optional import require
 
