@@ -54,6 +54,9 @@ class BackendSpec:
     max_in_flight: int = 8
     name: str = ""  # unique within the policy; default: the URL
     max_context: int | None = None
+    #: the environment variable holding this backend's own API key (sent upstream as
+    #: ``Authorization: Bearer ...``); clients' keys are never forwarded
+    api_key_env: str | None = None
 
 
 @dataclass(frozen=True)
@@ -380,7 +383,7 @@ def _pool(name: str, v: object, path: str) -> PoolSpec:
     backends: list[BackendSpec] = []
     for i, b in enumerate(bl):
         bp = f"{path}.backends[{i}]"
-        bd = _section(b, bp, ("url", "max_in_flight", "name", "max_context"))
+        bd = _section(b, bp, ("url", "max_in_flight", "name", "max_context", "api_key_env"))
         if "url" not in bd:
             raise PolicyError(f"{bp}.url", "is required")
         url = _string(bd["url"], f"{bp}.url")
@@ -390,7 +393,9 @@ def _pool(name: str, v: object, path: str) -> PoolSpec:
         bname = _string(bd["name"], f"{bp}.name") if "name" in bd else url
         ctx = (_integer(bd["max_context"], f"{bp}.max_context")
                if _opt(bd, "max_context") is not None else None)
-        backends.append(BackendSpec(url.rstrip("/"), mif, bname.rstrip("/") if "name" not in bd else bname, ctx))
+        env = _string(bd["api_key_env"], f"{bp}.api_key_env") if _opt(bd, "api_key_env") is not None else None
+        backends.append(BackendSpec(url.rstrip("/"), mif, bname.rstrip("/") if "name" not in bd else bname, ctx,
+                                    env))
     limits = PoolLimits()
     if d.get("limits") is not None:
         lp = f"{path}.limits"

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
@@ -42,7 +43,7 @@ from prometheus_client import CollectorRegistry
 from ..backends import Backend, OpenAIBackend
 from ..cost import CostEstimator
 from ..dispatch import Dispatcher
-from ..errors import BackendError, DeadlineExceeded, Refused
+from ..errors import BackendError, DeadlineExceeded, PolicyError, Refused
 from .classify import Flow
 from .config import Policy, load_policy
 from .engine import PolicyEngine
@@ -99,9 +100,15 @@ class PolicyDispatcher:
         self._dispatchers: dict[str, Dispatcher] = {}
         self._pool_of: dict[str, str] = {}
         for pool in policy.pools.values():
-            for spec in pool.backends:
+            for i, spec in enumerate(pool.backends):
+                key = None
+                if spec.api_key_env is not None and spec.name not in given:
+                    key = os.environ.get(spec.api_key_env)
+                    if not key:
+                        raise PolicyError(f"pools.{pool.name}.backends[{i}].api_key_env",
+                                          f"the environment variable {spec.api_key_env!r} is not set (or empty)")
                 be = given.get(spec.name) or OpenAIBackend(spec.url, name=spec.name, max_in_flight=spec.max_in_flight,
-                                                           max_context=spec.max_context)
+                                                           max_context=spec.max_context, api_key=key)
                 self._dispatchers[spec.name] = Dispatcher([be], estimator=self.estimator, clock=clock, **opts)
                 self._pool_of[spec.name] = pool.name
         self._waiters: dict[int, asyncio.Future[None]] = {}
@@ -246,28 +253,38 @@ class PolicyDispatcher:
 
     async def _backoff(self, r: Request, delay: float) -> None:
         await asyncio.sleep(delay)
-        self.engine.requeue(r)
-        if r.outcome is not None:  # its deadline passed meanwhile
-            raise DeadlineExceeded("the request's deadline ran out while it waited to be retried")
+        if r.outcome is None:  # (close() ends it as failed, reason closed)
+            self.engine.requeue(r)
+        if r.outcome is not None:  # its deadline passed meanwhile, or a reload took its flow away
+            if r.reason == "deadline":
+                raise DeadlineExceeded("the request's deadline ran out while it waited to be retried")
+            raise Refused(r.reason or "closed", f"the request ended ({r.reason}) while it waited to be retried")
         self._waiters[r.id] = asyncio.get_running_loop().create_future()
         self._pump()
 
     # ------------------------------------------------------------ calls
     async def submit(self, credential: str | None, body: Mapping[str, Any], *, cls: str | None = None,
-                     timeout: float | None = None, idempotency_key: str | None = None) -> dict[str, Any]:
+                     timeout: float | None = None, idempotency_key: str | None = None,
+                     on_admit: Callable[[Request], None] | None = None) -> dict[str, Any]:
         """Classify, admit, wait for the turn, call the backend; the backend's JSON reply.
 
         ``cls``: the class the client states (default: its org's first); ``timeout``: the
         request's deadline in seconds from now; ``idempotency_key``: a second request with the
         same key from the same org while the first runs joins it (same reply, not sent again).
+        ``on_admit``: called with the policy's :class:`Request` once it is accepted (its
+        ``flow``, ``cost``, ``queued_at``, ``started_at``, ``tries``, ``outcome`` and ``reason``
+        are filled in as it goes: an access log reads them at the end); not called for a
+        request that joined another (``idempotency_key``) or was refused.
         """
         if not self._started:
             await self.start()
         flow = self.classify(credential, body, cls)
-        return await self.submit_flow(flow, body, timeout=timeout, idempotency_key=idempotency_key)
+        return await self.submit_flow(flow, body, timeout=timeout, idempotency_key=idempotency_key,
+                                      on_admit=on_admit)
 
     async def submit_flow(self, flow: Flow, body: Mapping[str, Any], *, timeout: float | None = None,
-                          idempotency_key: str | None = None) -> dict[str, Any]:
+                          idempotency_key: str | None = None,
+                          on_admit: Callable[[Request], None] | None = None) -> dict[str, Any]:
         """``submit`` for an embedder that classified the request itself (``flow`` must be one
         the policy allows)."""
         if not self._started:
@@ -278,6 +295,8 @@ class PolicyDispatcher:
                 return dict(await asyncio.shield(first))
         deadline = self._deadline(timeout)
         r = self._admit(flow, body, deadline, idempotency_key)
+        if on_admit is not None:
+            on_admit(r)
         joined: asyncio.Future[dict[str, Any]] | None = None
         if idempotency_key:
             joined = asyncio.get_running_loop().create_future()
@@ -338,18 +357,23 @@ class PolicyDispatcher:
                 self._gave_up(r)
 
     def stream(self, credential: str | None, body: Mapping[str, Any], *, cls: str | None = None,
-               timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:
+               timeout: float | None = None,
+               on_admit: Callable[[Request], None] | None = None) -> AsyncIterator[dict[str, Any]]:
         """Like ``submit`` for a streaming body; yields the backend's events. Stopping early
         (``break`` then ``aclose()``, or ``contextlib.aclosing``) cancels the request. A failed
-        attempt is retried (by the same rules) only while no event has been yielded."""
-        return self._stream(credential, body, cls, timeout)
+        attempt is retried (by the same rules) only while no event has been yielded.
+        ``on_admit``: as in ``submit``."""
+        return self._stream(credential, body, cls, timeout, on_admit)
 
     async def _stream(self, credential: str | None, body: Mapping[str, Any], cls: str | None,
-                      timeout: float | None) -> AsyncIterator[dict[str, Any]]:
+                      timeout: float | None,
+                      on_admit: Callable[[Request], None] | None = None) -> AsyncIterator[dict[str, Any]]:
         if not self._started:
             await self.start()
         flow = self.classify(credential, body, cls)
         r = self._admit(flow, body, self._deadline(timeout), None)
+        if on_admit is not None:
+            on_admit(r)
         so = body.get("stream_options")
         wants_usage = isinstance(so, Mapping) and bool(so.get("include_usage"))
         b2 = dict(body)
@@ -406,6 +430,30 @@ class PolicyDispatcher:
         finally:
             if r.outcome is None and r.state != RUNNING:
                 self._gave_up(r)
+
+    # ------------------------------------------------------------ reload
+    def reload(self, policy: Policy | str | Path) -> list[Request]:
+        """Put a new policy in force (keys, weights, classes, orgs, limits, retries) without
+        losing a request: waiting ones keep their place in arrival order and their queue age,
+        running ones keep their slots (see :meth:`PolicyEngine.reloaded`). The waiting
+        requests of a flow the new policy no longer allows are refused (``unauthenticated``
+        or ``class_not_allowed``) and returned. A bad file or a change that needs a restart
+        (pools' backends, ``cost``, ``state``) raises ``PolicyError`` (or ``OSError``) and the
+        policy in force stays as it was."""
+        if not isinstance(policy, Policy):
+            policy = load_policy(policy)
+        if self._closed:
+            raise Refused("closed", "this dispatcher is closed")
+        engine, ended = self.engine.reloaded(policy)
+        self.engine = engine
+        self.policy = policy
+        for r in ended:
+            fut = self._waiters.pop(r.id, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(Refused(r.reason or "closed", f"the policy was reloaded and no longer allows "
+                                                                f"flow {r.flow.org}/{r.flow.cls}/{r.flow.pool}"))
+        self._pump()
+        return ended
 
     # ------------------------------------------------------------ views
     def stats(self) -> dict[str, Any]:

@@ -46,13 +46,14 @@ class PolicyEngine:
 
     def __init__(self, policy: Policy, *, clock: Callable[[], float] = time.monotonic,
                  scheduler: Callable[[], Any] | None = None, rng: random.Random | None = None,
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None, metrics: PolicyMetrics | None = None) -> None:
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be an sfq.policy.Policy, got {policy!r}")
         if not callable(clock):
             raise TypeError(f"clock must be callable, got {clock!r}")
         self.policy = policy
         self.clock = clock
+        self._scheduler = scheduler
         self.classifier = Classifier(policy)
         self.shared = SharedLimits(policy)
         self.queues: dict[str, PolicyQueue] = {
@@ -62,9 +63,16 @@ class PolicyEngine:
             o.name: TokenBucket(o.requests_per_minute, now) for o in policy.orgs.values()
             if o.requests_per_minute is not None}
         self.retry = RetryPlanner(policy.retry, rng)
-        self.metrics = PolicyMetrics(registry, policy.flows())
+        if metrics is None:
+            metrics = PolicyMetrics(registry, policy.flows())
+        else:  # a reload: the series go on; the new file's flows show from the start
+            for k in policy.flows():
+                metrics._get(k)
+        self.metrics = metrics
         self.live: dict[int, Request] = {}
         self.submitted = 0
+        #: requests the last poll() (or next_start() calls since) ended for their queue age or deadline
+        self.dropped: list[Request] = []
 
     # ------------------------------------------------------------ admission
     def classify(self, credential: str | None, stated_class: str | None, model: object) -> Flow:
@@ -158,19 +166,34 @@ class PolicyEngine:
         """Start everything that may start now: returns the requests to send (each on
         ``r.backend``), after ending as refused those whose queue age or deadline ran out
         (:attr:`dropped` lists them until the next ``poll``)."""
+        self.dropped = []
         starts: list[Request] = []
-        self.dropped: list[Request] = []
         for q in self.queues.values():
             while True:
-                r = q.pop()
+                r = self._pop(q)
                 if r is None:
                     break
-                self._started(r)
                 starts.append(r)
-            for d in q.expire():
-                self._dropped(d)
-                self.dropped.append(d)
         return starts
+
+    def next_start(self) -> Request | None:
+        """Start one request, the next of the first pool (in file order) that has one; ``None``
+        when none may start now. For a caller that places one request at a time (the
+        simulator); drops are ended and added to :attr:`dropped` as in :meth:`poll`."""
+        for q in self.queues.values():
+            r = self._pop(q)
+            if r is not None:
+                return r
+        return None
+
+    def _pop(self, q: PolicyQueue) -> Request | None:
+        r = q.pop()
+        for d in q.expire():
+            self._dropped(d)
+            self.dropped.append(d)
+        if r is not None:
+            self._started(r)
+        return r
 
     def _started(self, r: Request) -> None:
         assert r.started_at is not None
@@ -260,11 +283,16 @@ class PolicyEngine:
     def requeue(self, r: Request) -> None:
         """Put a request waiting out its backoff back into its own flow's queue (its place is
         taken anew: a retry does not jump the queue). Ends it as failed (``deadline``) when
-        its deadline has passed meanwhile."""
+        its deadline has passed meanwhile (reason ``deadline``), or when a reload took its flow
+        away (``unauthenticated``: its org is gone; ``class_not_allowed``)."""
         if r.state != BACKOFF:
             raise ValueError(f"requeue({r!r}): the request is not waiting for a retry")
         if r.deadline is not None and r.deadline <= self.clock():
             self._end(r, "failed", "deadline")
+            return
+        org = self.policy.orgs.get(r.flow.org)
+        if org is None or r.flow.cls not in org.classes:  # a reload took its flow away meanwhile
+            self._end(r, "failed", "unauthenticated" if org is None else "class_not_allowed")
             return
         self.queues[r.flow.pool].push(r, check_length=False)
         self.metrics.queued(tuple(r.flow))  # type: ignore[arg-type]
@@ -298,6 +326,72 @@ class PolicyEngine:
             self._end(r, "refused" if r.tries == 0 else "failed", "closed")
             out.append(r)
         return out
+
+    # ------------------------------------------------------------ reload
+    def reloaded(self, policy: Policy) -> tuple[PolicyEngine, list[Request]]:
+        """An engine for ``policy`` that takes over this one's requests (a policy reload: new
+        keys, weights, classes, orgs and limits; the same pools and backends).
+
+        Waiting requests join their flow's queue in the new engine in arrival order, keeping
+        their queue age and deadline; running ones keep their slots there until they end;
+        those waiting to be retried are requeued there. The metrics, the retry windows, the
+        backends' health and pauses and every token bucket whose figure did not change carry
+        over. Returns ``(engine, ended)``: ``ended`` are the waiting requests of a flow the new
+        policy no longer allows, ended as refused (reason ``unauthenticated`` when their org is
+        gone, else ``class_not_allowed``) so that their callers can be told. This engine must
+        not be used afterwards. Raises ``PolicyError`` (changing nothing) when the new policy
+        changes the pools' backends, ``cost`` or ``state``: those need a restart."""
+        from ..errors import PolicyError
+
+        if not isinstance(policy, Policy):
+            raise TypeError(f"policy must be an sfq.policy.Policy, got {policy!r}")
+        old = self.policy
+        if list(policy.pools) != list(old.pools):
+            raise PolicyError("pools", f"a reload cannot add, remove or rename pools (in force: "
+                                       f"{', '.join(old.pools)}; new: {', '.join(policy.pools)}); restart for that")
+        for name, p in policy.pools.items():
+            if p.backends != old.pools[name].backends:
+                raise PolicyError(f"pools.{name}.backends", "a reload cannot change backends; restart for that")
+        for section in ("cost", "state"):
+            if getattr(policy, section) != getattr(old, section):
+                raise PolicyError(section, "a reload cannot change this section; restart for that")
+        new = PolicyEngine(policy, clock=self.clock, scheduler=self._scheduler, metrics=self.metrics)
+        new.retry = self.retry
+        new.retry.spec = policy.retry
+        new.submitted = self.submitted
+        for org, b in self.org_rate.items():
+            nb = new.org_rate.get(org)
+            if nb is not None and nb.capacity == b.capacity:
+                new.org_rate[org] = b
+        for name, q in self.queues.items():
+            nq = new.queues[name]
+            for attr in ("rpm", "tpm"):
+                b, nb = getattr(q, attr), getattr(nq, attr)
+                if b is not None and nb is not None and b.capacity == nb.capacity:
+                    setattr(nq, attr, b)
+            for bname, be in q.backends.items():
+                nq.backends[bname].healthy = be.healthy
+                nq.backends[bname].paused_until = be.paused_until
+            for cls, starts in q._starts.items():
+                if cls in nq._starts:
+                    nq._starts[cls] = starts
+        ended: list[Request] = []
+        for r in sorted(self.live.values(), key=lambda x: x.id):
+            allowed = (r.flow.org in policy.orgs and r.flow.cls in policy.orgs[r.flow.org].classes)
+            if r.state == RUNNING:
+                new.queues[r.flow.pool].adopt_running(r)
+            elif r.state == WAITING and not allowed:
+                key = tuple(r.flow)
+                r.state = ENDED
+                new.metrics.left_queue(key)  # type: ignore[arg-type]
+                new._end(r, "refused" if r.tries == 0 else "failed",
+                         "unauthenticated" if r.flow.org not in policy.orgs else "class_not_allowed")
+                ended.append(r)
+                continue
+            elif r.state == WAITING:
+                new.queues[r.flow.pool].push(r, check_length=False, queued_at=r.queued_at)
+            new.live[r.id] = r
+        return new, ended
 
     # ------------------------------------------------------------ views
     def stats(self) -> dict[str, Any]:

@@ -276,10 +276,11 @@ class PolicyQueue:
             return d[0].queued_at if d else _INF
         return min((fq.oldest_arrival() for f, fq in self.flows.items() if f.cls == cls), default=_INF)
 
-    def push(self, r: Request, *, check_length: bool = True) -> None:
+    def push(self, r: Request, *, check_length: bool = True, queued_at: float | None = None) -> None:
         """Queue ``r`` (state WAITING) in its flow. ``Refused("queue_full")`` when the class is
         at its ``max_queue_length`` (``check_length=False`` for a retry of an accepted request);
-        ``ValueError`` when no backend of the pool could ever take it (``max_context``)."""
+        ``ValueError`` when no backend of the pool could ever take it (``max_context``).
+        ``queued_at``: when it joined the queue (default now; a policy reload keeps its age)."""
         flow = r.flow
         if flow.pool != self.name:
             raise ValueError(f"request of pool {flow.pool!r} pushed to pool {self.name!r}")
@@ -293,7 +294,7 @@ class PolicyQueue:
             raise ValueError(f"cost must be a finite number > 0, got {r.cost!r}")
         if check_length:
             self.check_room(flow.cls)
-        now = self.clock()
+        now = self.clock() if queued_at is None else queued_at
         r.state = WAITING
         r.queued_at = now
         age = spec.max_queue_age_seconds
@@ -496,6 +497,24 @@ class PolicyQueue:
         if not core:
             self.sched.work_started()
         return r
+
+    def adopt_running(self, r: Request) -> None:
+        """Count a request already running on one of this pool's backends (started under the
+        policy this one replaces, :meth:`PolicyEngine.reloaded`): it holds its backend, pool,
+        org and class slots here until :meth:`finish`, even past a limit the new policy lowered
+        (nothing more starts until it is back under). Buckets are not debited again."""
+        if r.state != RUNNING or r.flow.pool != self.name or r.backend not in self.backends:
+            raise ValueError(f"adopt_running({r!r}): not a request running in pool {self.name!r}")
+        self.backends[r.backend].in_flight += 1
+        self.in_flight += 1
+        self.slots.used += 1
+        for g in self.shared.groups(r.flow):
+            sl = self.shared.slots[g]
+            sl.used += 1
+            if sl.full:
+                for q in self.shared.queues:
+                    q._group_full(g)
+        self.sched.work_started()
 
     def finish(self, r: Request, *, actual_tokens: float | None = None, retry_after: float | None = None) -> None:
         """A started request's attempt ended (any outcome): free its slots; correct the token
