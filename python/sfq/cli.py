@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--out", default="out/simulate", metavar="DIR", help="where the PNG plots go (out/simulate)")
     sim.add_argument("--no-plots", action="store_true", help="do not write plots")
     sim.add_argument("--write-trace", metavar="FILE", help="write the scenario's workload as a JSONL trace and exit")
+    sim.add_argument("--config", metavar="FILE",
+                     help="teams: run this policy file (docs/policy.md) in the simulator, next to fifo, prio and sfq "
+                          "(or the --policy list)")
     cc = sub.add_parser(
         "check-config", help="validate a policy file and print the resolved policy",
         description="Validate a policy file (YAML, docs/policy.md) and print the resolved policy: the flows "
@@ -133,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ._optional import MissingExtra, require
+
+    if args.config is not None:  # a policy file in the teams scenario (plain tables, no rich needed)
+        from .policy.simulate import main_teams_config
+
+        return main_teams_config(args, parser)
 
     try:  # checked before the run, not after it
         require("rich.console", "sim", "sfq simulate")
