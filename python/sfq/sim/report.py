@@ -58,13 +58,16 @@ def table_rows(res: ScenarioResult) -> tuple[str, list[str], list[list[str]], st
         caption = f"waits in steps (a request never started counts until the end); {weights}"
     elif s == "return":
         headers = ["policy", "returning share", "share of dispatched cost", "steady client's service",
-                   "max drift", "bound", "W/step"]
+                   "interval drift", "bound", "W/step"]
         for r in res.results:
             rows.append([r["policy"], _pct(r["returning_share"]), _pct(r["returning_dispatch_share"]),
-                         _n(r["steady_service"]), _n(r["max_drift"]), _n(r["bound"]), _n(r["throughput"], 1)])
+                         _n(r["steady_service"]), _n(r["max_interval_drift"]), _n(r["bound"]),
+                         _n(r["throughput"], 1)])
         title = (f"return: client 0 silent for {p['silence_steps']:,} steps, back at step {p['return_step']:,}; "
                  f"the {p['window_steps']} steps after")
-        caption = "service in weighted tokens (w_p=%g, w_q=%g), M=%s" % (p["w_p"], p["w_q"], f"{p['kv_budget']:,}")
+        caption = ("service in weighted tokens (w_p=%g, w_q=%g), M=%s; interval drift: over intervals in which both "
+                   "clients have work waiting or running (client 0 goes idle, so the drift from the start does not "
+                   "apply)" % (p["w_p"], p["w_q"], f"{p['kv_budget']:,}"))
     elif s == "kv-sweep":
         pols = list(dict.fromkeys(r["policy"] for r in res.results))
         budgets = list(dict.fromkeys(r["kv_budget"] for r in res.results))
