@@ -24,6 +24,7 @@ class FakeOpenAI:
         self.retry_after = "1"
         self.release: asyncio.Event | None = None
         self.requests: list[dict[str, Any]] = []
+        self.times: list[float] = []  # loop time each request arrived
         self.running = 0
         self.max_running = 0
         self.disconnects = 0
@@ -53,6 +54,7 @@ class FakeOpenAI:
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append(body)
+        self.times.append(asyncio.get_running_loop().time())
         mode = self.modes.popleft() if self.modes else self.mode
         if mode == "429":
             return web.json_response({"error": {"message": "slow down"}}, status=429,

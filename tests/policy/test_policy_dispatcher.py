@@ -226,3 +226,44 @@ async def test_close_refuses_waiting(server: FakeOpenAI) -> None:
     assert not pd.engine.live
     with pytest.raises(Refused):
         await pd.submit("kb", BODY)
+
+
+async def test_a_429_pauses_only_its_backend() -> None:
+    busy, calm = FakeOpenAI(), FakeOpenAI()
+    await busy.start()
+    await calm.start()
+    try:
+        busy.modes.extend(["429"])
+        busy.retry_after = "3"
+        async with policy_dispatcher(make_policy([busy.url, calm.url], slots=1)) as pd:
+            first = asyncio.create_task(pd.submit("kb", BODY))  # busy answers 429: paused 3 s, retried >= 3 s later
+            for _ in range(100):
+                if len(busy.requests):
+                    break
+                await asyncio.sleep(0.01)
+            replies = await asyncio.gather(*(pd.submit("kb", BODY) for _ in range(4)))
+            assert all(r["choices"] for r in replies)
+            assert len(busy.requests) == 1 and len(calm.requests) == 4  # the rest of the fleet kept serving
+            assert pd.stats()["pools"]["p"]["backends"][busy.url]["paused_for"] <= 3
+            assert (await first)["choices"]
+            retried_at = max(busy.times[1:] + calm.times)  # the retry is the last request anywhere
+            assert retried_at - busy.times[0] >= 3.0  # it waited at least the upstream's Retry-After
+            row = pd.stats()["flows"]["b/interactive/p"]
+            assert row["upstream_429"] == 1 and row["retries"] == 1 and row["completed"] == 5
+    finally:
+        await busy.stop()
+        await calm.stop()
+
+
+async def test_a_backend_that_refuses_connections(server: FakeOpenAI) -> None:
+    import socket
+
+    with socket.socket() as s:  # a loopback port with nobody listening
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    async with policy_dispatcher(make_policy([dead, server.url], slots=2)) as pd:
+        replies = await asyncio.gather(*(pd.submit("kb", BODY) for _ in range(4)))
+        assert all(r["choices"] for r in replies) and len(server.requests) == 4
+        row = pd.stats()["flows"]["b/interactive/p"]
+        assert row["completed"] == 4 and row["failed"] == 0 and row["retries"] >= 1
+        assert pd.stats()["pools"]["p"]["backends"][dead]["healthy"] is False
