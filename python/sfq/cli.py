@@ -131,6 +131,19 @@ def build_parser() -> argparse.ArgumentParser:
                     "is invalid (the message names the bad field), 2 when it cannot be read.")
     cc.add_argument("file", metavar="FILE", help="the policy file")
     cc.add_argument("--plain", action="store_true", help="plain text tables (the default when rich is not installed)")
+    sv = sub.add_parser(
+        "serve", help="run the fair OpenAI-compatible gateway in front of the policy file's backends",
+        description="Serve POST /v1/chat/completions and /v1/completions (streaming too), GET /v1/models, "
+                    "/health and /metrics, with the policy file's fair queue between the clients and the "
+                    "backends (docs/API.md, 'sfq serve'). SIGTERM: graceful shutdown; SIGHUP: reload the file. "
+                    "Access log: one JSON line per request on stdout.")
+    sv.add_argument("--config", required=True, metavar="FILE", help="the policy file (docs/policy.md)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    sv.add_argument("--port", type=_nonneg_int, default=8080, help="port to listen on (8080; 0 = any free port)")
+    sv.add_argument("--grace", type=_nonneg_float, default=30.0,
+                    help="seconds running requests get to finish at shutdown (30)")
+    sv.add_argument("--access-log", default="-", metavar="FILE",
+                    help="where the access log goes: - (stdout, the default), a file, or off")
     return parser
 
 
@@ -256,6 +269,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .policy.report import check_config
 
         return check_config(args.file, plain=args.plain)
+    if args.command == "serve":
+        from .serve import run
+
+        return run(args.config, host=args.host, port=args.port, grace=args.grace, access_log=args.access_log)
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse rejects it first
     return 2
 
