@@ -1,0 +1,120 @@
+"""``sfq serve``: the process. Signals, the listening socket, the event loop (uvloop when it
+is installed), logging.
+
+* SIGTERM (or SIGINT): stop accepting connections; answer new requests on open connections
+  and every waiting request 503; let the running ones finish within ``--grace`` seconds;
+  then close the backends (aborting what still runs) and exit 0.
+* SIGHUP: re-read the policy file (keys, weights, classes, orgs, limits) without losing a
+  waiting request; a file that is bad, or that changes what needs a restart (pools'
+  backends, ``cost``, ``state``), is refused and logged, and the policy in force stays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TextIO
+
+from aiohttp import web
+
+from .app import ACCESS_LOGGER, Gateway
+
+__all__ = ["run", "serve", "configure_logging"]
+
+log = logging.getLogger("sfq.serve")
+
+
+def configure_logging(access_log: str = "-", level: int = logging.INFO, stream: TextIO | None = None) -> None:
+    """Diagnostics to stderr; the access log (one JSON object per line) to stdout (``-``), a
+    file, or nowhere (``off``)."""
+    err = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    err.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    root = logging.getLogger("sfq")
+    root.handlers[:] = [err]
+    root.setLevel(level)
+    acc = logging.getLogger(ACCESS_LOGGER)
+    acc.propagate = False
+    if access_log == "off":
+        acc.handlers[:] = []
+        acc.setLevel(logging.WARNING)
+        return
+    h: logging.Handler = (logging.StreamHandler(sys.stdout) if access_log == "-"
+                          else logging.FileHandler(access_log, encoding="utf-8"))
+    h.setFormatter(logging.Formatter("%(message)s"))
+    acc.handlers[:] = [h]
+    acc.setLevel(logging.INFO)
+
+
+async def serve(config: str | Path, *, host: str = "127.0.0.1", port: int = 8080, grace: float = 30.0,
+                ready: asyncio.Future[tuple[str, int]] | None = None,
+                stop: asyncio.Event | None = None) -> None:
+    """Run the gateway until SIGTERM/SIGINT (or ``stop`` is set), then shut down gracefully.
+    ``ready`` gets the bound ``(host, port)`` (``port=0`` picks a free one)."""
+    gw = Gateway(config, grace=grace)
+    runner = web.AppRunner(gw.app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=1024)
+    try:
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        raise
+    sock = site._server.sockets[0]  # type: ignore[union-attr]
+    bound = sock.getsockname()[:2]
+    log.info("listening on http://%s:%d (policy %s; pools: %s)", bound[0], bound[1], config,
+             ", ".join(gw.policy.pools))
+    if ready is not None and not ready.done():
+        ready.set_result((bound[0], bound[1]))
+    loop = asyncio.get_running_loop()
+    stop = stop if stop is not None else asyncio.Event()
+    handled: list[signal.Signals] = []
+    for sig, fn in ((signal.SIGTERM, stop.set), (signal.SIGINT, stop.set), (signal.SIGHUP, gw.reload)):
+        try:
+            loop.add_signal_handler(sig, fn)
+            handled.append(sig)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no such signal here
+            pass
+    try:
+        await stop.wait()
+        log.info("shutting down: no new requests; %d waiting answered 503; running ones get %g s",
+                 sum(p["waiting"] for p in gw.pd.stats()["pools"].values()), grace)
+        await site.stop()  # stop accepting connections
+        await gw.drain()
+        log.info("drained")
+    finally:
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+        await runner.cleanup()
+        if not gw.pd._closed:
+            await gw.pd.close()
+
+
+def _run(coro: Coroutine[Any, Any, None]) -> None:
+    try:
+        import uvloop  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        asyncio.run(coro)
+        return
+    uvloop.run(coro)
+
+
+def run(config: str | Path, *, host: str = "127.0.0.1", port: int = 8080, grace: float = 30.0,
+        access_log: str = "-") -> int:
+    """``sfq serve``'s entry point: the exit status (0 after a graceful shutdown, 1 when the
+    policy file is bad or cannot be read, 2 when the address cannot be bound)."""
+    from ..errors import PolicyError
+
+    configure_logging(access_log)
+    try:
+        _run(serve(config, host=host, port=port, grace=grace))
+    except PolicyError as exc:
+        print(f"sfq serve: {config}: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"sfq serve: {exc}", file=sys.stderr)
+        return 2
+    return 0
