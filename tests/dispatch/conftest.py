@@ -12,11 +12,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 from collections import deque
@@ -109,6 +111,8 @@ class FakeServer:
 
     ``health_route``/``models_route``: whether ``GET /health`` and ``GET /v1/models`` exist
     (404 otherwise). ``fail_prompt``: requests with this prompt get a 500 whatever the mode.
+    ``chaos``: a function of the request body that picks its mode (after ``modes``).
+    ``outage``: every request is dropped and every health check fails.
     """
 
     def __init__(self) -> None:
@@ -121,6 +125,8 @@ class FakeServer:
         self.models_calls = 0
         self.retry_after: str | None = None
         self.fail_prompt: str | None = None
+        self.chaos: Any = None
+        self.outage = False
         self.big_event = 32 << 20
         self.health_calls = 0
         self.metrics_text = ""
@@ -170,6 +176,8 @@ class FakeServer:
         self.health_calls += 1
         if not self.health_route:
             raise web.HTTPNotFound()
+        if self.outage:
+            return web.json_response({"status": "down"}, status=503)
         return web.json_response({"status": "ok" if self.health_status == 200 else "down"},
                                  status=self.health_status)
 
@@ -179,7 +187,9 @@ class FakeServer:
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append(body)
-        mode = self.modes.popleft() if self.modes else self.mode
+        mode = self.modes.popleft() if self.modes else (self.chaos(body) if self.chaos else self.mode)
+        if self.outage:
+            mode = "drop"
         if self.fail_prompt is not None and body.get("prompt") == self.fail_prompt:
             mode = "500"
         chat = request.path.endswith("chat/completions")
@@ -273,6 +283,54 @@ def _chunk(chat: bool, text: str) -> dict[str, Any]:
     if chat:
         return {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
     return {"choices": [{"index": 0, "text": text, "finish_reason": None}]}
+
+
+@contextlib.contextmanager
+def servers_in_a_thread(n: int) -> Iterator[list[FakeServer]]:
+    """``n`` FakeServers on one event loop in another thread: their work is not done on the loop
+    of the dispatcher under test (so a loop-lag probe measures the dispatcher alone)."""
+    loop = asyncio.new_event_loop()
+    servers = [FakeServer() for _ in range(n)]
+    th = threading.Thread(target=loop.run_forever, name="fake-servers", daemon=True)
+    th.start()
+    try:
+        for srv in servers:
+            asyncio.run_coroutine_threadsafe(srv.start(), loop).result(10)
+        yield servers
+    finally:
+        for srv in servers:
+            asyncio.run_coroutine_threadsafe(srv.stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        th.join(10)
+        loop.close()
+
+
+class LagProbe:
+    """The longest the event loop went without running this probe: ``worst`` in CPU seconds of
+    the loop's thread (``time.thread_time``: a stall caused by code on the loop, not by the
+    machine being busy with other processes), ``worst_wall`` in wall-clock seconds."""
+
+    def __init__(self) -> None:
+        self.worst = 0.0
+        self.worst_wall = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        last, last_wall = time.thread_time(), time.perf_counter()
+        while True:
+            await asyncio.sleep(0.001)
+            now, now_wall = time.thread_time(), time.perf_counter()
+            self.worst = max(self.worst, now - last)
+            self.worst_wall = max(self.worst_wall, now_wall - last_wall)
+            last, last_wall = now, now_wall
+
+    def __enter__(self) -> LagProbe:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
 
 
 @pytest.fixture

@@ -74,7 +74,7 @@ class BState:
         self.reading: ProbeReading | None = None
         self.probe_errors = 0
         self.unhealthy_spells = 0
-        self.replies: deque[bool] = deque(maxlen=window)  # the last replies: True = a 5xx
+        self.replies: deque[tuple[Hashable, bool]] = deque(maxlen=window)  # the last replies: (flow, 5xx?)
         self.reply_errors = 0  # 5xx among ``replies``
         self.transport_failures = 0  # in a row, with no reply in between
         self.paused = False  # after a 429, until its Retry-After
@@ -211,7 +211,7 @@ class DispatcherBase:
     async def _probe_loop(self, bs: BState) -> None:
         raise NotImplementedError
 
-    def _note_reply(self, bs: BState, err: BackendError | None) -> None:
+    def _note_reply(self, bs: BState, err: BackendError | None, flow: Hashable = None) -> None:
         raise NotImplementedError
 
     # statistics

@@ -6,7 +6,9 @@ leaves the rotation when
 * it cannot be connected to (refused, unreachable, connect timeout): at once;
 * ``transport_failures`` requests in a row were lost in transport (reset, read timeout, a
   stream cut short, a reply that is not JSON), with no reply in between;
-* at least ``error_rate`` of its last ``error_window`` replies were 5xx.
+* at least ``error_rate`` of its last ``error_window`` replies were 5xx, not counting the flow
+  with the most 5xx when other flows used it too (one tenant's failing requests never take a
+  backend down by themselves), and at least half the threshold's count of them.
 
 A 4xx, an error event inside a stream, a stream past its own total deadline, or an isolated
 5xx count against that request only (and reach the policy through ``DispatchHooks.ended``).
@@ -22,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import math
 
+from collections.abc import Hashable
+
 from ..backends.probe import ProbeReading
 from ..errors import BackendError, BackendHTTPError, BackendRateLimited, NoHealthyBackend
 from ._state import EXPIRED, BState, DispatcherBase, Job, Pool, log
@@ -32,22 +36,21 @@ DEFAULT_PAUSE = 1.0
 
 class Health(DispatcherBase):
     # ---------------------------------------------------------------- replies
-    def _note_reply(self, bs: BState, err: BackendError | None) -> None:
-        """Account one request's end (completed or failed, not aborted) against ``bs``."""
+    def _note_reply(self, bs: BState, err: BackendError | None, flow: Hashable = None) -> None:
+        """Account one request's end (completed or failed, not aborted) of ``flow`` against ``bs``."""
         if err is None or not err.unhealthy:  # a reply that is fine, or the request's own failure
             bs.transport_failures = 0
             if isinstance(err, BackendRateLimited):
                 bs.rate_limited += 1
                 self._pause(bs, err.retry_after)
-            self._record_reply(bs, False)
+            self._record_reply(bs, flow, False)
             return
         if isinstance(err, BackendHTTPError):  # a 5xx: the server answered; counts in the error rate
             bs.transport_failures = 0
-            self._record_reply(bs, True)
-            need = max(1, math.ceil(self.error_rate * self.error_window - 1e-9))
-            if bs.reply_errors >= need:
-                self._mark_unhealthy(bs, f"{bs.reply_errors} of its last {len(bs.replies)} replies were 5xx "
-                                         f"(last: {err})")
+            self._record_reply(bs, flow, True)
+            verdict = self._error_rate_verdict(bs)
+            if verdict is not None:
+                self._mark_unhealthy(bs, f"{verdict} (last: {err})")
             return
         if err.never_sent:  # could not connect at all
             self._mark_unhealthy(bs, f"cannot connect ({err})")
@@ -57,13 +60,36 @@ class Health(DispatcherBase):
             self._mark_unhealthy(bs, f"{bs.transport_failures} transport failure(s) in a row (last: {err})")
 
     @staticmethod
-    def _record_reply(bs: BState, error: bool) -> None:
+    def _record_reply(bs: BState, flow: Hashable, error: bool) -> None:
         replies = bs.replies
-        if len(replies) == replies.maxlen and replies[0]:
+        if len(replies) == replies.maxlen and replies[0][1]:
             bs.reply_errors -= 1
-        replies.append(error)
+        replies.append((flow, error))
         if error:
             bs.reply_errors += 1
+
+    def _error_rate_verdict(self, bs: BState) -> str | None:
+        """Why ``bs``'s recent 5xx say it is down, or ``None`` (O(error_window), on a 5xx only)."""
+        full = max(1, math.ceil(self.error_rate * self.error_window - 1e-9))
+        if bs.reply_errors < min(full, max(1, math.ceil(full / 2))):
+            return None
+        seen: dict[Hashable, list[int]] = {}
+        for f, e in bs.replies:
+            c = seen.get(f)
+            if c is None:
+                c = seen[f] = [0, 0]
+            c[0] += 1
+            c[1] += e
+        n, errors = len(bs.replies), bs.reply_errors
+        if len(seen) == 1:
+            return f"{errors} of its last {n} replies were 5xx" if errors >= full else None
+        top = max(seen, key=lambda f: seen[f][1])
+        n -= seen[top][0]
+        errors -= seen[top][1]
+        if errors >= max(1, math.ceil(full / 2)) and errors >= self.error_rate * n:
+            return (f"{errors} of its last {n} replies to other flows than the one failing most were 5xx "
+                    f"({bs.reply_errors} of {len(bs.replies)} in all)")
+        return None
 
     # ---------------------------------------------------------------- 429: pause one backend
     def _pause(self, bs: BState, retry_after: float | None) -> None:

@@ -157,13 +157,13 @@ class Placement(DispatcherBase):
                 except Exception:  # a bad usage report must not fail a served request or stop the loop
                     log.exception("sfq: calibrating from the usage of backend %r failed; ignored", bs.name)
             if not self._closed:
-                self._note_reply(bs, None)
+                self._note_reply(bs, None, job.flow)
         elif outcome == FAILED:
             bs.errors += 1
             fs.failed += 1
             bs.last_error = str(err)
             if err is not None and not self._closed:
-                self._note_reply(bs, err)
+                self._note_reply(bs, err, job.flow)
         else:
             bs.aborted += 1
             fs.aborted += 1
