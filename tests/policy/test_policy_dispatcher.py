@@ -267,3 +267,20 @@ async def test_a_backend_that_refuses_connections(server: FakeOpenAI) -> None:
         row = pd.stats()["flows"]["b/interactive/p"]
         assert row["completed"] == 4 and row["failed"] == 0 and row["retries"] >= 1
         assert pd.stats()["pools"]["p"]["backends"][dead]["healthy"] is False
+
+
+async def test_close_ends_a_request_waiting_to_be_retried(server: FakeOpenAI) -> None:
+    server.modes.extend(["429"])
+    server.retry_after = "3600"
+    pd = PolicyDispatcher(parse_policy(make_policy([server.url])))
+    await pd.start()
+    task = asyncio.create_task(pd.submit("kb", BODY))
+    for _ in range(200):
+        if any(r.state == "backoff" for r in pd.engine.live.values()):
+            break
+        await asyncio.sleep(0.01)
+    await pd.close()
+    with pytest.raises(Refused) as info:
+        await asyncio.wait_for(task, 10)  # not an hour: close ends the wait
+    assert info.value.reason == "closed"
+    assert pd.stats()["flows"]["b/interactive/p"]["failed"] == 1 and not pd.engine.live

@@ -252,7 +252,17 @@ class PolicyDispatcher:
             self._pump()
 
     async def _backoff(self, r: Request, delay: float) -> None:
-        await asyncio.sleep(delay)
+        """Wait out a retry's delay, then put the request back into its flow. ``close()`` (or a
+        reload that ends the request) ends the wait at once through its waiter."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters[r.id] = fut
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), delay)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            if self._waiters.get(r.id) is fut:
+                del self._waiters[r.id]
         if r.outcome is None:  # (close() ends it as failed, reason closed)
             self.engine.requeue(r)
         if r.outcome is not None:  # its deadline passed meanwhile, or a reload took its flow away
