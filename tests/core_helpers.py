@@ -25,7 +25,7 @@ def dispatch_tuple(d: Any) -> tuple | None:
 
 
 class Watcher:
-    """Drives a scheduler and checks seed 000 §3 after every event.
+    """Drives a scheduler and checks docs/design.md §3 after every event.
 
     * §3.1: v never decreases; every waiting meter lies in [v, v + c_max];
     * §3.2: two flows backlogged throughout an interval differ in charged (normalised)

@@ -1,4 +1,4 @@
-"""The SFQ rules of seed 000, checked on both twins (the ``make`` fixture)."""
+"""The SFQ rules of docs/design.md §2, checked on both twins (the ``make`` fixture)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sfq
 
 
 def test_seed_table_2_7(make):
-    """Seed 000 §2.7, row by row: (v, selected, S_A, S_B) after each dispatch."""
+    """docs/design.md §2.7, row by row: (v, selected, S_A, S_B) after each dispatch."""
     s = make()
     for k in range(8):  # A enqueues first, so A wins ties (smaller head ticket)
         s.enqueue("A", 3, ("A", k))
@@ -198,7 +198,7 @@ def test_len_waiting_flows_pending(make):
     assert (len(s), s.waiting_flows, s.pending("A"), s.pending("B"), s.pending("C")) == (4, 2, 3, 1, 0)
 
 
-# ------------------------------------------------------------------ seed 000 §7.5
+# ---------------------------------------------------- docs/design.md §10
 
 
 def test_property_1_equal_costs_counts_differ_by_at_most_one(make):
@@ -303,7 +303,7 @@ def test_reset_on_return_would_fail_the_watcher():
         def enqueue(self, flow, cost, item=None):
             f = self._flows.get(flow)
             if f is not None and not f.waiting:
-                f.S = self._v  # the loophole of seed 000 §2.4
+                f.S = self._v  # the loophole of docs/design.md §2.4
             return super().enqueue(flow, cost, item)
 
     s = ResetOnReturn()

@@ -37,7 +37,7 @@ def test_hand_checked_run_kv_admission_and_stall():
     # (waiting at the balancer, or waiting or running: both decode alike until f1 ends)
     assert m.max_interval_drift(res, busy=False) == 10.0
     assert m.max_interval_drift(res) == 10.0
-    # seed 003's drift from the start: both backlogged through step 1, gap 10 there
+    # the drift from the start (docs/simulator.md §4): both backlogged through step 1, gap 10 there
     assert m.drift_set(res, None, 1) == ([0, 1], 0) and m.max_drift(res, None, 1) == 10.0
     # f1 has nothing left from step 2, f0 from step 3: no flow is backlogged to the end
     assert m.drift_set(res, None, 2)[0] == [0]
@@ -77,7 +77,7 @@ def test_horizon_stops_and_counts_unstarted_waits_until_the_end():
 
 
 def reference_vtc(workload, M, w_p, w_q, horizon, lift=True):
-    """Seed 003's pseudocode, one step at a time, one engine (independent of the engine)."""
+    """VTC's admission loop, one step at a time, one engine (independent of the engine)."""
     reqs = [dict(rid=i, a=int(a), f=int(f), p=int(p), o=int(o), g=0, admit=-1)
             for i, (a, f, p, o) in enumerate(zip(workload.arrival, workload.flow, workload.prompt, workload.output))]
     nf = len(workload.flows)
@@ -117,7 +117,7 @@ def reference_vtc(workload, M, w_p, w_q, horizon, lift=True):
 
 
 @pytest.mark.parametrize("lift", [True, False])
-def test_event_skipping_equals_seed003_pseudocode_stepped(lift):
+def test_event_skipping_equals_the_stepped_admission_loop(lift):
     sizes = Sizes((20, 120), (5, 60))
     loads = [
         FlowLoad(FlowSpec("a"), Poisson(0.08, 0, 400), sizes),
@@ -207,7 +207,7 @@ def test_counter_policies_start_a_request_when_their_order_changes_between_event
         assert res.admit.tolist() == reference_vtc(w, 1000, 1.0, 2.0, 400, lift)[0], name
     # sfq charging service as it is delivered moves its meters the same way: same steps
     assert simulate(w, "sfq", Fleet(1, 1000)).admit.tolist() == [0, 0, 300, 26]
-    # seed 000's rule dispatches (and charges) a1 before it fits: b1 waits behind it
+    # the plain rule (docs/design.md §2) dispatches (and charges) a1 before it fits: b1 waits behind it
     assert simulate(w, "sfq-seed", Fleet(1, 1000)).admit.tolist() == [0, 0, 300, 300]
 
 

@@ -50,7 +50,7 @@ def test_interval_drift_is_the_spread_inside_each_co_backlogged_interval():
     assert m.max_interval_drift(res, max_flows=1) is None
 
 
-def test_max_drift_is_seed003s_gap_from_the_start_over_flows_backlogged_throughout():
+def test_max_drift_is_the_gap_from_the_start_over_flows_backlogged_throughout():
     times = [0, 10, 20, 30, 40]
     W0 = [0, 100, 200, 200, 400]
     W1 = [0, 50, 100, 250, 260]

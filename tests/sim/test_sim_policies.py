@@ -149,8 +149,8 @@ def test_wfq_finish_tags_by_hand():
 
 
 @pytest.mark.parametrize("core", ["compiled", "reference"])
-def test_sfq_policy_runs_the_core_seed000_example(core):
-    """Seed 000 §2.7: A costs 3, B costs 1, A's head enqueued first -> A B B B A B B B."""
+def test_sfq_policy_runs_the_cores_worked_example(core):
+    """docs/design.md §2.7: A costs 3, B costs 1, A's head enqueued first -> A B B B A B B B."""
     cls = sfq.Scheduler if core == "compiled" else sfq.ReferenceScheduler
     if core == "compiled" and sfq.CORE != "compiled":
         pytest.skip("compiled core not built")
@@ -379,7 +379,7 @@ def test_sfq_charge_modes_settle_and_served_by_hand():
 
 def test_sfq_holds_the_busy_period_while_work_runs():
     """The flow that is ahead keeps its lead while its work runs, though no request waits:
-    seed 000's rule would reset v to the largest finish tag the moment the queue empties."""
+    the plain rule (docs/design.md §2.5) would reset v to the largest finish tag the moment the queue empties."""
     for cls, keeps in ((SFQ, True), (SeedSFQ, False)):
         pol = cls(core=sfq.ReferenceScheduler) if cls is SeedSFQ else cls(core=sfq.ReferenceScheduler, charge="seed")
         sim = fake_sim(2)

@@ -1,4 +1,4 @@
-"""Seed 003's and seed 004's findings, in shape, on short runs; determinism; the schema."""
+"""The simulator's findings (docs/simulator.md §5), in shape, on short runs; determinism; the schema."""
 
 from __future__ import annotations
 
@@ -31,12 +31,12 @@ def test_fcfs_drift_grows_with_the_run_the_fair_ones_stay_bounded(drift6000):
     # same machine, same throughput (work-conserving), and it is measured, not assumed
     thr = [r["throughput"] for r in drift6000.values()]
     assert max(thr) - min(thr) < 0.05 * max(thr)
-    assert 55 < thr[0] < 80  # seed 003 measured 66 weighted tokens per step
+    assert 55 < thr[0] < 80  # about 66 weighted tokens per step in this setting
 
 
 def test_sfq_keeps_its_own_guarantee_on_the_charged_estimates(drift6000):
-    """Under seed 000's rule, on the estimated cost it charges, SFQ's drift over any
-    interval in which both flows wait at the balancer stays within 2 c_max (seed 000 §3.2)."""
+    """Under the plain rule (docs/design.md §2), on the estimated cost it charges, SFQ's drift over any
+    interval in which both flows wait at the balancer stays within 2 c_max (docs/design.md §3.2)."""
     c_max = 1.0 * 512 + 2.0 * 384 * 1.0  # the largest estimate possible (ratio <= 1)
     assert drift6000["sfq-seed"]["max_drift_est"] <= 2 * c_max
     # and from the start (both clients wait from their first arrival to the end here)
@@ -49,7 +49,7 @@ def test_return_lift_matters():
     assert res["fifo"]["returning_share"] < 0.05  # behind the steady client's backlog
     assert res["lcf"]["returning_share"] > 0.7  # no lift: idleness bought a monopoly
     assert 0.42 < res["vtc"]["returning_share"] < 0.58  # the lift: about half
-    # under seed 000's rule SFQ gives the returning client half of what it dispatches after
+    # under the plain rule (docs/design.md §2) SFQ gives the returning client half of what it dispatches after
     # the return; the steady client's batch already in flight makes its share of service lower
     assert 0.42 < res["sfq-seed"]["returning_dispatch_share"] < 0.58
     assert 0.35 < res["sfq-seed"]["returning_share"] < 0.47
@@ -100,7 +100,7 @@ def test_teams_overload_interactive_protected_under_sfq():
 
 def test_drift_sfq_delivered_gap_is_near_vtcs(drift6000):
     """Issue 12's goal, in shape: on delivered service sfq (charging as served) stays
-    within 2x VTC's drift from the start; seed 000's rule, estimates fixed at arrival and
+    within 2x VTC's drift from the start; the plain rule (docs/design.md §2), estimates fixed at arrival and
     a busy period that ends whenever the queue empties, does worse."""
     assert drift6000["sfq"]["charge"] == "served" and drift6000["vtc"]["charge"] is None
     assert drift6000["sfq"]["max_drift"] <= 2 * drift6000["vtc"]["max_drift"]
@@ -114,7 +114,7 @@ def test_shallow_clients_fifo_grows_sfq_holds():
     marks = ["2000", "4000", "8000"]
     fifo = [res["fifo"]["drift_at"][m] for m in marks]
     assert fifo == sorted(fifo) and fifo[-1] > 3 * fifo[0]  # grows with the run
-    # the queue drains while the engine works; seed 000's idle rule resets v each time
+    # the queue drains while the engine works; the plain rule's idle reset (docs/design.md §2.5) resets v each time
     assert res["sfq-seed"]["queue_empties"] > 100
     assert res["sfq-seed"]["drift_at"]["8000"] > 10 * res["sfq"]["drift_at"]["8000"]
     assert res["sfq"]["max_drift"] < 0.1 * fifo[-1]

@@ -98,7 +98,7 @@ def test_cli_tables_and_plots(capsys, tmp_path):
     out_dir = tmp_path / "plots"
     code, out, _ = run_cli(capsys, "simulate", "teams", "--steps", "2000", "-p", "fifo,sfq", "--out", str(out_dir))
     assert code == 0
-    assert "teams: seed 004's overload test" in out and "sfq" in out
+    assert "teams: the multi-team overload test" in out and "sfq" in out
     pngs = sorted(p.name for p in out_dir.iterdir())
     assert pngs == ["teams-service.png", "teams-waits.png"]
     first = (out_dir / "teams-service.png").read_bytes()

@@ -37,7 +37,7 @@ def test_generator_shapes():
     assert p.min() >= 10 and p.max() <= 20 and o.min() >= 1 and o.max() <= 5 and (m == 8).all()
 
 
-def test_capacity_matches_seed003_arithmetic():
+def test_capacity_matches_the_arithmetic():
     # M=8192, prompts U[64,512], outputs U[32,384]: about 19.6 residents, 0.094 completions/step
     c = capacity(8192, Sizes((64, 512), (32, 384)))
     assert 0.090 < c < 0.098

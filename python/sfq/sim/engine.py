@@ -1,6 +1,6 @@
 """A deterministic discrete-event model of a fleet of continuous-batching engines.
 
-The model (seed 003's simulator, extended to a fleet)
+The model (the setting of VTC, Sheng et al., OSDI 2024, extended to a fleet)
 -----------------------------------------------------
 * ``servers`` engines, each with a KV budget of ``kv_budget`` tokens and at most
   ``max_batch`` running requests (``None``: limited by KV only).
@@ -9,14 +9,14 @@ The model (seed 003's simulator, extended to a fleet)
   server has room (a free slot and free KV), the policy names the next request
   (``peek``), the balancer places it on the server with the most free KV, and the policy
   is told it started (``admit``). When the named request does not fit there, admission
-  stops until something leaves (the balancer stalls, seed 000 §5.2). Then every running
+  stops until something leaves (the balancer stalls, docs/design.md §5). Then every running
   request generates one token.
 * A request admitted with prompt ``p`` occupies ``p + generated`` tokens; it is admitted
-  when ``occupancy + p <= kv_budget`` (seed 003's rule: decode growth is not reserved, no
+  when ``occupancy + p <= kv_budget`` (as in VTC's setting: decode growth is not reserved, no
   preemption), generates its ``output`` tokens in the steps ``admit .. admit+output-1``
   and is gone at step ``admit + output``.
 * Service of a flow is ``W = w_p * prompt tokens admitted + w_q * tokens generated``:
-  prefill counts at admission, decode as it happens (seed 003). Throughput is what the
+  prefill counts at admission, decode as it happens (docs/simulator.md §2). Throughput is what the
   fleet delivered, in weighted tokens per step; nothing about it is assumed.
 
 * Closed-loop clients (``Workload.closed``) top their flow's waiting requests up to
@@ -35,7 +35,7 @@ names (a lower bound; vtc-h: the next step), so the loop re-asks exactly then. T
 jumps from event to event and advances decode in bulk; per flow it keeps the number of
 running requests, their prompt sum and admit-step sum, so the generated tokens at any
 step are ``sum(t - admit)`` in O(1). ``tests/sim/test_sim_engine.py`` checks the result
-against stepping one step at a time and against seed 003's stepped pseudocode.
+against stepping one step at a time and against a stepped transcription of VTC's admission loop.
 
 Cost per event
 --------------

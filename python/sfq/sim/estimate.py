@@ -1,9 +1,9 @@
 """The cost estimate the balancer-side policies (drr, wfq, sfq) order by.
 
-``cost = w_p * prompt + w_q * max_tokens * ratio`` (seed 000 §7.4), ``ratio`` being the
+``cost = w_p * prompt + w_q * max_tokens * ratio`` (docs/design.md §4), ``ratio`` being the
 actual output over ``max_tokens`` of the requests completed so far (a prior before any).
 The estimate is stamped on a request when it reaches the balancer and never corrected
-(seed 000 §5.1); completions only change the estimates of later requests. Units:
+(docs/design.md §4); completions only change the estimates of later requests. Units:
 weighted tokens, the same units as the service ``W``.
 
 :func:`make_estimator` uses the project's own :class:`sfq.cost.CostEstimator` (calibrated

@@ -6,7 +6,7 @@ engine (``RunResult.busy``).
 
 * **service** of a flow: ``W`` delivered (prefill at admission, decode as generated);
   ``est_cost``: the sum of the estimates of its requests that started.
-* **max drift** (``max_drift``, seed 003's metric): ``max_t max_{f,g in F}
+* **max drift** (``max_drift``, docs/simulator.md §4): ``max_t max_{f,g in F}
   |W_f(t0,t)/w_f - W_g(t0,t)/w_g|``, the largest gap in weight-normalised service
   accumulated since ``t0``, over the flows ``F`` that are backlogged for the whole
   measured window: from the first sample at which a flow is backlogged it must stay
@@ -20,7 +20,7 @@ engine (``RunResult.busy``).
   ``|W_f(t1,t2)/w_f - W_g(t1,t2)/w_g|`` over pairs ``f, g`` and times ``t1 < t2`` inside one
   interval during which both were backlogged; it restarts whenever either flow's
   backlog empties. Quadratic in the flows: ``None`` above ``max_flows`` flows. With
-  ``busy=False`` "backlogged" means waiting at the balancer, the sense of seed 000's bound
+  ``busy=False`` "backlogged" means waiting at the balancer, the sense of the bound of docs/design.md §3.2
   on the *charged* cost (``charged=True``), which is what ``max_drift_est`` reports.
 * **Jain's index** among backlogged flows: of each flow's weight-normalised service rate
   while it was backlogged, over the flows backlogged at least 10% of the window;
@@ -140,7 +140,7 @@ def drift_curve(res: RunResult, t0: int | None = None, t1: int | None = None,
 
 
 def max_drift(res: RunResult, t0: int | None = None, t1: int | None = None, charged: bool = False) -> float:
-    """Seed 003's max drift over the window ``[t0, t1]`` (see the module docstring); 0 if
+    """The max drift (docs/simulator.md §4) over the window ``[t0, t1]`` (see the module docstring); 0 if
     fewer than two flows are backlogged for the whole window. ``charged``: of the estimated
     cost of started requests instead of the service delivered."""
     _, gap, _ = drift_curve(res, t0, t1, charged)

@@ -4,7 +4,7 @@ Units
 -----
 * time is in **decode steps** (one iteration of a continuous-batching engine);
 * sizes are in **tokens** (prompt tokens, output tokens, ``max_tokens``);
-* service is in **weighted tokens**: ``w_p * prompt + w_q * generated`` (seed 003's ``W``).
+* service is in **weighted tokens**: ``w_p * prompt + w_q * generated`` (docs/simulator.md §1).
 
 A :class:`Workload` is immutable input: every policy of a scenario runs on the same one.
 Requests are ordered by ``(arrival, position in the input)`` and numbered
@@ -23,7 +23,7 @@ import numpy as np
 
 __all__ = ["ClosedLoop", "FlowSpec", "Workload", "Request", "load_trace", "save_trace", "read_trace_lines"]
 
-#: seed 003's request sizes, the default of closed-loop clients: prompts U[64, 512],
+#: the default request sizes (docs/simulator.md §5), also of closed-loop clients: prompts U[64, 512],
 #: outputs U[32, 384], max_tokens 384
 DEFAULT_PROMPT = (64, 512)
 DEFAULT_OUTPUT = (32, 384)
@@ -264,7 +264,7 @@ class Request:
 #    "max_tokens": 64, "start": 1000, "end": 5000}
 # From ``start`` (default 0) until ``end`` (default: the end of the run) the flow keeps that
 # many requests waiting at the balancer at every step (see :class:`ClosedLoop`); sizes are
-# seed 003's (prompts U[64, 512], outputs U[32, 384], max_tokens 384) unless given as
+# the defaults (prompts U[64, 512], outputs U[32, 384], max_tokens 384) unless given as
 # ``[lo, hi]`` ranges. One such line per flow; it may also send ordinary requests.
 
 _TRACE_FIELDS = ("arrival", "flow", "prompt_tokens", "output_tokens")

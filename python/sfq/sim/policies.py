@@ -25,8 +25,8 @@ Balancer-side policies order by the estimate: ``fifo``, ``prio`` (strict priorit
 class, FIFO inside), ``rr`` (round robin by request), ``drr`` (deficit round robin with a
 quantum), ``wfq`` (finish tags), ``sfq`` (the project's core, ``sfq.Scheduler``, as the
 dispatcher drives it: see :class:`SFQ` and its charge modes), ``sfq-seed`` (the core
-under seed 000's rule, for comparison), and ``fifo`` behind a per-flow RPM gate. In-engine policies charge what is incurred
-(seed 003): ``lcf`` (least counter first, no lift), ``vtc`` (with the lift), and
+under the plain rule of docs/design.md §2, for comparison), and ``fifo`` behind a per-flow RPM gate. In-engine policies charge what is incurred
+(as VTC does, Sheng et al., OSDI 2024): ``lcf`` (least counter first, no lift), ``vtc`` (with the lift), and
 ``vtc-h`` (VTC charging ``h(n_p, n_q)`` increments).
 """
 
@@ -118,7 +118,7 @@ class FIFO(Policy):
 
 class StrictPriority(Policy):
     """Always the highest class that has work (``FlowSpec.priority``, 0 first); FIFO
-    inside a class. Seed 004's "strict priority": it protects the urgent class and can
+    inside a class. Strict priority as a multi-team pool meets it: it protects the urgent class and can
     starve the rest."""
 
     name = "prio"
@@ -145,7 +145,7 @@ class StrictPriority(Policy):
 
 class RPMLimitedFIFO(Policy):
     """FIFO, but a flow may start at most ``rpm`` requests per window of ``window``
-    steps (fixed windows ``[k*window, (k+1)*window)``; seed 003's "minute" is 2000
+    steps (fixed windows ``[k*window, (k+1)*window)``; the simulator's "minute" is 2000
     steps). Requests over the limit wait for the next window."""
 
     name = "fifo"
@@ -280,7 +280,7 @@ class DRR(RoundRobin):
 
 
 class WFQ(Policy):
-    """Weighted fair queueing with finish tags (seed 004's formula, self-clocked).
+    """Weighted fair queueing with finish tags (``max(last finish, v) + cost / weight``, self-clocked).
 
     At arrival: ``finish = max(flow_finish, v) + est / weight``; the request with the
     smallest finish tag goes first (ties: earlier ``rid``); after it starts, ``v`` becomes
@@ -331,12 +331,12 @@ def _first_overtake(t: int, named: int, rate: Callable[[int], float], value: Cal
 
 
 class SeedSFQ(Policy):
-    """Start-time fair queueing under seed 000's rule (``sfq-seed``), for comparison.
+    """Start-time fair queueing under the plain rule of docs/design.md §2 (``sfq-seed``), for comparison.
 
     Each arrival is enqueued with its estimate, stamped at arrival and never corrected;
     ``peek`` dispatches from the core when nothing is staged and holds the request until
-    it can be placed (the core charged it at dispatch; the balancer stalls, seed 000
-    §5.2); the busy period ends when the core's queue empties (its idle rule). ``core``
+    it can be placed (the core charged it at dispatch; the balancer stalls,
+    docs/design.md §5); the busy period ends when the core's queue empties (its idle rule). ``core``
     picks the scheduler class (default ``sfq.Scheduler``, the compiled core when built).
     """
 
@@ -529,7 +529,7 @@ class SFQ(Policy):
 
 def context_h(beta: float) -> Callable[[float, float, int, int], float]:
     """``h(n_p, n_q) = w_p n_p + w_q n_q + beta * sum_{j=1..n_q} (n_p + j)``: decode of
-    the j-th token is charged ``w_q + beta * context_len`` (seed 003's bandwidth hook)."""
+    the j-th token is charged ``w_q + beta * context_len`` (VTC's generalised cost h, Sheng et al., OSDI 2024)."""
 
     def h(w_p: float, w_q: float, n_p: int, n_q: int) -> float:
         return w_p * n_p + w_q * n_q + beta * (n_p * n_q + n_q * (n_q + 1) / 2)
@@ -538,7 +538,7 @@ def context_h(beta: float) -> Callable[[float, float, int, int], float]:
 
 
 class VTC(Policy):
-    """The virtual token counter (Sheng et al., OSDI '24; seed 003), inside the engine.
+    """The virtual token counter (Sheng et al., OSDI 2024), inside the engine.
 
     Each flow has a counter ``c`` (in weighted tokens / weight). The waiting flow with the
     smallest counter starts its oldest request (ties: the older head); admission charges

@@ -54,7 +54,7 @@ def table_rows(res: ScenarioResult) -> tuple[str, list[str], list[list[str]], st
             )
         flows = p.get("flows", {})
         weights = ", ".join(f"{k} w={v['weight']:g}" for k, v in flows.items())
-        title = f"teams: seed 004's overload test, {p['servers']} servers x {p['slots']} slot, {p['steps']:,} steps"
+        title = f"teams: the multi-team overload test, {p['servers']} servers x {p['slots']} slot, {p['steps']:,} steps"
         caption = f"waits in steps (a request never started counts until the end); {weights}"
     elif s == "return":
         headers = ["policy", "returning share", "share of dispatched cost", "steady client's service",

@@ -1,4 +1,4 @@
-"""The scenarios of ``sfq simulate``: seed 003's experiments and seed 004's overload test.
+"""The scenarios of ``sfq simulate`` (docs/simulator.md §5).
 
 Each scenario builds its workload once from the seed, runs every chosen policy on it and
 returns a :class:`ScenarioResult`: ``params`` (everything that determines the run),
@@ -15,12 +15,12 @@ themselves for the plots. Units: steps, tokens, weighted tokens (``w_p``, ``w_q`
 ``kv-sweep``   ``drift`` for M = 2048 ... 32768 against the bound 2 max(w_p L_input, w_q M).
 ``rpm-sweep``  ``drift`` under FIFO with per-client limits of 5, 20, 40, 80 requests per
                "minute" (2000 steps) and none, beside the fair policies without limits.
-``teams``      seed 004: team A drops 400 long batch jobs at step 0, team B sends short
+``teams``      multi-team overload: team A drops 400 long batch jobs at step 0, team B sends short
                interactive requests (Poisson, 1 per 20 steps) from step 300, team C sends a
                burst of 24 every 2500 steps or so from step 1000; 8 slots (8 servers x 1);
                weights interactive 6, batch 1; strict priority ranks interactive first.
 ``shallow``    two clients that each keep one request waiting at the balancer (closed
-               loop, seed 003's sizes), M = 8192, 40,000 steps: the drift at 1/4, 1/2
+               loop, the default sizes), M = 8192, 40,000 steps: the drift at 1/4, 1/2
                and all of the run (bounded, or growing with the run like FIFO's).
 ``keep-one``   client 0 keeps one request waiting, client 1 floods (Poisson at 1.2 C),
                20,000 steps: client 0's share of the service.
@@ -28,11 +28,11 @@ themselves for the plots. Units: steps, tokens, weighted tokens (``w_p``, ``w_q`
                steps, 8 servers, run to completion: the cost of many flows.
 ``trace``      a JSONL trace (see :mod:`sfq.sim.model`) on the fleet given by the options.
 
-Every row's ``max_drift`` is seed 003's ``max_t |W_f(t0,t) - W_g(t0,t)|`` over the flows
+Every row's ``max_drift`` is ``max_t |W_f(t0,t) - W_g(t0,t)|`` over the flows
 backlogged (work waiting or running) for the whole run (see :mod:`sfq.sim.metrics`;
 ``drift_flows`` says how many); ``max_interval_drift`` is the interval form, which
 restarts whenever a flow's backlog empties; ``max_drift_est`` the interval form on the
-estimated cost charged, backlogged meaning waiting at the balancer (seed 000's bound).
+estimated cost charged, backlogged meaning waiting at the balancer (the bound of docs/design.md §3.2).
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ __all__ = [
     "workload_for",
 ]
 
-#: seed 003's request sizes: prompts U[64, 512], outputs U[32, 384], max_tokens 384
-SEED003_SIZES = Sizes(prompt=(64, 512), output=(32, 384), max_tokens=384)
+#: the default request sizes (docs/simulator.md §5): prompts U[64, 512], outputs U[32, 384], max_tokens 384
+DEFAULT_SIZES = Sizes(prompt=(64, 512), output=(32, 384), max_tokens=384)
 
 ALL_FAIR = ("fifo", "rr", "drr", "wfq", "sfq", "sfq-seed", "lcf", "vtc")
 DEFAULT_POLICIES: dict[str, tuple[str, ...]] = {
@@ -206,7 +206,7 @@ def _run(
 
 
 def bound_of(res: RunResult) -> float:
-    """Seed 003's drift bound ``2 max(w_p L_input, w_q M)``: ``L_input`` the largest
+    """VTC's drift bound ``2 max(w_p L_input, w_q M)``: ``L_input`` the largest
     prompt that ran, ``M`` the fleet's total KV budget (tokens)."""
     started = res.admit >= 0
     l_in = int(res.prompt[started].max()) if started.any() else 0
@@ -263,12 +263,12 @@ def _common_params(opts: Options) -> dict[str, Any]:
 # ---------------------------------------------------------------------- workloads
 def drift_workload(seed: int, kv_budget: int, steps: int, servers: int = 1) -> Workload:
     """Two clients over their share from step 0: Poisson at 0.9 C and 0.6 C."""
-    c = capacity(kv_budget, SEED003_SIZES) * servers
+    c = capacity(kv_budget, DEFAULT_SIZES) * servers
     return build_workload(
         seed,
         [
-            FlowLoad(FlowSpec("client-0"), Poisson(0.9 * c, 0, steps), SEED003_SIZES),
-            FlowLoad(FlowSpec("client-1"), Poisson(0.6 * c, 0, steps), SEED003_SIZES),
+            FlowLoad(FlowSpec("client-0"), Poisson(0.9 * c, 0, steps), DEFAULT_SIZES),
+            FlowLoad(FlowSpec("client-1"), Poisson(0.6 * c, 0, steps), DEFAULT_SIZES),
         ],
         meta={"rates_per_step": [0.9 * c, 0.6 * c]},
     )
@@ -277,14 +277,14 @@ def drift_workload(seed: int, kv_budget: int, steps: int, servers: int = 1) -> W
 def return_workload(seed: int, kv_budget: int, phase1: int, silence: int, window: int, servers: int = 1) -> Workload:
     """Client 0: 0.3 C for ``phase1`` steps, silent ``silence`` steps, then 1.2 C; client 1:
     1.2 C throughout; ends ``window`` steps after the return."""
-    c = capacity(kv_budget, SEED003_SIZES) * servers
+    c = capacity(kv_budget, DEFAULT_SIZES) * servers
     back = phase1 + silence
     end = back + window
     return build_workload(
         seed,
         [
-            FlowLoad(FlowSpec("client-0"), Phases(((0, phase1, 0.3 * c), (back, end, 1.2 * c))), SEED003_SIZES),
-            FlowLoad(FlowSpec("client-1"), Poisson(1.2 * c, 0, end), SEED003_SIZES),
+            FlowLoad(FlowSpec("client-0"), Phases(((0, phase1, 0.3 * c), (back, end, 1.2 * c))), DEFAULT_SIZES),
+            FlowLoad(FlowSpec("client-1"), Poisson(1.2 * c, 0, end), DEFAULT_SIZES),
         ],
     )
 
@@ -306,7 +306,7 @@ def teams_workload(
     c_gap: int = 2500,
     weights: tuple[float, float] = (6.0, 1.0),
 ) -> Workload:
-    """Seed 004's overload test (flows are team + workload class)."""
+    """The multi-team overload test (flows are team + workload class; docs/simulator.md §5)."""
     w_int, w_batch = weights
     return build_workload(
         seed,
@@ -327,22 +327,22 @@ def teams_workload(
 
 
 def shallow_workload(seed: int, steps: int, keep: int = 1) -> Workload:
-    """Two closed-loop clients, each keeping ``keep`` requests waiting (seed 003's sizes)."""
+    """Two closed-loop clients, each keeping ``keep`` requests waiting (the default sizes)."""
     flows = [FlowSpec("client-0"), FlowSpec("client-1")]
-    closed = [ClosedLoop(f, keep, SEED003_SIZES.prompt, SEED003_SIZES.output, SEED003_SIZES.max_tokens, 0, steps, seed)
+    closed = [ClosedLoop(f, keep, DEFAULT_SIZES.prompt, DEFAULT_SIZES.output, DEFAULT_SIZES.max_tokens, 0, steps, seed)
               for f in range(2)]
-    return build_workload(seed, [FlowLoad(s, Batch(0), SEED003_SIZES) for s in flows], closed=closed)
+    return build_workload(seed, [FlowLoad(s, Batch(0), DEFAULT_SIZES) for s in flows], closed=closed)
 
 
 def keep_one_workload(seed: int, kv_budget: int, steps: int, servers: int = 1) -> Workload:
     """Client 0 keeps one request waiting; client 1 floods at 1.2 C (Poisson)."""
-    c = capacity(kv_budget, SEED003_SIZES) * servers
-    closed = [ClosedLoop(0, 1, SEED003_SIZES.prompt, SEED003_SIZES.output, SEED003_SIZES.max_tokens, 0, steps, seed)]
+    c = capacity(kv_budget, DEFAULT_SIZES) * servers
+    closed = [ClosedLoop(0, 1, DEFAULT_SIZES.prompt, DEFAULT_SIZES.output, DEFAULT_SIZES.max_tokens, 0, steps, seed)]
     return build_workload(
         seed,
         [
-            FlowLoad(FlowSpec("keeper"), Batch(0), SEED003_SIZES),
-            FlowLoad(FlowSpec("flooder"), Poisson(1.2 * c, 0, steps), SEED003_SIZES),
+            FlowLoad(FlowSpec("keeper"), Batch(0), DEFAULT_SIZES),
+            FlowLoad(FlowSpec("flooder"), Poisson(1.2 * c, 0, steps), DEFAULT_SIZES),
         ],
         meta={"flooder_rate_per_step": 1.2 * c},
         closed=closed,
@@ -351,13 +351,13 @@ def keep_one_workload(seed: int, kv_budget: int, steps: int, servers: int = 1) -
 
 def many_workload(seed: int, steps: int, clients: int = 1000, each: int = 5) -> Workload:
     """``clients`` clients sending ``each`` requests at uniform times in ``[0, steps)``."""
-    return build_workload(seed, [FlowLoad(FlowSpec(f"client-{k}"), Uniform(each, 0, steps), SEED003_SIZES)
+    return build_workload(seed, [FlowLoad(FlowSpec(f"client-{k}"), Uniform(each, 0, steps), DEFAULT_SIZES)
                                  for k in range(clients)])
 
 
 # ---------------------------------------------------------------------- scenarios
 def _two_overloaded_clients(opts: Options, policies: Sequence[str] | None, scenario: str) -> tuple[int, Any, Any, list[str]]:
-    """Seed 003's setting shared by drift and rpm-sweep: one server, M = 8192 by default,
+    """The setting shared by drift and rpm-sweep: one server, M = 8192 by default,
     two clients always over their share."""
     steps = opts.steps or 20_000
     fleet = _fleet(opts, 1, 8192, None)
@@ -372,9 +372,9 @@ def run_drift(opts: Options, policies: Sequence[str] | None = None, progress: Pr
         **_common_params(opts),
         "steps": steps,
         **_fleet_params(fleet),
-        "prompt_tokens": list(SEED003_SIZES.prompt),
-        "output_tokens": list(SEED003_SIZES.output),
-        "max_tokens": SEED003_SIZES.max_tokens,
+        "prompt_tokens": list(DEFAULT_SIZES.prompt),
+        "output_tokens": list(DEFAULT_SIZES.output),
+        "max_tokens": DEFAULT_SIZES.max_tokens,
         "rates_per_step": wl.meta["rates_per_step"],
         "requests": len(wl),
         "policies": names,
