@@ -21,7 +21,7 @@ what the request could have produced: ``completion_tokens`` to ``[0, max_tokens]
 ``prompt_tokens`` to ``[chars / 16, 4 * chars]`` (no tokenizer makes tokens of more than 16
 characters on average, or more than one token per UTF-8 byte) and, further, to within a
 factor 4 of what the current chars-per-token ratio predicts (``clamped`` counts the fields
-clamped). The ratio itself is robust: the prior ``chars_per_token`` counts as 256 characters
+clamped). The ratio itself is robust: the prior ``chars_per_token`` counts as 64 characters
 of evidence, so the first report cannot set it alone, and one report moves it by at most its
 share of the characters seen (a chat template's own tokens on a tiny prompt included). A saved state is validated on load: a
 non-finite, negative or impossible total (output above its cap, a chars-per-token ratio
@@ -53,7 +53,7 @@ MAX_CHARS_PER_TOKEN = 16.0
 #: one report may move a prompt's token count at most this factor away from the estimate
 MAX_PROMPT_SURPRISE = 4.0
 #: the weight of the prior chars_per_token, in characters of evidence
-PRIOR_CHARS = 256.0
+PRIOR_CHARS = 64.0
 
 #: a tokenizer: text -> the number of tokens, or the tokens themselves (their len() is used)
 Tokenizer = Callable[[str], "int | Sized"]

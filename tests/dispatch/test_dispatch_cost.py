@@ -45,12 +45,12 @@ def test_chars_per_token_prior_then_calibrated_from_usage():
     e = est.estimate(body)
     assert not e.prompt_exact and e.prompt_tokens == 100 and e.prompt_chars == 400
     assert est.observe(e, {"prompt_tokens": 200, "completion_tokens": 8})
-    # the prior counts as 256 characters at 4 per token: (400 + 256) / (200 + 64)
-    assert est.chars_per_token_of("m") == pytest.approx(656 / 264)
+    # the prior counts as 64 characters at 4 per token: (400 + 64) / (200 + 16)
+    assert est.chars_per_token_of("m") == pytest.approx(464 / 216)
     for _ in range(99):
         est.observe(e, {"prompt_tokens": 200, "completion_tokens": 8})
-    assert est.chars_per_token_of("m") == pytest.approx(40256 / 20064)  # the evidence takes over
-    assert est.estimate(body).prompt_tokens == pytest.approx(400 * 20064 / 40256)
+    assert est.chars_per_token_of("m") == pytest.approx(40064 / 20016)  # the evidence takes over
+    assert est.estimate(body).prompt_tokens == pytest.approx(400 * 20016 / 40064)
     assert est.chars_per_token_of("other") == 4.0  # per model
     # exact prompts never feed the chars-per-token calibration
     exact = CostEstimator(tokenizer=len)
@@ -150,7 +150,7 @@ def test_save_and_load_round_trip(tmp_path):
     assert fresh.state() == est.state()
     for flow in ("a", ("org", 7), 3, "unseen"):
         assert fresh.ratio("m", flow) == est.ratio("m", flow)
-    assert fresh.chars_per_token_of("m") == est.chars_per_token_of("m") == pytest.approx((24 + 256) / (12 + 64))
+    assert fresh.chars_per_token_of("m") == est.chars_per_token_of("m") == pytest.approx((24 + 64) / (12 + 16))
     assert fresh.ratio("m", ("org", 7)) == 0.9  # the tuple flow id survived JSON
 
 
