@@ -8,8 +8,10 @@ weighted tokens, the same units as the service ``W``.
 
 :func:`make_estimator` uses the project's own :class:`sfq.cost.CostEstimator` (calibrated
 per model and, after enough completions, per flow), fed the simulated request as an
-OpenAI body whose prompt has exactly ``prompt`` tokens; :class:`RatioEstimator` is the
-small local fallback used when ``sfq.cost`` is not importable.
+OpenAI body whose prompt has exactly ``prompt`` tokens (one character per token, counted
+by ``len``): the estimator takes request bodies, not token counts, so the body is built
+(``"x" * prompt``, linear in the prompt's length). :class:`RatioEstimator` is the small
+stand-alone form the engine uses when a run is given no estimator.
 """
 
 from __future__ import annotations
@@ -92,8 +94,5 @@ class ProjectEstimator:
 
 
 def make_estimator(input_weight: float, output_weight: float, prior: float = 0.5) -> Estimator:
-    """The project's estimator (``sfq.cost``) when importable, else :class:`RatioEstimator`."""
-    try:
-        return ProjectEstimator(input_weight, output_weight, prior)
-    except ImportError:  # pragma: no cover - only before sfq.cost exists
-        return RatioEstimator(input_weight, output_weight, prior)
+    """The project's estimator, :class:`sfq.cost.CostEstimator`, as the simulator uses it."""
+    return ProjectEstimator(input_weight, output_weight, prior)
