@@ -10,7 +10,7 @@ token buckets, the retry planner), so the same code runs under the asyncio
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .classify import Classifier, Flow
 from .config import (
@@ -32,6 +32,9 @@ from .limits import Slots, TokenBucket
 from .metrics import OUTCOMES, REASONS, PolicyMetrics
 from .queue import PolicyQueue, Request
 from .retry import IdempotencyIndex, RetryDecision, RetryPlanner, retry_after_of, retry_safe
+
+if TYPE_CHECKING:  # loaded lazily below; type checkers see the class
+    from .dispatcher import PolicyDispatcher
 
 
 def __getattr__(name: str) -> Any:
