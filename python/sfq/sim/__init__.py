@@ -2,9 +2,12 @@
 
 The fleet is a set of continuous-batching engines with a KV budget each (``engine``);
 policies decide whose request starts next (``policies``: fifo, prio, rr, drr, wfq, sfq,
-lcf, vtc, vtc-h; ``sfq`` is the project's own core); workloads are seeded generators or
-JSONL traces (``workloads``, ``model``); ``metrics`` measures service, drift, Jain's
-index, waits and throughput; ``scenarios`` holds the experiments of ``sfq simulate``.
+sfq-seed, lcf, vtc, vtc-h; ``sfq`` is the project's own core as the dispatcher drives it,
+in one of three charge modes, ``sfq-seed`` the core under the plain rule of docs/design.md); workloads are
+seeded generators or JSONL traces, with closed-loop clients (``workloads``, ``model``);
+``metrics`` measures service, drift (from the start, as Sheng et al., OSDI 2024, measure it, and the interval form), Jain's index,
+waits and throughput; ``scenarios`` holds the experiments of ``sfq simulate``; ``goals``
+measures issue 12's goals over several seeds.
 
 Quick use::
 
@@ -21,13 +24,18 @@ from __future__ import annotations
 
 from .engine import Fleet, RunResult, Simulation, simulate
 from .estimate import RatioEstimator, make_estimator
-from .metrics import flow_summary, jain_index, max_drift, service_at, throughput, wait_quantiles, waits
-from .model import FlowSpec, Request, Workload, load_trace, read_trace_lines, save_trace
-from .policies import DRR, FIFO, POLICIES, SFQ, VTC, WFQ, Policy, RoundRobin, RPMLimitedFIFO, StrictPriority, make_policy
+from .metrics import (drift_curve, drift_set, flow_summary, jain_index, max_drift, max_interval_drift, service_at,
+                      throughput, wait_quantiles, waits)
+from .model import ClosedLoop, FlowSpec, Request, Workload, load_trace, read_trace_lines, save_trace
+from .policies import (CHARGE_MODES, DEFAULT_CHARGE, DRR, FIFO, POLICIES, SFQ, VTC, WFQ, Policy, RoundRobin,
+                       RPMLimitedFIFO, SeedSFQ, StrictPriority, make_policy)
 from .scenarios import SCENARIOS, Options, ScenarioResult, run_headline, run_scenario
-from .workloads import Batch, Bursts, FlowLoad, Mix, OnOff, Periodic, Phases, Poisson, Sizes, build_workload, capacity
+from .workloads import (Batch, Bursts, FlowLoad, Mix, OnOff, Periodic, Phases, Poisson, Sizes, Uniform, build_workload,
+                        capacity)
 
 __all__ = [
+    "CHARGE_MODES", "ClosedLoop", "DEFAULT_CHARGE", "SeedSFQ", "Uniform", "drift_curve", "drift_set",
+    "max_interval_drift",
     "Batch", "Bursts", "DRR", "FIFO", "Fleet", "FlowLoad", "FlowSpec", "Mix", "OnOff", "Options", "POLICIES",
     "Periodic", "Phases", "Poisson", "Policy", "RPMLimitedFIFO", "RatioEstimator", "Request", "RoundRobin",
     "RunResult", "SCENARIOS", "SFQ", "ScenarioResult", "Simulation", "Sizes", "StrictPriority", "VTC", "WFQ",
