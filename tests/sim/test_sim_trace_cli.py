@@ -216,3 +216,37 @@ def test_bad_closed_loop_lines_are_named(line, err):
 def test_a_flow_has_one_closed_loop_line():
     with pytest.raises(ValueError, match=r"<trace>:2: flow 'a' already has a keep_waiting line \(<trace>:1\)"):
         read_trace_lines(['{"flow": "a", "keep_waiting": 1}', '{"flow": "a", "keep_waiting": 2}'])
+
+
+def test_cli_closed_loop_trace_replays_the_scenario(capsys, tmp_path):
+    trace = tmp_path / "shallow.jsonl"
+    assert main(["simulate", "shallow", "--steps", "3000", "--seed", "2", "--write-trace", str(trace)]) == 0
+    assert trace.read_text().count('"keep_waiting": 1') == 2
+    args = ("--json", "--no-plots", "-p", "sfq,vtc", "--seed", "2", "--steps", "3000")
+    code, out, _ = run_cli(capsys, "simulate", "shallow", *args)
+    assert code == 0
+    code, out2, _ = run_cli(capsys, "simulate", "trace", "--trace", str(trace), *args)
+    assert code == 0
+    scen, rep = json.loads(out), json.loads(out2)
+    assert rep["params"]["closed_loop"] == {"client-0": 1, "client-1": 1}
+    assert [r["max_drift"] for r in rep["results"]] == [r["max_drift"] for r in scen["results"]]
+    assert [r["charge"] for r in rep["results"]] == ["served", None]
+    # a closed-loop client without an end needs a horizon
+    open_ended = tmp_path / "open.jsonl"
+    open_ended.write_text('{"flow": "a", "keep_waiting": 1}\n')
+    code, _, err = run_cli(capsys, "simulate", "trace", "--trace", str(open_ended), "--no-plots")
+    assert code == 2 and "give a horizon (--steps N)" in " ".join(err.split())  # rich wraps lines
+
+
+def test_cli_charge_mode(capsys):
+    rows = {}
+    for charge in ("seed", "settle", "served"):
+        code, out, _ = run_cli(capsys, "simulate", "drift", "--steps", "1500", "-p", "sfq", "--charge", charge,
+                               "--json", "--no-plots")
+        assert code == 0
+        rows[charge] = json.loads(out)["results"][0]
+        assert rows[charge]["charge"] == charge
+    assert len({r["max_drift"] for r in rows.values()}) > 1  # the modes order differently
+    with pytest.raises(SystemExit):
+        main(["simulate", "drift", "--charge", "later"])
+    assert "invalid choice: 'later'" in capsys.readouterr().err
