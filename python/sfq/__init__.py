@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._common import MAX_COST, MAX_WEIGHT, MIN_WEIGHT, SCALE, DispatchBatch
-from ._core import CORE, Dispatch, ReferenceDispatch, ReferenceScheduler, Scheduler
+from ._core import CORE, Dispatch, Scheduler
 from .errors import (
     BackendError,
     BackendHTTPError,
@@ -36,8 +36,11 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers (tests/tes
     from .cost import CostEstimator, Estimate
     from .dispatch import Dispatcher, DispatchRecord
     from .policy import Policy, PolicyDispatcher, PolicyEngine, load_policy, parse_policy
+    from ._scheduler_py import ReferenceDispatch, ReferenceScheduler
 
 _LAZY = {
+    "ReferenceDispatch": "._scheduler_py",  # the pure-Python twin (with the compiled core: on first use)
+    "ReferenceScheduler": "._scheduler_py",
     "Backend": ".backends",
     "OpenAIBackend": ".backends",
     "ProbeReading": ".backends",

@@ -2,7 +2,8 @@
 
 ``SFQ_NO_EXTENSIONS=1`` forces the twin. If the extension is missing (a failed build),
 the twin is used and one ``RuntimeWarning`` says so. Type checkers see the compiled
-core's surface (``_csfq.pyi``), which the twin shares.
+core's surface (``_csfq.pyi``), which the twin shares. With the compiled core, the twin
+(``sfq.ReferenceScheduler``) is imported only when first asked for.
 """
 
 from __future__ import annotations
@@ -11,16 +12,15 @@ import os
 import warnings
 from typing import TYPE_CHECKING
 
-from ._scheduler_py import ReferenceDispatch, ReferenceScheduler
-
 NO_EXTENSIONS = os.environ.get("SFQ_NO_EXTENSIONS", "") not in ("", "0")
 CORE: str
 
 if TYPE_CHECKING:
     from ._csfq import Dispatch, Scheduler
 elif NO_EXTENSIONS:
-    Scheduler = ReferenceScheduler
-    Dispatch = ReferenceDispatch
+    from ._scheduler_py import ReferenceDispatch as Dispatch
+    from ._scheduler_py import ReferenceScheduler as Scheduler
+
     CORE = "reference"
 else:
     try:
@@ -31,10 +31,11 @@ else:
             RuntimeWarning,
             stacklevel=2,
         )
-        Scheduler = ReferenceScheduler
-        Dispatch = ReferenceDispatch
+        from ._scheduler_py import ReferenceDispatch as Dispatch
+        from ._scheduler_py import ReferenceScheduler as Scheduler
+
         CORE = "reference"
     else:
         CORE = "compiled"
 
-__all__ = ["CORE", "Dispatch", "Scheduler", "ReferenceScheduler", "ReferenceDispatch"]
+__all__ = ["CORE", "Dispatch", "Scheduler"]
