@@ -252,3 +252,22 @@ def test_closed_loop_client_keeps_its_requests_waiting():
     with pytest.raises(ValueError, match="exceed the KV budget 50"):
         Simulation(Workload.from_arrays(specs, [], [], [], [], closed=[ClosedLoop(0, 1, (10, 60), (5, 5))]),
                    make_policy("fifo"), Fleet(1, 50), horizon=10)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_stall_prone_workloads_event_skipping_equals_stepping(seed):
+    """Big and small requests mixed on a tight budget: the named request often fits
+    nowhere while a smaller one of another flow would. Counter policies (and sfq charging
+    as served) must start that one at the step their order changes, as stepping does."""
+    from sfq.sim.workloads import Mix
+
+    sizes = Mix(((0.3, Sizes((350, 450), (50, 150))), (0.7, Sizes((10, 60), (5, 40)))))
+    loads = [FlowLoad(FlowSpec(n), Poisson(r, 0, 500), sizes) for n, r in (("a", 0.05), ("b", 0.04), ("c", 0.03))]
+    w = build_workload(seed, loads)
+    for name, lift in (("lcf", False), ("vtc", True)):
+        res = Simulation(w, make_policy(name), Fleet(1, 600), horizon=700).run()
+        assert res.admit.tolist() == reference_vtc(w, 600, 1.0, 2.0, 700, lift)[0], name
+    for name in ("vtc-h", "sfq"):
+        fast = Simulation(w, make_policy(name), Fleet(1, 600), horizon=700).run()
+        slow = Simulation(w, make_policy(name), Fleet(1, 600), horizon=700, marks=range(700)).run()
+        assert fast.admit.tolist() == slow.admit.tolist(), name
