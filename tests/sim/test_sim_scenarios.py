@@ -41,6 +41,10 @@ def test_sfq_keeps_its_own_guarantee_on_the_charged_estimates(drift6000):
     assert drift6000["sfq-seed"]["max_drift_est"] <= 2 * c_max
     # and from the start (both clients wait from their first arrival to the end here)
     assert drift6000["sfq-seed"]["drift_flows"] == 2
+    # the library's sfq in the seed charge mode (the estimate at dispatch, never corrected)
+    # charges the same way, busy period held or not: the same bound holds
+    seed_mode = run_scenario("drift", Options(seed=0, steps=6000, charge="seed"), ["sfq"]).results[0]
+    assert seed_mode["charge"] == "seed" and seed_mode["max_drift_est"] <= 2 * c_max
     assert drift6000["fifo"]["max_drift_est"] > 10 * c_max
 
 
