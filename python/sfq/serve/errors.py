@@ -83,6 +83,10 @@ def http_error_of(exc: BaseException) -> HTTPError:
                          f"no backend could be reached (after the retries allowed): {exc}")
     if isinstance(exc, (NoHealthyBackend, DispatcherClosed)):
         return HTTPError(503, "server_error", "upstream_unavailable", str(exc))
+    if isinstance(exc, BackendHTTPError) and exc.status == 503:
+        ra = None if exc.retry_after is None else _whole_seconds(exc.retry_after)
+        return HTTPError(503, "server_error", "upstream_unavailable",
+                         f"the backends are unavailable and the retries ran out: {exc}", ra)
     if isinstance(exc, BackendHTTPError):
         return HTTPError(502, "server_error", "upstream_error", f"a backend answered with an error: {exc}")
     if isinstance(exc, BackendError):
