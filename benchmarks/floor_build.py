@@ -38,8 +38,9 @@ def build(force: bool = False) -> Path:
         if done is not None:
             return done
     try:
-        from Cython.Build import cythonize
+        # setuptools first: it puts its vendored packages on the path, which its distutils needs
         from setuptools import Distribution, Extension
+        from Cython.Build import cythonize
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise RuntimeError(
             f"building the C floor needs Cython and setuptools ({exc}); pip install 'Cython>=3.0.8' setuptools"

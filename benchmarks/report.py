@@ -1,6 +1,6 @@
 """Run the sfq benchmark suite and rewrite the README's benchmark section and plot from it.
 
-    python benchmarks/report.py                    # run everything (~5-10 min on 2 cores), then report
+    python benchmarks/report.py                    # run everything (~6 min on 2 quiet cores), then report
     python benchmarks/report.py --from-json FILE   # only regenerate the README section and plot
 
 Steps: (1) ``pytest benchmarks --benchmark-json=FILE`` (the suite in ``bench_core.py``), (2) the
