@@ -1,8 +1,9 @@
 """Issue 12's goals, measured: ``python -m sfq.sim.goals [--seeds 0-4] [--markdown]``.
 
-Runs the scenarios of ``sfq simulate`` for each seed (drift, return, shallow, keep-one,
-many) with ``sfq`` in each charge mode, ``sfq-seed`` and VTC, and reports the medians
-over the seeds. Deterministic: the same seeds give the same table (the wall time of the
+Runs the scenarios of ``sfq simulate`` for each seed (drift, return, shallow, keep-one)
+with ``sfq`` in each charge mode, ``sfq-seed``, VTC, lcf and FIFO, and reports the medians
+over the seeds; with ``--long`` also ``shallow`` run to 160,000 steps (the drift up to
+10,000, 40,000 and 160,000 steps: does it stay bounded?). Deterministic: the same seeds give the same table (the wall time of the
 ``many`` run is measured separately, by the caller, and is not part of it).
 """
 
@@ -14,8 +15,13 @@ import statistics
 import sys
 from typing import Any, Sequence
 
+from .metrics import max_drift
 from .policies import CHARGE_MODES
 from .scenarios import Options, run_scenario
+
+#: the long shallow run: its length and the steps the drift is measured to
+LONG_STEPS = 160_000
+LONG_MARKS = (10_000, 40_000, 160_000)
 
 __all__ = ["measure", "markdown"]
 
@@ -34,10 +40,22 @@ def _variants() -> list[tuple[str, str, str | None]]:
     return out + [("sfq-seed", "sfq-seed", None), ("vtc", "vtc", None), ("lcf", "lcf", None), ("fifo", "fifo", None)]
 
 
-def measure(seeds: Sequence[int]) -> dict[str, Any]:
+def measure(seeds: Sequence[int], long: bool = False) -> dict[str, Any]:
     """Per goal scenario and variant: the metric for each seed and the median; for
-    ``shallow`` also the drift at a quarter, half and all of the run."""
+    ``shallow`` also the drift at a quarter, half and all of the run; ``long``: also
+    ``shallow-long``, the drift up to each of ``LONG_MARKS`` in one run of ``LONG_STEPS``."""
     out: dict[str, Any] = {}
+    if long:
+        per_long: dict[str, Any] = {}
+        for label, pol, charge in _variants():
+            if pol == "fifo" or pol == "sfq-seed":
+                continue  # they grow linearly: the 40,000-step run shows it
+            at = []
+            for seed in seeds:
+                res = run_scenario("shallow", Options(seed=seed, steps=LONG_STEPS, charge=charge), [pol]).runs[0][1]
+                at.append({str(m): max_drift(res, None, m) for m in LONG_MARKS})
+            per_long[label] = {"values": at, "median": {m: statistics.median(a[m] for a in at) for m in at[0]}}
+        out["shallow-long"] = per_long
     for scenario, key, _ in GOALS:
         per: dict[str, Any] = {}
         for label, pol, charge in _variants():
@@ -68,6 +86,11 @@ def markdown(doc: dict[str, Any]) -> str:
             for m in per[labels[0]]["drift_at_median"]:
                 cells = [f"{per[x]['drift_at_median'][m]:,.0f}" for x in labels]
                 lines.append(f"| shallow, drift to step {int(m):,} | " + " | ".join(cells) + " |")
+    if "shallow-long" in doc:
+        per = doc["shallow-long"]
+        for m in (str(x) for x in LONG_MARKS):
+            cells = [f"{per[x]['median'][m]:,.0f}" if x in per else "-" for x in labels]
+            lines.append(f"| shallow ({LONG_STEPS:,} steps), drift to step {int(m):,} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -75,13 +98,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sfq.sim.goals", description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="0-4", help="seeds, as LO-HI (default 0-4)")
     ap.add_argument("--markdown", action="store_true", help="print the README table instead of JSON")
+    ap.add_argument("--long", action="store_true", help=f"also run shallow to {LONG_STEPS:,} steps (minutes)")
     args = ap.parse_args(argv)
     lo, _, hi = args.seeds.partition("-")
     try:
         seeds = list(range(int(lo), int(hi or lo) + 1))
     except ValueError:
         ap.error(f"--seeds must be LO-HI, got {args.seeds!r}")
-    doc = measure(seeds)
+    doc = measure(seeds, args.long)
     sys.stdout.write((markdown(doc) if args.markdown else json.dumps(doc, indent=1)) + "\n")
     return 0
 
