@@ -156,3 +156,11 @@ def test_idempotency_index() -> None:
 
 def test_unsafe_generic_backend_error() -> None:
     assert not retry_safe(BackendError("weird"))
+
+
+def test_never_sent_and_no_healthy_backend_are_safe() -> None:
+    from sfq.errors import NoHealthyBackend
+
+    assert retry_safe(NoHealthyBackend("no backend of pool p was healthy"))
+    assert retry_safe(BackendTimeout("connect timed out", never_sent=True))
+    assert not retry_safe(BackendTimeout("read timed out"))

@@ -43,7 +43,7 @@ from prometheus_client import CollectorRegistry
 from ..backends import Backend, OpenAIBackend
 from ..cost import CostEstimator
 from ..dispatch import Dispatcher
-from ..errors import BackendError, DeadlineExceeded, PolicyError, Refused
+from ..errors import BackendError, DeadlineExceeded, NoHealthyBackend, PolicyError, Refused
 from .classify import Flow
 from .config import Policy, load_policy
 from .engine import PolicyEngine
@@ -99,6 +99,7 @@ class PolicyDispatcher:
         opts = dict(dispatcher_options or {})
         self._dispatchers: dict[str, Dispatcher] = {}
         self._pool_of: dict[str, str] = {}
+        probed = False
         for pool in policy.pools.values():
             for i, spec in enumerate(pool.backends):
                 key = None
@@ -109,9 +110,13 @@ class PolicyDispatcher:
                                           f"the environment variable {spec.api_key_env!r} is not set (or empty)")
                 be = given.get(spec.name) or OpenAIBackend(spec.url, name=spec.name, max_in_flight=spec.max_in_flight,
                                                            max_context=spec.max_context, api_key=key)
+                probed = probed or be.probe is not None
                 self._dispatchers[spec.name] = Dispatcher([be], estimator=self.estimator, clock=clock, **opts)
                 self._pool_of[spec.name] = pool.name
         self._waiters: dict[int, asyncio.Future[None]] = {}
+        self._health_dirty = True  # a failure happened since the last look at the backends' health
+        self._down: set[str] = set()  # backends out of rotation at the last look
+        self._probed = probed  # some backend has a saturation probe: look at every pump
         self._idem: IdempotencyIndex[asyncio.Future[dict[str, Any]]] = IdempotencyIndex()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
@@ -150,15 +155,22 @@ class PolicyDispatcher:
 
     # ------------------------------------------------------------ the pump
     def _sync_health(self) -> bool:
-        """Mirror each backend's rotation state (its dispatcher's) into the policy's queues.
-        Returns whether some backend is out of rotation."""
-        down = False
+        """Mirror each backend's rotation state (its dispatcher's) into the policy's queues, when
+        it may have changed: after a failure, while some backend is out of rotation, and always
+        when a backend has a saturation probe. Returns whether one is out of rotation (or
+        saturated) now."""
+        if not (self._health_dirty or self._down or self._probed):
+            return False
+        self._health_dirty = False
+        down = set()
         for name, d in self._dispatchers.items():
             b = d.stats()["backends"][name]
             ok = bool(b["healthy"]) and not b["saturated"]
             self.engine.queues[self._pool_of[name]].set_healthy(name, ok)
-            down = down or not ok
-        return down
+            if not ok:
+                down.add(name)
+        self._down = down
+        return bool(down)
 
     def _pump(self) -> None:
         """Start what may start; fail the waiters of what was dropped; arm the next timer."""
@@ -344,7 +356,8 @@ class PolicyDispatcher:
                     self._pump()
                     raise DeadlineExceeded("the request's deadline ran out while it was running; the backend "
                                            "call was aborted") from None
-                except BackendError as exc:
+                except (BackendError, NoHealthyBackend) as exc:
+                    self._health_dirty = True
                     decision = self.engine.fail(r, exc)
                     self._pump()
                     if not decision.retry:
@@ -416,7 +429,8 @@ class PolicyDispatcher:
                     self._pump()
                     raise DeadlineExceeded("the request's deadline ran out while it was streaming; the backend "
                                            "call was aborted") from None
-                except BackendError as exc:
+                except (BackendError, NoHealthyBackend) as exc:
+                    self._health_dirty = True
                     decision = self.engine.fail(r, exc, retryable=chunks == 0)
                     self._pump()
                     if not decision.retry:
@@ -456,6 +470,7 @@ class PolicyDispatcher:
             raise Refused("closed", "this dispatcher is closed")
         engine, ended = self.engine.reloaded(policy)
         self.engine = engine
+        self._health_dirty = True  # the new queues start with every backend healthy: look again
         self.policy = policy
         for r in ended:
             fut = self._waiters.pop(r.id, None)

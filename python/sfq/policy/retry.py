@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Hashable
 from typing import Generic, NamedTuple, TypeVar
 
-from ..errors import BackendError, BackendHTTPError, BackendUnavailable
+from ..errors import BackendError, BackendHTTPError, BackendUnavailable, NoHealthyBackend
 from .config import RetrySpec
 
 __all__ = ["RetryDecision", "RetryPlanner", "IdempotencyIndex", "retry_safe", "retry_after_of"]
@@ -75,12 +75,16 @@ def _never_connected(error: BaseException) -> bool:
 
 def retry_safe(error: BaseException, idempotency_key: str | None = None) -> bool:
     """Whether a failed attempt may be tried again (rule 1)."""
+    if isinstance(error, NoHealthyBackend):  # it waited for a backend that never came back: never sent
+        return True
     if not isinstance(error, BackendError):
         return False
     if idempotency_key:
         return True
     if isinstance(error, BackendHTTPError):
         return error.status in NOT_PROCESSED
+    if error.never_sent:  # the transport knows it never reached the server
+        return True
     if isinstance(error, BackendUnavailable):
         return _never_connected(error)
     return False
