@@ -73,6 +73,10 @@ class PolicyEngine:
         self.submitted = 0
         #: requests the last poll() (or next_start() calls since) ended for their queue age or deadline
         self.dropped: list[Request] = []
+        #: shared state (several gateways, ``sfq.state``): called when an attempt ends (with the
+        #: usage report's tokens, or ``None``) and when a request ends; ``None`` in memory
+        self.on_attempt_over: Callable[[Request, float | None], None] | None = None
+        self.on_end: Callable[[Request], None] | None = None
 
     # ------------------------------------------------------------ admission
     def classify(self, credential: str | None, stated_class: str | None, model: object) -> Flow:
@@ -222,10 +226,14 @@ class PolicyEngine:
         r.state = ENDED
         self.live.pop(r.id, None)
         self.metrics.ended(tuple(r.flow), outcome, reason)  # type: ignore[arg-type]
+        if self.on_end is not None:
+            self.on_end(r)
 
     def _attempt_over(self, r: Request, *, actual_tokens: float | None = None, served_cost: float | None = None,
                       retry_after: float | None = None, upstream_429: bool = False, timeout: bool = False) -> None:
         self.queues[r.flow.pool].finish(r, actual_tokens=actual_tokens, retry_after=retry_after)
+        if self.on_attempt_over is not None:
+            self.on_attempt_over(r, actual_tokens)
         self.metrics.attempt_ended(tuple(r.flow), served_cost=served_cost,  # type: ignore[arg-type]
                                    upstream_429=upstream_429, timeout=timeout)
 
@@ -313,6 +321,16 @@ class PolicyEngine:
                 self.metrics.cancelled_work_tokens(tuple(r.flow), work_tokens)  # type: ignore[arg-type]
         self._end(r, "cancelled_before_start" if r.tries == 0 else "cancelled_during_execution")
 
+    def abandon(self, r: Request, outcome: str, reason: str | None = None) -> None:
+        """End a request the engine started locally but that never reached a backend because
+        the shared state (several gateways, ``sfq.state``) did not grant its start: its slots
+        are freed and it ends as ``outcome`` (``refused``, ``failed`` or
+        ``cancelled_before_start``) with ``reason``."""
+        if r.state != RUNNING:
+            raise ValueError(f"abandon({r!r}): the request is not running")
+        self._attempt_over(r)
+        self._end(r, outcome, reason)
+
     def close(self) -> list[Request]:
         """End every waiting request (and every one between retries) as refused (``closed``);
         returns them. Running ones are left to end normally."""
@@ -357,6 +375,7 @@ class PolicyEngine:
                 raise PolicyError(section, "a reload cannot change this section; restart for that")
         new = PolicyEngine(policy, clock=self.clock, scheduler=self._scheduler, metrics=self.metrics)
         new.retry = self.retry
+        new.on_attempt_over, new.on_end = self.on_attempt_over, self.on_end
         new.retry.spec = policy.retry
         new.submitted = self.submitted
         for org, b in self.org_rate.items():

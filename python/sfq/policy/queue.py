@@ -516,6 +516,17 @@ class PolicyQueue:
                     q._group_full(g)
         self.sched.work_started()
 
+    def move(self, r: Request, backend: str) -> None:
+        """Count the running request ``r`` on ``backend`` instead of the one it was started on
+        (the shared state of several gateways granted it a slot there, ``sfq.state``)."""
+        if r.state != RUNNING or r.flow.pool != self.name or r.backend not in self.backends:
+            raise ValueError(f"move({r!r}): not a request running in pool {self.name!r}")
+        if backend not in self.backends:
+            raise ValueError(f"move: unknown backend {backend!r} of pool {self.name!r}")
+        self.backends[r.backend].in_flight -= 1
+        self.backends[backend].in_flight += 1
+        r.backend = backend
+
     def finish(self, r: Request, *, actual_tokens: float | None = None, retry_after: float | None = None) -> None:
         """A started request's attempt ended (any outcome): free its slots; correct the token
         bucket by ``actual_tokens`` (the usage report) when given; ``retry_after`` (an upstream
