@@ -3,7 +3,8 @@ gateway as a real process (``python -m sfq serve``) on loopback.
 
 The upstream's behaviour is chosen per request by its prompt (or last message): ``hold``
 waits until the test releases it, ``err500``/``err400``/``err503``/``err429`` answer that
-status, ``cut`` sends two stream events then drops the connection; anything else answers
+status, ``cut`` sends two stream events then drops the connection, ``drip`` streams one
+event per 50 ms; anything else answers
 (``max_tokens`` tokens of ``x``). It records every request's body and headers, which held
 requests were abandoned by the gateway (``aborted``), and which finished.
 """
@@ -131,6 +132,8 @@ class Upstream:
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await resp.prepare(request)
                 for i in range(n):
+                    if text.startswith("drip"):
+                        await asyncio.sleep(0.05)
                     if text.startswith("cut") and i == 2:
                         await asyncio.sleep(0.05)
                         request.transport.close()  # type: ignore[union-attr]

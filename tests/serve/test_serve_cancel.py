@@ -52,3 +52,18 @@ def test_disconnect_while_running_aborts_the_upstream_call(client, gate: Upstrea
     assert gateway.metric("sfq_in_flight", org="team-a") == 0
     gate.release()
     assert client.completions.create(model="m", prompt="next", max_tokens=1).choices[0].text == "x"
+
+
+def test_disconnect_mid_stream_aborts_the_upstream_stream(gateway: GatewayProcess, upstream: Upstream):
+    s = _send(gateway, {"model": "m", "prompt": "drip-1", "max_tokens": 400, "stream": True})
+    got = b""
+    while got.count(b"data: ") < 2:  # the stream has started and is flowing
+        piece = s.recv(65536)
+        assert piece, "the gateway closed the stream"
+        got += piece
+    assert got.startswith(b"HTTP/1.1 200") and b"text/event-stream" in got
+    s.close()
+    wait_until(lambda: "drip-1" in upstream.aborted, "the upstream to see the stream aborted")
+    line = wait_until(lambda: [x for x in gateway.access() if x["stream"] and x["status"] == 499],
+                      "the access log line of the abandoned stream")[-1]
+    assert line["outcome"] == "cancelled_during_execution" and line["events"] >= 2

@@ -381,4 +381,5 @@ class Gateway:
                 "completion_tokens": u.get("completion_tokens"), "duration": round(now - e.t0, 6)}
         if e.stream:
             line["events"] = e.events
-        access.info(_dumps(line))
+        # makeRecord + handle: what access.info does, without looking up the caller's frame
+        access.handle(access.makeRecord(ACCESS_LOGGER, logging.INFO, __file__, 0, _dumps(line), None, None))
