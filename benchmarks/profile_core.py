@@ -136,6 +136,8 @@ def group_of(obj: str) -> str:
         return "interpreter (CPython)"
     if name.startswith("libc.") or name.startswith("libc-") or name.startswith("libm."):
         return "libc / libm"
+    if name.startswith("_heapq") or name.startswith("_collections"):
+        return "stdlib C modules (_heapq)"
     if name.startswith("_multiarray") or name.startswith("libopenblas") or name.startswith("libscipy"):
         return "numpy"
     return "other"
@@ -214,12 +216,12 @@ def object_of(key: str) -> str:
     m = re.search(r"\[([^\]]+)\]\s*$", key)
     if m:
         return m.group(1)
-    fn = key.split(":")[-1]
-    if "_csfq" in fn:
+    path, _, fn = key.rpartition(":")
+    if "_csfq" in fn or "csfq/" in path:
         return "_csfq (inlined)"
-    if "cfloor" in fn:
+    if "cfloor" in fn or "cfloor" in path:
         return "cfloor (inlined)"
-    if re.match(r"_?Py|_?PyObject|_?PyEval", fn):
+    if re.match(r"_?Py", fn) or re.search(r"Python-3|/(Objects|Python|Include|Modules|Parser)/|python3\.", path):
         return "libpython (inlined)"
     return "?"
 
