@@ -284,3 +284,18 @@ async def test_close_ends_a_request_waiting_to_be_retried(server: FakeOpenAI) ->
         await asyncio.wait_for(task, 10)  # not an hour: close ends the wait
     assert info.value.reason == "closed"
     assert pd.stats()["flows"]["b/interactive/p"]["failed"] == 1 and not pd.engine.live
+
+
+async def test_slow_replies_within_and_past_the_deadline(server: FakeOpenAI) -> None:
+    server.delay = 0.3
+    async with policy_dispatcher(make_policy([server.url])) as pd:
+        assert (await pd.submit("kb", BODY, timeout=30))["choices"]  # slow but within its deadline
+        with pytest.raises(DeadlineExceeded):
+            await pd.submit("kb", BODY, timeout=0.1)  # slower than its deadline: aborted
+        for _ in range(100):
+            if server.disconnects:
+                break
+            await asyncio.sleep(0.01)
+        assert server.disconnects == 1
+        row = pd.stats()["flows"]["b/interactive/p"]
+        assert row["completed"] == 1 and row["failed"] == 1 and row["reasons"] == {"deadline": 1}
