@@ -49,6 +49,7 @@ from .config import Policy, load_policy
 from .engine import PolicyEngine
 from .queue import RUNNING, Request
 from .retry import IdempotencyIndex
+from ..state import SharedState, state_for
 
 __all__ = ["PolicyDispatcher"]
 
@@ -76,12 +77,17 @@ class PolicyDispatcher:
         ``unavailable_timeout``, ``close_grace``, ...).
     rng, scheduler:
         the retry jitter's random source; the core factory (default ``sfq.Scheduler``).
+    state:
+        where the policy's state lives (``sfq.state``): default, what the file's ``state:``
+        section asks for (Redis, shared with the other gateways of the same prefix) or, without
+        it, memory (nothing is consulted: no cost).
     """
 
     def __init__(self, policy: Policy | str | Path, *, backends: Mapping[str, Backend] | None = None,
                  clock: Callable[[], float] = time.monotonic, estimator: CostEstimator | None = None,
                  registry: CollectorRegistry | None = None, dispatcher_options: Mapping[str, Any] | None = None,
-                 rng: Any = None, scheduler: Callable[[], Any] | None = None) -> None:
+                 rng: Any = None, scheduler: Callable[[], Any] | None = None,
+                 state: SharedState | None = None) -> None:
         if not isinstance(policy, Policy):
             policy = load_policy(policy)
         self.policy = policy
@@ -123,12 +129,23 @@ class PolicyDispatcher:
         self._started = False
         self._closed = False
         self._pumping = False
+        if state is None:
+            state = state_for(policy, clock=clock)
+        if not isinstance(state, SharedState):
+            raise TypeError(f"state must be an sfq.state.SharedState, got {state!r}")
+        self.state: SharedState = state
+        self._shared = bool(state.shared)
+        if self._shared:
+            self.engine.on_attempt_over = state.attempt_over
+            self.engine.on_end = state.ended
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         if self._closed:
             raise Refused("closed", "this dispatcher is closed")
         if not self._started:
+            if self._shared:
+                await self.state.start()  # PolicyError: the other gateways of the prefix run another policy
             self._started = True
             await asyncio.gather(*(d.start() for d in self._dispatchers.values()))
 
@@ -142,9 +159,13 @@ class PolicyDispatcher:
             fut = self._waiters.pop(r.id, None)
             if fut is not None and not fut.done():
                 fut.set_exception(Refused("closed", "the dispatcher closed before this request started"))
+        if self._shared:
+            self.state.refuse_waiting()  # those the engine started that wait for the shared state's grant
         if self._timer is not None:
             self._timer.cancel()
         await asyncio.gather(*(d.close() for d in self._dispatchers.values()), return_exceptions=True)
+        if self._shared:
+            await self.state.close()
 
     async def __aenter__(self) -> PolicyDispatcher:
         await self.start()
@@ -244,14 +265,60 @@ class PolicyDispatcher:
         self._pump()
         return r
 
+    async def _admit_any(self, flow: Flow, body: Mapping[str, Any], deadline: float | None,
+                         key: str | None) -> Request:
+        """``_admit``, asking the shared state first (org rates, queue lengths) when there is one."""
+        if not self._shared:
+            return self._admit(flow, body, deadline, key)
+        if self._closed:
+            self.engine.refuse(flow, "closed")
+            raise Refused("closed", "this dispatcher is closed")
+        try:
+            ticket = await self.state.admit(flow)
+        except Refused as exc:
+            self.engine.refuse(flow, exc.reason)
+            raise
+        try:
+            r = self._admit(flow, body, deadline, key)
+        except BaseException:
+            self.state.drop(ticket)
+            raise
+        self.state.bind(ticket, r)
+        return r
+
+    async def _granted(self, r: Request) -> None:
+        """The shared state's grant of the start the engine decided for ``r``: global slots,
+        buckets and order (several gateways); ``r`` may be moved to the backend granted."""
+        q = self.engine.queues[r.flow.pool]
+        fits = [(b.name, b.limit) for b in q.backends.values()
+                if b.healthy and (b.max_context is None or r.need <= b.max_context)]
+        until = None if r.drop_at == math.inf else r.drop_at
+        try:
+            backend = await self.state.acquire(r, fits, until)
+        except Refused as exc:
+            self.engine.abandon(r, "refused" if r.tries <= 1 else "failed", exc.reason)
+            self._pump()
+            raise
+        except BaseException:
+            if r.state == RUNNING:
+                self.engine.abandon(r, "cancelled_before_start" if r.tries <= 1 else "cancelled_during_execution")
+                self._pump()
+            raise
+        if backend != r.backend and backend in q.backends:
+            q.move(r, backend)
+
     async def _until_started(self, r: Request) -> None:
         fut = self._waiters.get(r.id)
         if fut is None:
             if r.state == RUNNING:
+                if self._shared:
+                    await self._granted(r)
                 return
             fut = self._waiters[r.id] = asyncio.get_running_loop().create_future()
             self._pump()
         await fut  # bounded: the pump's timer drops it when its queue age or deadline runs out
+        if self._shared:
+            await self._granted(r)
 
     def _remaining(self, r: Request) -> float | None:
         return None if r.deadline is None else r.deadline - self.clock()
@@ -316,7 +383,7 @@ class PolicyDispatcher:
             if first is not None:
                 return dict(await asyncio.shield(first))
         deadline = self._deadline(timeout)
-        r = self._admit(flow, body, deadline, idempotency_key)
+        r = await self._admit_any(flow, body, deadline, idempotency_key)
         if on_admit is not None:
             on_admit(r)
         joined: asyncio.Future[dict[str, Any]] | None = None
@@ -394,7 +461,7 @@ class PolicyDispatcher:
         if not self._started:
             await self.start()
         flow = self.classify(credential, body, cls)
-        r = self._admit(flow, body, self._deadline(timeout), None)
+        r = await self._admit_any(flow, body, self._deadline(timeout), None)
         if on_admit is not None:
             on_admit(r)
         so = body.get("stream_options")
@@ -485,6 +552,8 @@ class PolicyDispatcher:
         """The policy's snapshot (``PolicyEngine.stats``) plus each backend's dispatcher view."""
         s = self.engine.stats()
         s["backends"] = {name: d.stats()["backends"][name] for name, d in self._dispatchers.items()}
+        if self._shared:
+            s["state"] = self.state.stats()
         return s
 
     def dispatcher_of(self, backend: str) -> Dispatcher:

@@ -1,0 +1,98 @@
+"""The interface of a policy's state as the asyncio dispatcher sees it, and the in-memory one.
+
+A :class:`~sfq.policy.PolicyDispatcher` keeps every meter, counter and bucket of its policy
+in memory (``sfq.policy.PolicyEngine``). That is the whole state of one gateway, and what
+:class:`InMemoryState` stands for: it adds nothing, and the dispatcher skips every call to it
+(``shared`` is false), so a gateway without a ``state:`` section pays nothing.
+
+A *shared* state (``shared`` true, :class:`sfq.state.RedisState`) makes several dispatchers
+(several ``sfq serve`` processes) behave as one: each one's engine still orders its own
+requests, and before a request the engine started locally reaches a backend, the shared
+state must grant it (:meth:`SharedState.acquire`): global slots, global buckets, and the
+global fair order. Admission (org rates, queue lengths) asks it first too
+(:meth:`SharedState.admit`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..policy.classify import Flow
+from ..policy.queue import Request
+
+__all__ = ["SharedState", "InMemoryState", "Ticket"]
+
+
+class Ticket:
+    """A request admitted by the shared state, before the engine has queued it: ``member`` is
+    its name in the shared state."""
+
+    __slots__ = ("member", "flow", "queued")
+
+    def __init__(self, member: str, flow: Flow, queued: bool) -> None:
+        self.member = member
+        self.flow = flow
+        self.queued = queued  # holds a waiting place (its class has a max_queue_length)
+
+
+class SharedState:
+    """What a :class:`~sfq.policy.PolicyDispatcher` asks of a policy state it shares with
+    other gateways. Subclasses override everything; ``shared`` false means "in memory:
+    skip every call"."""
+
+    #: whether the dispatcher must consult this state (false: the engine alone decides)
+    shared: bool = False
+
+    async def start(self) -> None:
+        """Connect (a store that cannot be reached yet is retried in the background)."""
+
+    async def close(self) -> None:
+        """Stop renewing; give back what is still held."""
+
+    @property
+    def available(self) -> bool:
+        """Whether new requests may be admitted now."""
+        return True
+
+    @property
+    def reason(self) -> str | None:
+        """Why not (``None`` when available)."""
+        return None
+
+    async def admit(self, flow: Flow) -> Ticket | None:
+        """Admission (org rates, queue lengths): a ticket, or ``Refused`` (``rate_limited``,
+        ``queue_full``, ``state_unavailable``)."""
+        return None
+
+    def bind(self, ticket: Ticket | None, r: Request) -> None:
+        """The engine accepted the ticket's request as ``r``."""
+
+    def drop(self, ticket: Ticket | None) -> None:
+        """The engine refused the ticket's request after all."""
+
+    async def acquire(self, r: Request, backends: Sequence[tuple[str, int]], until: float | None) -> str:
+        """Wait for the grant of the start the engine decided for ``r`` (already RUNNING in
+        the engine); returns the backend granted (one of ``backends``). Raises
+        ``Refused("queue_timeout"|"deadline")`` when ``until`` (on the dispatcher's clock)
+        passes first."""
+        assert r.backend is not None
+        return r.backend
+
+    def refuse_waiting(self) -> None:
+        """The dispatcher closes: every :meth:`acquire` still waiting raises ``Refused("closed")``."""
+
+    def attempt_over(self, r: Request, actual_tokens: float | None) -> None:
+        """A started attempt of ``r`` ended (granted or not): give back what it holds."""
+
+    def ended(self, r: Request) -> None:
+        """``r`` ended (any outcome): forget it."""
+
+    def stats(self) -> dict[str, Any]:
+        return {"kind": "memory"}
+
+
+class InMemoryState(SharedState):
+    """Today's single gateway: the engine's own memory is the whole state."""
+
+    shared = False

@@ -1,0 +1,507 @@
+"""Several gateways, one fair queue: the policy's shared state in Redis.
+
+Every ``sfq serve`` (or embedder's :class:`~sfq.policy.PolicyDispatcher`) started with the
+same policy and the same Redis behaves as one gateway (``docs/API.md``, "Several gateways,
+one queue"). Each keeps its own waiting requests and its engine orders them; a start the
+engine decides becomes a *candidate* in Redis, and one Lua script (:data:`~sfq.state._lua.ACQUIRE`,
+one round trip) grants it only when
+
+* the pool, the backend chosen, the org and the strict class have a free slot (global
+  counts: each slot is a *lease*, a member of a sorted set scored by its expiry in Redis's
+  own time, renewed by its holder at least three times per ``lease_seconds``), the pool's
+  token buckets allow it (refilled on Redis's time), and
+* no candidate ahead of it in the global order could go instead: strict classes first (in
+  the file's order, first come first served), then the weighted flows by SFQ start tag
+  (Goyal, Vin and Cheng, 1996): a candidate's tag is ``max(v, F)`` of its flow's meter ``F``
+  and the pool's virtual time ``v``, both in Redis, so the next free slot goes to the flow
+  with the smallest meter whichever gateway holds it.
+
+A denied candidate waits for a release (Redis pub/sub) or a short bounded poll. A gateway
+that dies stops renewing: its leases and candidates expire within ``lease_seconds``. While
+Redis cannot be reached the state is *unavailable*: new requests are refused (503,
+``state_unavailable``), running ones finish, waiting ones keep waiting within their limits,
+and a background probe brings it back. Every Redis call has a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from ..errors import PolicyError, Refused
+from ..policy.classify import Flow
+from ..policy.config import Policy, StateSpec
+from ..policy.queue import Request
+from . import _lua
+from .base import SharedState, Ticket
+
+__all__ = ["RedisState", "StateUnavailable", "policy_hash"]
+
+log = logging.getLogger("sfq.state")
+
+#: seconds between re-checks of a candidate denied by the order (another gateway's turn)
+ORDER_POLL = 0.02
+#: seconds between re-checks of a candidate denied by a full limit (a release also wakes it)
+LIMIT_POLL = 0.1
+#: seconds between probes while Redis cannot be reached
+PROBE = 0.25
+
+
+class StateUnavailable(Exception):
+    """Redis could not be reached (or answered an error) within the call's timeout."""
+
+
+def policy_hash(policy: Policy) -> str:
+    """A hash of everything the policy decides (not the file's path)."""
+    return hashlib.sha256(repr(replace(policy, source="")).encode()).hexdigest()
+
+
+class _Attempt:
+    __slots__ = ("member", "pool", "keys", "granted")
+
+    def __init__(self, member: str, pool: str) -> None:
+        self.member = member
+        self.pool = pool
+        self.keys: list[str] = []
+        self.granted = False
+
+
+class RedisState(SharedState):
+    """The shared state of ``policy`` in Redis (``spec``: the policy's ``state`` section).
+
+    ``clock``: the dispatcher's clock (only for the local waits' bounds; every expiry is
+    Redis's time); ``timeout``: seconds for each Redis call; ``gateway_id``: this process's
+    name in Redis (default: a fresh random one, so a restarted gateway never takes over
+    what the dead one held); ``client``: a ``redis.asyncio.Redis`` (default: from the URL).
+    """
+
+    shared = True
+
+    def __init__(self, spec: StateSpec, policy: Policy, *, clock: Callable[[], float] = time.monotonic,
+                 timeout: float = 0.5, gateway_id: str | None = None, client: Any = None) -> None:
+        if not isinstance(spec, StateSpec):
+            raise TypeError(f"spec must be an sfq.policy.StateSpec, got {spec!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
+                math.isfinite(timeout) and timeout > 0):
+            raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
+        self.spec = spec
+        self.policy = policy
+        self.clock = clock
+        self.timeout = float(timeout)
+        self.lease = float(spec.lease_seconds)
+        self.prefix = spec.prefix
+        self.gateway_id = gateway_id or os.urandom(6).hex()
+        self.hash = policy_hash(policy)
+        self._client = client
+        self._scripts: dict[str, Any] = {}
+        self._available = False
+        self._reason: str | None = "not connected to Redis yet"
+        self._fatal: str | None = None
+        self._att: dict[int, _Attempt] = {}
+        self._queued: dict[int, tuple[str, str]] = {}  # request id -> (queue key, member)
+        self._tickets = itertools.count(1)
+        self._wake: dict[str, asyncio.Future[None]] = {}
+        self._up: asyncio.Future[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._loops: list[asyncio.Task[Any]] = []
+        self._probe: asyncio.Task[Any] | None = None
+        self._closed = False
+        self._refusing = False
+        self.round_trips = 0
+        p = self.prefix
+        self._bucket_keys = {name: (f"{p}bucket:pool:{name}:rpm", f"{p}bucket:pool:{name}:tpm")
+                             for name in policy.pools}
+
+    # ------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Connect and check that the gateways sharing the prefix run the same policy
+        (``PolicyError`` when they do not). Redis down at start is not an error: the state
+        stays unavailable and a background probe connects when it can."""
+        if self._client is None:
+            import redis.asyncio as aioredis
+
+            self._client = aioredis.Redis.from_url(
+                self.spec.redis, socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
+                retry_on_timeout=False, health_check_interval=0)
+        for name in ("ADMIT", "ACQUIRE", "RELEASE", "WITHDRAW", "RENEW", "HELLO"):
+            self._scripts[name] = self._client.register_script(getattr(_lua, name))
+        self._up = asyncio.get_running_loop().create_future()
+        try:
+            await self._hello()
+        except StateUnavailable as exc:
+            log.warning("Redis %s cannot be reached (%s); refusing requests until it can", self.spec.redis, exc)
+            self._go_down(f"Redis {self.spec.redis} cannot be reached: {exc}")
+        if self._fatal is not None:
+            raise PolicyError("state", self._fatal)
+        self._loops = [asyncio.create_task(self._renew_loop()), asyncio.create_task(self._listen_loop())]
+
+    def refuse_waiting(self) -> None:
+        self._refusing = True
+        for pool in list(self._wake):
+            self._wakeup(pool)
+        if self._up is not None and not self._up.done():
+            self._up.set_result(None)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self.refuse_waiting()
+        self._closed = True
+        for t in self._loops + ([self._probe] if self._probe else []):
+            t.cancel()
+        for t in self._loops + ([self._probe] if self._probe else []):
+            with contextlib.suppress(BaseException):
+                await t
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=self.timeout * 2)
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                await self._client.aclose()
+
+    async def abandon(self) -> None:
+        """Stop renewing and talking to Redis at once, giving nothing back (what a gateway that
+        dies does; for tests)."""
+        self._closed = True
+        for t in self._loops + ([self._probe] if self._probe else []):
+            t.cancel()
+
+    @property
+    def available(self) -> bool:
+        return self._available and self._fatal is None
+
+    @property
+    def reason(self) -> str | None:
+        return self._fatal or (None if self._available else self._reason)
+
+    # ------------------------------------------------------------ Redis calls
+    async def _call(self, name: str, payload: dict[str, Any]) -> list[Any]:
+        if self._client is None:
+            raise StateUnavailable("not started")
+        self.round_trips += 1
+        try:
+            res = await asyncio.wait_for(
+                self._scripts[name](args=[self.prefix, json.dumps(payload, separators=(",", ":"))]),
+                self.timeout)
+        except asyncio.TimeoutError:
+            self._go_down(f"Redis {self.spec.redis} did not answer within {self.timeout:g} s")
+            raise StateUnavailable(f"no answer within {self.timeout:g} s") from None
+        except (OSError, Exception) as exc:
+            import redis.exceptions as rexc
+
+            if isinstance(exc, (OSError, rexc.ConnectionError, rexc.TimeoutError)):
+                self._go_down(f"Redis {self.spec.redis} cannot be reached: {exc}")
+                raise StateUnavailable(str(exc)) from None
+            if isinstance(exc, rexc.RedisError):
+                self._go_down(f"Redis {self.spec.redis} answered an error: {exc}")
+                raise StateUnavailable(str(exc)) from None
+            raise
+        return [x.decode() if isinstance(x, bytes) else x for x in res]
+
+    async def _hello(self) -> None:
+        res = await self._call("HELLO", {"lease": self.lease, "hash": self.hash})
+        if res[0] != 1:
+            self._fatal = self._mismatch(str(res[1]))
+            self._available = False
+            return
+        self._go_up()
+
+    def _mismatch(self, cur: str) -> str:
+        return (f"the gateways sharing Redis prefix {self.prefix!r} at {self.spec.redis} run a different policy "
+                f"(hash in force {cur[:12]}, this file's {self.hash[:12]}): start every gateway of a prefix "
+                "with the same policy file")
+
+    def _go_down(self, reason: str) -> None:
+        if self._closed:
+            return
+        if self._available:
+            log.error("shared state unavailable: %s", reason)
+        self._available = False
+        self._reason = reason
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.get_running_loop().create_task(self._probe_loop())
+
+    def _go_up(self) -> None:
+        if not self._available:
+            log.info("shared state available (Redis %s)", self.spec.redis)
+        self._available = True
+        self._reason = None
+        if self._up is not None and not self._up.done():
+            self._up.set_result(None)
+        self._up = asyncio.get_running_loop().create_future()
+        for pool in list(self._wake):
+            self._wakeup(pool)
+
+    async def _probe_loop(self) -> None:
+        while not self._closed and not self._available and self._fatal is None:
+            await asyncio.sleep(PROBE)
+            with contextlib.suppress(StateUnavailable):
+                await self._hello()
+                if self._available:
+                    await self._renew(add=True)  # Redis may have restarted empty: put back what is held
+
+    def _spawn(self, coro: Any) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    def _wakeup(self, pool: str) -> None:
+        fut = self._wake.pop(pool, None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    async def _sleep(self, pool: str, seconds: float) -> None:
+        fut = self._wake.get(pool)
+        if fut is None or fut.done():
+            fut = self._wake[pool] = asyncio.get_running_loop().create_future()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(fut), max(seconds, 0.0))
+
+    # ------------------------------------------------------------ renewals and wake-ups
+    def _held(self) -> list[list[str]]:
+        p = self.prefix
+        items: list[list[str]] = []
+        for a in self._att.values():
+            if a.granted:
+                items.extend([k, a.member] for k in a.keys)
+            else:
+                items.append([f"{p}cexp:{a.pool}", a.member])
+        items.extend([k, m] for k, m in self._queued.values())
+        return items
+
+    async def _renew(self, add: bool = False) -> None:
+        items = self._held()
+        res = await self._call("RENEW", {"lease": self.lease, "hash": self.hash, "add": add, "items": items})
+        if res[0] != 1:
+            self._fatal = self._mismatch(str(res[1]))
+            log.error("shared state refused: %s", self._fatal)
+            return
+        missing = res[1:]
+        if missing and not add:  # Redis lost them (a restart): put back those still held
+            held = {(k, m) for k, m in self._held()}
+            back = [items[int(i)] for i in missing if tuple(items[int(i)]) in held]
+            if back:
+                log.warning("Redis had lost %d of this gateway's leases; putting them back", len(back))
+                await self._call("RENEW", {"lease": self.lease, "hash": self.hash, "add": True, "items": back})
+
+    async def _renew_loop(self) -> None:
+        period = self.lease / 4.0  # at least three renewals per lease
+        while not self._closed:
+            await asyncio.sleep(period)
+            if self._available:
+                with contextlib.suppress(StateUnavailable):
+                    await self._renew()
+
+    async def _listen_loop(self) -> None:
+        channel = f"{self.prefix}wake"
+        while not self._closed:
+            ps = None
+            try:
+                if not self._available:
+                    await asyncio.sleep(PROBE)
+                    continue
+                assert self._client is not None
+                ps = self._client.pubsub()
+                await asyncio.wait_for(ps.subscribe(channel), self.timeout)
+                while not self._closed:
+                    m = await ps.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    if m is not None and m.get("type") == "message":
+                        d = m.get("data")
+                        self._wakeup(d.decode() if isinstance(d, bytes) else str(d))
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # Redis went away: the probe brings it back; resubscribe then
+                await asyncio.sleep(PROBE)
+            finally:
+                if ps is not None:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(ps.aclose(), self.timeout)
+
+    # ------------------------------------------------------------ admission
+    def _unavailable(self) -> Refused:
+        return Refused("state_unavailable", f"the gateways' shared state cannot be used: {self.reason}")
+
+    async def admit(self, flow: Flow) -> Ticket | None:
+        if not self.available:
+            raise self._unavailable()
+        cls = self.policy.classes[flow.cls]
+        org = self.policy.orgs[flow.org]
+        q = None
+        member = f"{self.gateway_id}:t{next(self._tickets)}"
+        if cls.max_queue_length is not None:
+            q = [f"{self.prefix}queue:{flow.pool}:{flow.cls}", cls.max_queue_length]
+        rate = None
+        if org.requests_per_minute is not None:
+            rate = [f"{self.prefix}bucket:org:{flow.org}", org.requests_per_minute, org.requests_per_minute / 60.0]
+        if q is None and rate is None:
+            return None
+        try:
+            res = await self._call("ADMIT", {"m": member, "lease": self.lease, "q": q, "org": rate})
+        except StateUnavailable:
+            raise self._unavailable() from None
+        if res[0] == 1:
+            return Ticket(member, flow, q is not None)
+        if res[1] == "rate_limited":
+            raise Refused("rate_limited", f"org {flow.org!r} is over its requests_per_minute "
+                                          f"({org.requests_per_minute:g}, all gateways together)",
+                          retry_after=float(res[2]))
+        raise Refused("queue_full", f"class {flow.cls!r} already has {cls.max_queue_length} requests waiting in "
+                                    f"pool {flow.pool!r} (max_queue_length, all gateways together)",
+                      retry_after=float(res[2]))
+
+    def bind(self, ticket: Ticket | None, r: Request) -> None:
+        if ticket is not None and ticket.queued:
+            self._queued[r.id] = (f"{self.prefix}queue:{r.flow.pool}:{r.flow.cls}", ticket.member)
+
+    def drop(self, ticket: Ticket | None) -> None:
+        if ticket is not None and ticket.queued and self._available:
+            self._spawn(self._withdraw(None, [f"{self.prefix}queue:{ticket.flow.pool}:{ticket.flow.cls}",
+                                              ticket.member]))
+
+    # ------------------------------------------------------------ starts
+    def _payload(self, r: Request, a: _Attempt, backends: Sequence[tuple[str, int]]) -> dict[str, Any]:
+        pol = self.policy
+        flow = r.flow
+        cls = pol.classes[flow.cls]
+        pool = pol.pools[flow.pool]
+        groups = []
+        org = pol.orgs[flow.org]
+        if org.max_in_flight is not None:
+            groups.append([f"org:{flow.org}", org.max_in_flight])
+        if cls.max_in_flight is not None:
+            groups.append([f"class:{flow.cls}", cls.max_in_flight])
+        lim = pool.limits
+        rk, tk = self._bucket_keys[flow.pool]
+        strict = pol.strict_classes.index(flow.cls) if cls.strict else -1
+        q = self._queued.get(r.id)
+        return {
+            "m": a.member, "pool": flow.pool, "lease": self.lease, "flow": f"{flow.org}\t{flow.cls}",
+            "cost": r.cost, "w": pol.flow_weight(flow.org, flow.cls), "strict": strict,
+            "pool_lim": -1 if lim.max_in_flight is None else lim.max_in_flight,
+            "backends": [[n, int(lm)] for n, lm in backends], "groups": groups,
+            "rpm": None if not lim.requests_per_minute else [rk, lim.requests_per_minute,
+                                                             lim.requests_per_minute / 60.0],
+            "tpm": None if not lim.tokens_per_minute else [tk, lim.tokens_per_minute, lim.tokens_per_minute / 60.0,
+                                                           r.tokens],
+            "q": None if q is None else list(q),
+        }
+
+    async def acquire(self, r: Request, backends: Sequence[tuple[str, int]], until: float | None) -> str:
+        if not backends:
+            backends = [(r.backend or "", 1)]
+        pool = r.flow.pool
+        a = self._att.get(r.id)
+        if a is None or a.granted:
+            a = self._att[r.id] = _Attempt(f"{self.gateway_id}:{r.id}:{r.tries}", pool)
+        payload = self._payload(r, a, backends)
+        while True:
+            if self._refusing or self._closed:
+                raise Refused("closed", "the gateway closed before the shared state granted this request's start")
+            wait = LIMIT_POLL
+            if self.available:
+                call = asyncio.ensure_future(self._call("ACQUIRE", payload))
+                try:
+                    res: list[Any] | None = await asyncio.shield(call)
+                except StateUnavailable:
+                    res = None
+                except asyncio.CancelledError:  # the caller gave up: give back a grant in flight
+                    call.add_done_callback(lambda c: self._late(c, r, a))
+                    raise
+                if res is not None and res[0] == 1:
+                    self._granted(r, a, str(res[1]))
+                    return str(res[1])
+                if res is not None:
+                    wait = ORDER_POLL if res[1] == "order" else (
+                        min(max(float(res[2]), 0.001), 1.0) if res[1] == "bucket" else LIMIT_POLL)
+            else:
+                wait = PROBE
+            if until is not None:
+                left = until - self.clock()
+                if left <= 0:
+                    raise Refused(r.drop_reason or "queue_timeout",
+                                  "the request's queue age ran out before the gateways' shared state granted its "
+                                  "start" + ("" if self.available else f" ({self.reason})"))
+                wait = min(wait, left)
+            if self.available:
+                await self._sleep(pool, wait)
+            else:
+                assert self._up is not None
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(self._up), wait)
+
+    def _granted(self, r: Request, a: _Attempt, backend: str) -> None:
+        p = self.prefix
+        flow = r.flow
+        a.granted = True
+        a.keys = [f"{p}lease:pool:{flow.pool}", f"{p}lease:backend:{backend}"]
+        if self.policy.orgs[flow.org].max_in_flight is not None:
+            a.keys.append(f"{p}lease:org:{flow.org}")
+        if self.policy.classes[flow.cls].max_in_flight is not None:
+            a.keys.append(f"{p}lease:class:{flow.cls}")
+        self._queued.pop(r.id, None)
+
+    def _late(self, call: asyncio.Future[list[Any]], r: Request, a: _Attempt) -> None:
+        if call.cancelled() or call.exception() is not None:
+            return
+        res = call.result()
+        if res[0] == 1:
+            self._granted(r, a, str(res[1]))
+            if self._att.get(r.id) is not a:  # already over: give it back now
+                self._spawn(self._release(a, None, r))
+
+    def attempt_over(self, r: Request, actual_tokens: float | None) -> None:
+        a = self._att.pop(r.id, None)
+        if a is None:
+            return
+        if a.granted:
+            self._spawn(self._release(a, actual_tokens, r))
+        else:
+            self._spawn(self._withdraw(a.pool, None, a.member))
+
+    def ended(self, r: Request) -> None:
+        q = self._queued.pop(r.id, None)
+        if q is not None:
+            self._spawn(self._withdraw(None, list(q)))
+
+    async def _release(self, a: _Attempt, actual_tokens: float | None, r: Request) -> None:
+        tpm = None
+        lim = self.policy.pools[a.pool].limits
+        if lim.tokens_per_minute and actual_tokens is not None and math.isfinite(actual_tokens):
+            diff = float(actual_tokens) - r.tokens
+            if diff:
+                tpm = [self._bucket_keys[a.pool][1], lim.tokens_per_minute, lim.tokens_per_minute / 60.0, diff]
+        with contextlib.suppress(StateUnavailable):  # not reachable: the leases expire by themselves
+            await self._call("RELEASE", {"m": a.member, "pool": a.pool, "keys": a.keys, "tpm": tpm})
+        self._wakeup(a.pool)
+
+    async def _withdraw(self, pool: str | None, q: list[str] | None, member: str = "") -> None:
+        with contextlib.suppress(StateUnavailable):
+            await self._call("WITHDRAW", {"m": member, "pool": pool, "q": q})
+        if pool is not None:
+            self._wakeup(pool)
+
+    # ------------------------------------------------------------ views
+    def stats(self) -> dict[str, Any]:
+        return {"kind": "redis", "available": self.available, "reason": self.reason, "gateway": self.gateway_id,
+                "prefix": self.prefix, "lease_seconds": self.lease, "holding": sum(a.granted for a in self._att.values()),
+                "candidates": sum(not a.granted for a in self._att.values()), "round_trips": self.round_trips}
+
+    async def global_counts(self) -> dict[str, int]:
+        """Every lease set's live count (for tests and ``/health``)."""
+        assert self._client is not None
+        out = {}
+        now = float((await asyncio.wait_for(self._client.time(), self.timeout))[0])
+        async for k in self._client.scan_iter(match=f"{self.prefix}lease:*"):
+            key = k.decode() if isinstance(k, bytes) else k
+            out[key[len(self.prefix) + 6:]] = int(await asyncio.wait_for(
+                self._client.zcount(key, f"({now}", "+inf"), self.timeout))
+        return out
