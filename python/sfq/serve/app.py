@@ -189,6 +189,13 @@ class Gateway:
         backends = {name: {k: b[k] for k in ("healthy", "saturated", "in_flight", "max_in_flight") if k in b}
                     for name, b in s["backends"].items()}
         body = {"status": "draining" if self.draining else "ok", "pools": pools, "backends": backends}
+        st = self.pd.state
+        if st.shared:  # several gateways, one queue: without the shared state nothing new is admitted
+            body["state"] = s.get("state")
+            if not st.available and not self.draining:
+                body["status"] = "state_unavailable"
+                body["reason"] = st.reason
+                return _json(503, body)
         return _json(503 if self.draining else 200, body)
 
     async def _metrics(self, request: web.Request) -> web.Response:
