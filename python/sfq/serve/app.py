@@ -389,4 +389,4 @@ class Gateway:
         if e.stream:
             line["events"] = e.events
         # makeRecord + handle: what access.info does, without looking up the caller's frame
-        access.handle(access.makeRecord(ACCESS_LOGGER, logging.INFO, __file__, 0, _dumps(line), None, None))
+        access.handle(access.makeRecord(ACCESS_LOGGER, logging.INFO, __file__, 0, _dumps(line), (), None))
