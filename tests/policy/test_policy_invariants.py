@@ -7,7 +7,7 @@ import random
 from collections import Counter
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -208,3 +208,49 @@ def test_random_operations_keep_every_promise(make) -> None:
     m.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None,
                                    suppress_health_check=[HealthCheck.too_slow])
     m.TestCase().runTest()
+
+
+@pytest.mark.skipif(sfq.CORE != "compiled", reason="needs the compiled core next to the twin")
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(st.tuples(st.sampled_from(["submit", "poll", "complete", "fail", "cancel", "advance"]),
+                              st.integers(0, 10_000)), max_size=120))
+def test_both_twins_start_the_same_requests_in_the_same_order(ops: list[tuple[str, int]]) -> None:
+    runs = []
+    for make in (sfq.Scheduler, sfq.ReferenceScheduler):
+        clock = Clock()
+        e = PolicyEngine(POLICY, clock=clock, scheduler=make, rng=random.Random(0))
+        index: dict[int, int] = {}  # request id -> submission number
+        log: list[tuple[str, int]] = []
+        running: list[Request] = []
+        waiting: list[Request] = []
+        n = 0
+        for op, x in ops:
+            if op == "submit":
+                f = FLOWS[x % len(FLOWS)]
+                try:
+                    r = e.submit(f, cost=[1, 60, 150, 3000][x % 4], tokens=x % 700)
+                except Refused as exc:
+                    log.append(("refused:" + exc.reason, n))
+                else:
+                    index[r.id] = n
+                    waiting.append(r)
+                n += 1
+            elif op == "poll":
+                for r in e.poll():
+                    log.append(("start:" + str(r.backend), index[r.id]))
+                    running.append(r)
+            elif op == "complete" and running:
+                e.complete(running.pop(x % len(running)))
+            elif op == "fail" and running:
+                r = running.pop(x % len(running))
+                d = e.fail(r, BackendHTTPError("busy", status=503))
+                if d.retry:
+                    e.requeue(r)
+            elif op == "cancel":
+                live = [r for r in waiting if r.outcome is None and r.state == WAITING]
+                if live:
+                    e.cancel(live[x % len(live)])
+            elif op == "advance":
+                clock.t += [0.0, 0.5, 30.0, 7200.0][x % 4]
+        runs.append(log)
+    assert runs[0] == runs[1]
