@@ -14,7 +14,7 @@ def snapshot(s: Any, flows: list[Hashable]) -> tuple:
         s.known_flows,
         s.virtual_time,
         s.in_flight,
-        tuple((s.meter(f), s.pending(f), s.weight(f), s.suspended(f)) for f in flows),
+        tuple((s.meter(f), s.pending(f), s.weight(f), s.suspended(f), s.running(f)) for f in flows),
     )
 
 

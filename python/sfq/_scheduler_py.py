@@ -16,9 +16,12 @@ State
 Rules
 -----
 * enqueue: append to the flow's FIFO; if the flow was not competing it (re)joins with
-  ``S = max(S, v)`` (a new flow starts at ``S = v``);
-* dispatch: take the competing flow with the smallest ``(S, head ticket)``, set ``v = S``,
-  pop its head request and charge ``S += ceil(cost * SCALE / weight)``;
+  ``S = max(S, v)`` (a new flow starts at ``S = v``), unless the caller reported work of
+  the flow still in flight (``work_started(flow)``): such a flow never left the system, so
+  it keeps its own meter, lag included (the delivered-service modes);
+* dispatch: take the competing flow with the smallest ``(S, head ticket)``, set
+  ``v = max(v, S)`` (``v = S`` whenever meters are only charged at dispatch), pop its head
+  request and charge ``S += ceil(cost * SCALE / weight)``;
 * when no flow competes any more and no work is in flight: ``v = max(v, max_finish)`` (the
   idle rule: the next busy period starts level);
 * cancel removes a waiting request uncharged; suspend/resume take a flow out of the
@@ -96,7 +99,7 @@ class ReferenceDispatch:
 
 
 class _Flow:
-    __slots__ = ("key", "S", "weight", "queue", "live", "waiting", "suspended", "idle_gen")
+    __slots__ = ("key", "S", "weight", "queue", "live", "waiting", "suspended", "running", "idle_gen")
 
     def __init__(self, key: Hashable, S: int):
         self.key = key
@@ -106,6 +109,7 @@ class _Flow:
         self.live = 0  # waiting (not cancelled) requests
         self.waiting = False  # competing: in the selection heap
         self.suspended = False  # taken out of the competition by the caller
+        self.running = 0  # the caller's work of this flow in flight (work_started(flow))
         self.idle_gen = 0  # bumps on every change of idle-heap entry, to invalidate old ones
 
 
@@ -169,7 +173,11 @@ class ReferenceScheduler:
         self._enter()
         try:
             f = self._get(flow)
-            return to_units(self._v if f is None else max(f.S, self._v))
+            if f is None:
+                return to_units(self._v)
+            if f.waiting or (f.running and not f.suspended):
+                return to_units(f.S)  # competing, or keeping its lag while its work runs
+            return to_units(max(f.S, self._v))
         finally:
             self._exit()
 
@@ -186,6 +194,15 @@ class ReferenceScheduler:
         try:
             f = self._get(flow)
             return DEFAULT_WEIGHT if f is None else f.weight
+        finally:
+            self._exit()
+
+    def running(self, flow: Hashable) -> int:
+        """Work of ``flow`` reported by ``work_started(flow)`` and not yet done."""
+        self._enter()
+        try:
+            f = self._get(flow)
+            return 0 if f is None else f.running
         finally:
             self._exit()
 
@@ -267,7 +284,8 @@ class ReferenceScheduler:
                     return
                 f = self._flows[flow] = _Flow(flow, self._v)
             f.weight = w
-            if w == DEFAULT_WEIGHT and not f.waiting and not f.suspended and f.S <= self._v and not f.queue:
+            if (w == DEFAULT_WEIGHT and not f.waiting and not f.suspended and not f.running
+                    and f.S <= self._v and not f.queue):
                 self._discard(f)
         finally:
             self._exit()
@@ -303,8 +321,8 @@ class ReferenceScheduler:
             junk: list[Any] = []
             f.suspended = False
             if f.queue:
-                self._join(f, f.queue[0])
-            else:
+                self._join(f, f.queue[0], lift=True)  # nothing banked while held back
+            elif not f.running:
                 self._park(f)
                 self._forget_idle(junk)
         finally:
@@ -320,8 +338,12 @@ class ReferenceScheduler:
             if d == 0.0:
                 return
             sub = adjustment(d, DEFAULT_WEIGHT if f is None else f.weight)
-            base = self._v if f is None else max(f.S, self._v)
-            new = max(base + sub, self._v)
+            if f is not None and f.running:
+                # work in flight: the flow never left, its meter (lag included) is its own;
+                # a refund may take it below v, never more than MAX_LEAD below
+                new = max(f.S + sub, self._v - MAX_LEAD)
+            else:
+                new = max((self._v if f is None else max(f.S, self._v)) + sub, self._v)
             if new - self._v > MAX_LEAD:
                 raise lead_overflow(flow, delta)
             if f is None:
@@ -334,28 +356,45 @@ class ReferenceScheduler:
                 self._max_finish = new
             if f.waiting:
                 heapq.heappush(self._heap, (f.S, f.queue[0], f))  # the old entry goes stale
-            elif not f.suspended:
+            elif not f.suspended and not f.running:
                 self._park(f)
                 self._forget_idle(junk)
         finally:
             self._exit()
 
-    def work_started(self) -> None:
+    def work_started(self, flow: Hashable = None) -> None:
         """The caller started work (a request went to a server): the busy period stays open
-        until the matching ``work_done()``, even when no request waits here."""
-        self._enter()
-        self._in_flight += 1
-        self._exit()
-
-    def work_done(self) -> None:
-        """Work reported by ``work_started()`` ended. When it was the last and no flow
-        competes, the idle rule closes the busy period."""
+        until the matching ``work_done()``, even when no request waits here. With ``flow``,
+        the work is that flow's: until it is done the flow keeps its meter when it rejoins."""
         self._enter()
         try:
-            if self._in_flight == 0:
+            if flow is not None:
+                f = self._get(flow)
+                if f is None:
+                    f = self._flows[flow] = _Flow(flow, self._v)
+                if f.running == 0 and not f.waiting and not f.suspended:
+                    f.idle_gen += 1  # out of the idle heap: a flow with work in flight is kept
+                f.running += 1
+            self._in_flight += 1
+        finally:
+            self._exit()
+
+    def work_done(self, flow: Hashable = None) -> None:
+        """Work reported by ``work_started()`` (with the same ``flow``) ended. When it was the
+        last and no flow competes, the idle rule closes the busy period."""
+        self._enter()
+        try:
+            junk: list[Any] = []
+            if flow is not None:
+                f = self._get(flow)
+                if f is None or f.running == 0:
+                    raise ValueError(f"work_done({flow!r}) without a matching work_started({flow!r})")
+                f.running -= 1
+                if f.running == 0 and not f.waiting and not f.suspended:
+                    self._park(f)
+            elif self._in_flight == 0:
                 raise ValueError("work_done() without a matching work_started(): no work is in flight")
             self._in_flight -= 1
-            junk: list[Any] = []
             self._idle_rule()
             self._forget_idle(junk)
         finally:
@@ -437,12 +476,14 @@ class ReferenceScheduler:
         f.live += 1
         self._requests[ticket] = (f, c, item)
         if not f.waiting and not f.suspended:
-            self._join(f, ticket if len(f.queue) == 1 else f.queue[0])
+            self._join(f, f.queue[0], lift=not f.running)
         return ticket
 
-    def _join(self, f: _Flow, head: int) -> None:
-        """(Re)join the competition: no banking while away, no escaping a charge."""
-        f.S = max(f.S, self._v)
+    def _join(self, f: _Flow, head: int, lift: bool) -> None:
+        """(Re)join the competition: no banking while away, no escaping a charge. A flow
+        whose work is still in flight never went away: it keeps its meter (lift=False)."""
+        if lift:
+            f.S = max(f.S, self._v)
         f.waiting = True
         f.idle_gen += 1
         self._waiting_flows += 1
@@ -466,7 +507,8 @@ class ReferenceScheduler:
         ticket = f.queue.popleft()
         _, cost, item = self._requests.pop(ticket)
         f.live -= 1
-        self._v = S
+        if S > self._v:
+            self._v = S
         f.S = S + charge(cost, f.weight)
         if f.S > self._max_finish:
             self._max_finish = f.S
@@ -488,7 +530,8 @@ class ReferenceScheduler:
         """``f`` has no waiting request left: it leaves the competition, keeping its meter."""
         f.waiting = False
         self._waiting_flows -= 1
-        self._park(f)
+        if not f.running:  # a flow with work in flight is kept (out of the idle heap)
+            self._park(f)
         self._idle_rule()
 
     def _park(self, f: _Flow) -> None:
@@ -507,8 +550,8 @@ class ReferenceScheduler:
             entry = heapq.heappop(idle)
             junk.append(entry)
             f = entry[3]
-            if (not f.waiting and not f.suspended and f.idle_gen == entry[2] and not f.queue
-                    and f.weight == DEFAULT_WEIGHT):
+            if (not f.waiting and not f.suspended and not f.running and f.idle_gen == entry[2]
+                    and not f.queue and f.weight == DEFAULT_WEIGHT):
                 self._discard(f)
 
     def _discard(self, f: _Flow) -> None:

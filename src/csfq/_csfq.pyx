@@ -7,7 +7,9 @@ charged, aligned to a common baseline. The virtual time v is the start tag of th
 recent dispatch. Dispatch takes the competing flow with the smallest S (ties: the flow whose
 head request was enqueued first, i.e. the smaller ticket), sets v = S, and charges
 S += cost / weight. A flow that (re)joins gets S = max(S, v): no credit is banked while idle,
-no charge escaped by leaving. When no flow competes and the caller reports no work in flight,
+no charge escaped by leaving. (A flow whose work the caller reports still in flight, with
+work_started(flow), has not left the system: it keeps its meter when it rejoins, so v becomes
+max(v, S) at dispatch. Meters charged only at dispatch never fall below v, and there v = S.) When no flow competes and the caller reports no work in flight,
 v = max(v, largest finish tag): the next busy period starts level. Hence every competing
 meter lies in [v, v + c_max], and two backlogged flows never differ in charged cost by more
 than 2 c_max over any interval. adjust() is the one other writer of meters: the caller's
@@ -128,6 +130,7 @@ cdef enum:
     IDLE = 2       # no waiting request, S > v; in the idle heap until v passes S
     DORMANT = 3    # no waiting request, S <= v, kept only for its non-default weight
     SUSPENDED = 4  # taken out of the competition by the caller; its requests (if any) keep waiting
+    RUNNING = 5    # no waiting request, but work in flight (work_started(flow)): kept, in no heap
 
 ctypedef struct Req:
     int64_t ticket      # enqueue ticket; negated once cancelled (a tombstone until it reaches the head)
@@ -146,6 +149,7 @@ ctypedef struct Flow:
     uint32_t live       # waiting requests, tombstones excluded
     int32_t state       # FREE / WAITING / IDLE / DORMANT / SUSPENDED
     uint32_t batch      # scratch for enqueue_many: requests of this batch not yet reserved; 0 otherwise
+    uint32_t running    # the caller's work of this flow in flight (work_started(flow) - work_done(flow))
 
 cdef extern from "sfq_heap.h":
     # (S, ticket, slot): S the flow's meter in sub-units, ticket its head request's ticket
@@ -334,6 +338,7 @@ cdef class Scheduler:
             self._fslot[i] = -1
         self._fcount = 0
         self._ready = 0
+        self._in_flight = 0
         self._ckey = NULL
         self._owner = 0
         self._flush()
@@ -686,6 +691,7 @@ cdef class Scheduler:
         f.count = 0
         f.live = 0
         f.batch = 0
+        f.running = 0
         f.state = DORMANT
         f.hash = h
         Py_INCREF(key)
@@ -726,6 +732,20 @@ cdef class Scheduler:
         f.count = 0
         self._heap_push(&self._idle, f.S, 0, slot)
 
+    cdef void _leave(self, int32_t slot) noexcept:
+        """The flow has no waiting request left and stops competing: it is parked in the idle
+        heap, or kept as RUNNING while its work is in flight (room reserved by the caller)."""
+        cdef Flow* f = &self._flows[slot]
+        if f.running:
+            f.state = RUNNING
+            PyMem_Free(f.ring)
+            f.ring = NULL
+            f.cap = 0
+            f.head = 0
+            f.count = 0
+        else:
+            self._park(slot)
+
     cdef inline void _idle_rule(self) noexcept nogil:
         # the system is idle (nothing competes, no work in flight): close the busy period
         if self._wait.n == 0 and self._in_flight == 0 and self._max_finish > self._v:
@@ -757,11 +777,15 @@ cdef class Scheduler:
         for s in range(self._nslots):
             f = &self._flows[s]
             if f.state != FREE:
-                if f.S < d:
-                    f.S = d  # only flows that do not compete are below v; rejoining raises them to v
+                if f.S < d and f.state != WAITING and f.state != RUNNING:
+                    f.S = d  # below v and not keeping a lag: rejoining would raise it to v
                 f.S -= d
+                if f.S < -MAX_LEAD:
+                    f.S = -MAX_LEAD  # a lag of more than 2**41 cost units is capped there
         for i in range(self._wait.n):
             self._wait.a[i].S -= d
+            if self._wait.a[i].S < -MAX_LEAD:
+                self._wait.a[i].S = -MAX_LEAD
         for i in range(self._idle.n):
             self._idle.a[i].S -= d
         self._max_finish -= d
@@ -795,14 +819,20 @@ cdef class Scheduler:
         return _units(self._base, self._v)
 
     def meter(self, flow):
-        """The flow's meter S in cost units (v for a flow with no state, or idle below v)."""
+        """The flow's meter S in cost units (v for a flow with no state, or idle below v; a flow
+        with work in flight keeps its own, which may lie below v)."""
         cdef Py_hash_t h
         cdef int32_t slot
         cdef int64_t S
         self._enter()
         try:
             slot = self._lookup(flow, &h)
-            S = self._v if slot < 0 else max(self._flows[slot].S, self._v)
+            if slot < 0:
+                S = self._v
+            elif self._flows[slot].state == WAITING or self._flows[slot].state == RUNNING:
+                S = self._flows[slot].S  # competing, or keeping its lag while its work runs
+            else:
+                S = max(self._flows[slot].S, self._v)
         finally:
             self._leave_method()
         return _units(self._base, S)
@@ -826,6 +856,17 @@ cdef class Scheduler:
         try:
             slot = self._lookup(flow, &h)
             return 1.0 if slot < 0 else self._flows[slot].weight
+        finally:
+            self._leave_method()
+
+    def running(self, flow):
+        """Work of ``flow`` reported by ``work_started(flow)`` and not yet done."""
+        cdef Py_hash_t h
+        cdef int32_t slot
+        self._enter()
+        try:
+            slot = self._lookup(flow, &h)
+            return 0 if slot < 0 else self._flows[slot].running
         finally:
             self._leave_method()
 
@@ -876,10 +917,10 @@ cdef class Scheduler:
         self._tput(ticket, slot)
         if f.state == WAITING:
             self._ready += 1
-        elif f.state != SUSPENDED:  # (re)join: S = max(S, v)
+        elif f.state != SUSPENDED:  # (re)join: S = max(S, v), unless work of it is in flight
             if f.state == IDLE:
                 self._heap_remove(&self._idle, self._pos[slot])
-            if f.S < self._v:
+            if f.S < self._v and f.state != RUNNING:
                 f.S = self._v
             f.state = WAITING
             self._ready += 1
@@ -932,7 +973,8 @@ cdef class Scheduler:
         f.live -= 1
         self._ready -= 1
         self._tdel(r.ticket)
-        self._v = start
+        if start > self._v:
+            self._v = start
         f.S = start + <int64_t>ceil(r.cost * SCALE_D / f.weight)
         if f.S > self._max_finish:
             self._max_finish = f.S
@@ -953,7 +995,7 @@ cdef class Scheduler:
             sfq_sift_root(self._wait.a, self._pos, self._wait.n, e)
         else:
             self._heap_remove(&self._wait, 0)
-            self._park(slot)
+            self._leave(slot)
             self._idle_rule()
         self._after_v_moved()
         self._prefetch_next()
@@ -1067,7 +1109,7 @@ cdef class Scheduler:
                         self._heap_rekey(&self._wait, self._pos[slot], f.S, f.ring[f.head].ticket)
                     else:
                         self._heap_remove(&self._wait, self._pos[slot])
-                        self._park(slot)
+                        self._leave(slot)
                         self._idle_rule()
                         self._after_v_moved()
             return True
@@ -1145,7 +1187,7 @@ cdef class Scheduler:
                 self._heap_push(&self._wait, f.S, f.ring[f.head].ticket, slot)
             else:
                 self._heap_reserve(&self._idle, 1)
-                self._park(slot)
+                self._leave(slot)
                 self._after_v_moved()
         finally:
             self._leave_method()
@@ -1165,12 +1207,22 @@ cdef class Scheduler:
             if d == 0.0:
                 return
             sub = _adjustment(d, 1.0 if slot < 0 else self._flows[slot].weight)
-            base = self._v if slot < 0 else max(self._flows[slot].S, self._v)
-            if sub > MAX_LEAD - (base - self._v):
-                raise _lead_overflow(flow, delta)
-            new = base + sub
-            if new < self._v:
-                new = self._v
+            if slot >= 0 and self._flows[slot].running:
+                # work in flight: the flow never left, its meter (lag included) is its own;
+                # a refund may take it below v, never more than MAX_LEAD below
+                base = self._flows[slot].S
+                if sub > MAX_LEAD - (base - self._v):
+                    raise _lead_overflow(flow, delta)
+                new = base + sub
+                if new < self._v - MAX_LEAD:
+                    new = self._v - MAX_LEAD
+            else:
+                base = self._v if slot < 0 else max(self._flows[slot].S, self._v)
+                if sub > MAX_LEAD - (base - self._v):
+                    raise _lead_overflow(flow, delta)
+                new = base + sub
+                if new < self._v:
+                    new = self._v
             if slot < 0:
                 if new <= self._v:
                     return  # a refund to a flow with no state: it would start at v anyway
@@ -1194,19 +1246,51 @@ cdef class Scheduler:
         finally:
             self._leave_method()
 
-    def work_started(self):
+    def work_started(self, flow=None):
         """The caller started work (a request went to a server): the busy period stays open
-        until the matching ``work_done()``, even when no request waits here."""
-        self._enter()
-        self._in_flight += 1
-        self._owner = 0
-
-    def work_done(self):
-        """Work reported by ``work_started()`` ended. When it was the last and no flow
-        competes, the idle rule closes the busy period."""
+        until the matching ``work_done()``, even when no request waits here. With ``flow``,
+        the work is that flow's: until it is done the flow keeps its meter when it rejoins."""
+        cdef Py_hash_t h = 0
+        cdef int32_t slot
+        cdef Flow* f
         self._enter()
         try:
-            if self._in_flight == 0:
+            if flow is not None:
+                slot = self._lookup(flow, &h)
+                if slot < 0:
+                    self._slot_reserve(1)
+                    slot = self._new_slot(flow, h)
+                f = &self._flows[slot]
+                if f.running == 0xFFFFFFFF:
+                    raise OverflowError(f"too much work in flight for flow {flow!r} (at most 2**32 - 1)")
+                if f.state == IDLE:
+                    self._heap_remove(&self._idle, self._pos[slot])
+                    f.state = RUNNING
+                elif f.state == DORMANT:
+                    f.state = RUNNING
+                f.running += 1
+            self._in_flight += 1
+        finally:
+            self._leave_method()
+
+    def work_done(self, flow=None):
+        """Work reported by ``work_started()`` (with the same ``flow``) ended. When it was the
+        last and no flow competes, the idle rule closes the busy period."""
+        cdef Py_hash_t h = 0
+        cdef int32_t slot
+        cdef Flow* f
+        self._enter()
+        try:
+            if flow is not None:
+                slot = self._lookup(flow, &h)
+                if slot < 0 or self._flows[slot].running == 0:
+                    raise ValueError(f"work_done({flow!r}) without a matching work_started({flow!r})")
+                self._heap_reserve(&self._idle, 1)  # before any change
+                f = &self._flows[slot]
+                f.running -= 1
+                if f.running == 0 and f.state == RUNNING:
+                    self._park(slot)
+            elif self._in_flight == 0:
                 raise ValueError("work_done() without a matching work_started(): no work is in flight")
             self._in_flight -= 1
             self._idle_rule()
