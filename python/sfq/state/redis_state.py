@@ -405,6 +405,7 @@ class RedisState(SharedState):
         payload = self._payload(r, a, backends)
         while True:
             if self._refusing or self._closed:
+                self._give_up(r, a)
                 raise Refused("closed", "the gateway closed before the shared state granted this request's start")
             wait = LIMIT_POLL
             if self.available:
@@ -414,6 +415,8 @@ class RedisState(SharedState):
                 except StateUnavailable:
                     res = None
                 except asyncio.CancelledError:  # the caller gave up: give back a grant in flight
+                    if self._att.get(r.id) is a:
+                        del self._att[r.id]
                     call.add_done_callback(lambda c: self._late(c, r, a))
                     raise
                 if res is not None and res[0] == 1:
@@ -427,6 +430,7 @@ class RedisState(SharedState):
             if until is not None:
                 left = until - self.clock()
                 if left <= 0:
+                    self._give_up(r, a)
                     raise Refused(r.drop_reason or "queue_timeout",
                                   "the request's queue age ran out before the gateways' shared state granted its "
                                   "start" + ("" if self.available else f" ({self.reason})"))
@@ -449,14 +453,22 @@ class RedisState(SharedState):
             a.keys.append(f"{p}lease:class:{flow.cls}")
         self._queued.pop(r.id, None)
 
+    def _give_up(self, r: Request, a: _Attempt) -> None:
+        """The candidate leaves without a grant (its wait ran out, or the gateway closes)."""
+        if self._att.get(r.id) is a:
+            del self._att[r.id]
+        if not self._closed:
+            self._spawn(self._withdraw(a.pool, None, a.member))
+
     def _late(self, call: asyncio.Future[list[Any]], r: Request, a: _Attempt) -> None:
-        if call.cancelled() or call.exception() is not None:
+        """A call in flight when its caller gave up has answered: give back what it got."""
+        if self._closed:
             return
-        res = call.result()
-        if res[0] == 1:
-            self._granted(r, a, str(res[1]))
-            if self._att.get(r.id) is not a:  # already over: give it back now
-                self._spawn(self._release(a, None, r))
+        if call.cancelled() or call.exception() is not None or call.result()[0] != 1:
+            self._spawn(self._withdraw(a.pool, None, a.member))
+            return
+        self._granted(r, a, str(call.result()[1]))
+        self._spawn(self._release(a, None, r))
 
     def attempt_over(self, r: Request, actual_tokens: float | None) -> None:
         a = self._att.pop(r.id, None)

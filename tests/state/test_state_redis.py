@@ -1,0 +1,259 @@
+"""The shared state (``sfq.state.RedisState``) against a real redis-server, in process: global
+leases that expire on Redis's time whatever the gateways' clocks say, global buckets and usage
+corrections, org rates and queue lengths, the fair order across gateways, renewals, a Redis
+that restarts empty, a policy that differs, and an embedder's PolicyDispatcher sharing it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+from state_helpers import LIMIT, RedisServer, Upstream, free_port
+
+from sfq.errors import PolicyError, Refused
+from sfq.policy import Flow, parse_policy
+from sfq.policy.dispatcher import PolicyDispatcher
+from sfq.policy.queue import Request
+from sfq.state import InMemoryState, RedisState, state_for
+
+
+def _policy(url: str, prefix: str, *, lease: float = 1.0, limits: str = "max_in_flight: 2",
+            orgs: str = "", classes: str = "", backend: str = "http://127.0.0.1:9") -> Any:
+    return parse_policy(f"""
+pools:
+  p:
+    models: [m]
+    backends: [{{url: "{backend}", max_in_flight: 16}}]
+    limits: {{{limits}}}
+classes:
+  batch: {{weight: 1}}
+{classes}
+orgs:
+  a: {{keys: [ka], classes: [batch], weight: 3}}
+  b: {{keys: [kb], classes: [batch]}}
+{orgs}
+state: {{redis: "{url}", prefix: "{prefix}", lease_seconds: {lease}}}
+""")
+
+
+def _req(flow: Flow, tokens: float = 0.0) -> Request:
+    r = Request(flow, 1.0, tokens, 0.0)
+    r.backend = "http://127.0.0.1:9"
+    r.tries = 1
+    return r
+
+
+BACKENDS = [("http://127.0.0.1:9", 16)]
+A, B = Flow("a", "batch", "p"), Flow("b", "batch", "p")
+
+
+async def _denied(st: RedisState, r: Request, wait: float = 0.05) -> bool:
+    try:
+        await st.acquire(r, BACKENDS, st.clock() + wait)
+    except Refused as exc:
+        assert exc.reason == "queue_timeout"
+        return True
+    return False
+
+
+async def test_leases_expire_on_redis_time_whatever_the_gateways_clocks(redis_server: RedisServer, prefix: str):
+    pol = _policy(redis_server.url, prefix, lease=1.0)
+    ahead = RedisState(pol.state, pol, clock=lambda: time.monotonic() + 86400.0)  # a day ahead
+    behind = RedisState(pol.state, pol, clock=lambda: time.monotonic() - 86400.0)  # a day behind
+    await ahead.start()
+    await behind.start()
+    try:
+        held = [_req(A), _req(A)]
+        for r in held:
+            await ahead.acquire(r, BACKENDS, None)
+        assert await _denied(behind, _req(B)), "the pool's 2 slots are held by the other gateway"
+        await ahead.abandon()  # the gateway dies: it stops renewing, gives nothing back
+        assert (await behind.global_counts())["pool:p"] == 2  # still counted until the leases expire
+        t0 = time.monotonic()
+        r = _req(B)
+        await behind.acquire(r, BACKENDS, behind.clock() + LIMIT)
+        freed_after = time.monotonic() - t0
+        assert freed_after <= pol.state.lease_seconds + 0.5, f"freed after {freed_after:.2f} s"
+        behind.attempt_over(r, None)
+    finally:
+        await behind.close()
+        await ahead.close()
+
+
+async def test_renewals_keep_what_is_held_and_a_restart_empty_gets_it_back(redis_server: RedisServer, prefix: str):
+    pol = _policy(redis_server.url, prefix, lease=0.6)
+    a, b = RedisState(pol.state, pol), RedisState(pol.state, pol)
+    await a.start()
+    await b.start()
+    try:
+        for r in (_req(A), _req(A)):
+            await a.acquire(r, BACKENDS, None)
+        # for three lease periods the other gateway finds the pool full: the holder renews
+        assert await _denied(b, _req(B), wait=3 * 0.6)
+        assert a._client is not None
+        await a._client.flushall()  # Redis restarted empty: the running requests are still real
+        async def counted() -> bool:
+            return (await b.global_counts()).get("pool:p") == 2
+        deadline = time.monotonic() + LIMIT
+        while not await counted():
+            assert time.monotonic() < deadline, "the holder never put its leases back"
+            await asyncio.sleep(0.02)
+        assert await _denied(b, _req(B))
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_pool_buckets_are_global_and_usage_corrects_them(redis_server: RedisServer, prefix: str):
+    pol = _policy(redis_server.url, prefix, limits="requests_per_minute: 3, tokens_per_minute: 100")
+    a, b = RedisState(pol.state, pol), RedisState(pol.state, pol)
+    await a.start()
+    await b.start()
+    try:
+        r1 = _req(A, tokens=60)
+        await a.acquire(r1, BACKENDS, None)
+        r2 = _req(B, tokens=60)
+        assert await _denied(b, r2), "40 tokens left of 100, the request needs 60"
+        a.attempt_over(r1, 10.0)  # the usage report: 10 tokens, not 60: 50 go back (to every gateway)
+        await b.acquire(r2, BACKENDS, b.clock() + LIMIT)
+        b.attempt_over(r2, None)
+        r3 = _req(A, tokens=1)
+        await a.acquire(r3, BACKENDS, None)  # the third request of the minute
+        a.attempt_over(r3, None)
+        assert await _denied(b, _req(B, tokens=1)), "requests_per_minute 3 is spent, by both gateways together"
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_org_rates_and_queue_lengths_are_global(redis_server: RedisServer, prefix: str):
+    pol = _policy(redis_server.url, prefix, classes="  short: {weight: 1, max_queue_length: 3}",
+                  orgs="  c: {keys: [kc], classes: [short], requests_per_minute: 2}\n"
+                       "  d: {keys: [kd], classes: [short]}")
+    a, b = RedisState(pol.state, pol), RedisState(pol.state, pol)
+    await a.start()
+    await b.start()
+    try:
+        c = Flow("c", "short", "p")
+        d = Flow("d", "short", "p")
+        ta = await a.admit(c)
+        tb = await b.admit(c)
+        with pytest.raises(Refused) as ei:
+            await a.admit(c)
+        assert ei.value.reason == "rate_limited" and ei.value.retry_after is not None and ei.value.retry_after > 1
+        ra, rb = _req(c), _req(c)
+        a.bind(ta, ra)
+        b.bind(tb, rb)
+        b.bind(await b.admit(d), _req(d))
+        with pytest.raises(Refused) as ei:  # three waiting, on both gateways: the class's queue is full
+            await b.admit(d)
+        assert ei.value.reason == "queue_full"
+        a.ended(ra)  # one leaves the queue: a place frees for every gateway
+        deadline = time.monotonic() + LIMIT
+        while True:
+            try:
+                await b.admit(d)
+                break
+            except Refused:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+        assert await a.admit(Flow("a", "batch", "p")) is None  # nothing to count: no round trip
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_the_next_slot_goes_to_the_smallest_meter_whichever_gateway_holds_it(
+        redis_server: RedisServer, prefix: str):
+    pol = _policy(redis_server.url, prefix, limits="max_in_flight: 1")
+    a, b = RedisState(pol.state, pol), RedisState(pol.state, pol)
+    await a.start()
+    await b.start()
+    got: list[str] = []
+    n = 48
+
+    async def gateway(st: RedisState, flow: Flow) -> None:
+        while len(got) < n:
+            r = _req(flow)
+            await st.acquire(r, BACKENDS, None)
+            got.append(flow.org)
+            await asyncio.sleep(0.002)  # "running"
+            st.attempt_over(r, None)
+
+    try:
+        tasks = [asyncio.create_task(gateway(a, A)), asyncio.create_task(gateway(b, B))]
+        await asyncio.wait_for(asyncio.gather(*tasks), LIMIT)
+    finally:
+        await a.close()
+        await b.close()
+    first = got[:n]
+    # weights 3 (org a, on one gateway) and 1 (org b, on the other): 3 of every 4 slots go to a
+    assert abs(first.count("a") - 0.75 * n) <= 3, first
+
+
+async def test_a_different_policy_refuses_to_start(redis_server: RedisServer, prefix: str):
+    p1 = _policy(redis_server.url, prefix)
+    p2 = _policy(redis_server.url, prefix, limits="max_in_flight: 3")
+    a = RedisState(p1.state, p1)
+    await a.start()
+    try:
+        b = RedisState(p2.state, p2)
+        with pytest.raises(PolicyError, match="different policy"):
+            await b.start()
+        await b.close()
+        same = RedisState(p1.state, p1)
+        await same.start()
+        assert same.available
+        await same.close()
+    finally:
+        await a.close()
+
+
+async def test_in_memory_is_the_default_and_costs_nothing(redis_server: RedisServer, prefix: str):
+    pol = parse_policy("""
+pools: {p: {models: [m], backends: [{url: "http://127.0.0.1:9"}]}}
+classes: {batch: {weight: 1}}
+orgs: {a: {keys: [ka], classes: [batch]}}
+""")
+    st = state_for(pol)
+    assert isinstance(st, InMemoryState) and not st.shared
+    pd = PolicyDispatcher(pol)
+    assert pd.state.shared is False and pd.engine.on_attempt_over is None
+    with pytest.raises(TypeError, match="SharedState"):
+        PolicyDispatcher(pol, state=object())  # type: ignore[arg-type]
+    assert isinstance(state_for(_policy(redis_server.url, prefix)), RedisState)
+
+
+async def test_an_embedders_dispatchers_share_the_limits_and_refuse_without_redis(
+        redis_server: RedisServer, prefix: str):
+    up = Upstream(delay=0.03).start()
+    try:
+        pol = _policy(redis_server.url, prefix, limits="max_in_flight: 3", backend=up.url)
+        pds = [PolicyDispatcher(pol), PolicyDispatcher(pol)]
+        for pd in pds:
+            await pd.start()
+        try:
+            body = {"model": "m", "prompt": "x", "max_tokens": 1}
+            replies = await asyncio.wait_for(asyncio.gather(*(
+                pds[i % 2].submit("ka" if i % 3 else "kb", body) for i in range(24))), LIMIT)
+            assert len(replies) == 24 and all(r["choices"] for r in replies)
+            assert up.peak <= 3 and up.total == 24
+            assert all(pd.stats()["state"]["round_trips"] > 0 for pd in pds)
+        finally:
+            for pd in pds:
+                await pd.close()
+        # Redis down at start: the dispatcher starts, refuses with the reason, never breaks a limit
+        down = _policy(f"redis://127.0.0.1:{free_port()}/0", prefix, backend=up.url)
+        pd = PolicyDispatcher(down)
+        await pd.start()
+        try:
+            assert not pd.state.available and "cannot be reached" in (pd.state.reason or "")
+            with pytest.raises(Refused) as ei:
+                await pd.submit("ka", body)
+            assert ei.value.reason == "state_unavailable"
+        finally:
+            await pd.close()
+    finally:
+        up.stop()
