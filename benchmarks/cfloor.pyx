@@ -122,6 +122,10 @@ cdef inline int64_t charge(float cost, double mul) noexcept nogil:
     return k + (<double>k < x)
 
 
+cdef inline bint bad_cost(double c) noexcept nogil:
+    return not (c >= 1.0 and c <= 16777216.0)
+
+
 cdef class Floor:
     """T flows (slots 0..T-1) with ``weights[f]``; ``costs`` (length a multiple of T, at most
     4T) are enqueued round-robin, flow 0 to T-1 then again, as ``bench_core.build_backlogged``
@@ -162,7 +166,8 @@ cdef class Floor:
                 raise ValueError(f"weight of flow {f} must be > 0, got {weights[f]!r}")
             self._f[f].mul = SCALE / w
         for i in range(costs.shape[0]):
-            self._check_cost(costs[i])
+            if bad_cost(costs[i]):
+                raise ValueError(f"costs must lie in [1, 2**24], got {costs[i]!r}")
             self._enqueue(<int32_t>(i % T), <float>costs[i])
 
     def __dealloc__(self):
@@ -183,10 +188,6 @@ cdef class Floor:
     def virtual_time(self):
         return <double>self._v / SCALE
 
-    cdef int _check_cost(self, double c) except -1:
-        if not (c >= 1.0 and c <= 16777216.0):
-            raise ValueError(f"costs must lie in [1, 2**24], got {c!r}")
-        return 0
 
     cdef inline void _enqueue(self, int32_t slot, float cost) noexcept nogil:
         cdef Flow* f = &self._f[slot]
@@ -244,7 +245,8 @@ cdef class Floor:
         if starts_out is not None and starts_out.shape[0] != n:
             raise ValueError(f"starts_out has {starts_out.shape[0]} entries, costs {n}")
         for i in range(n):
-            self._check_cost(costs[i])
+            if bad_cost(costs[i]):
+                raise ValueError(f"costs must lie in [1, 2**24], got {costs[i]!r}")
         if self._n == 0 and n:
             raise ValueError("no flow is waiting")
         if <long long>self._next_ticket + n >= 2 ** 32:
