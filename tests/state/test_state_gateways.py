@@ -1,0 +1,167 @@
+"""Several real ``sfq serve`` processes sharing one queue through a real redis-server, in front
+of one loopback upstream: global limits and org rates, the order across gateways, a gateway
+killed with SIGKILL while it holds slots, Redis stopped and restarted mid-run (and down at
+start), and a gateway whose policy file differs."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from state_helpers import LIMIT, Gateway, RedisServer, Upstream, free_port, policy_yaml, wait_until
+
+
+@pytest.fixture
+def gateways() -> Iterator[list[Gateway]]:
+    started: list[Gateway] = []
+    try:
+        yield started
+    finally:
+        for g in started:
+            g.stop()
+
+
+def _fire(jobs: list[tuple[Gateway, str, str]]) -> list[int]:
+    """Send every ``(gateway, key, prompt)`` at once (a thread each); the statuses, in order."""
+    out = [0] * len(jobs)
+
+    def go(i: int) -> None:
+        g, key, prompt = jobs[i]
+        out[i] = g.post(key, prompt)[0]
+
+    ts = [threading.Thread(target=go, args=(i,)) for i in range(len(jobs))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(LIMIT * 2)
+    return out
+
+
+def _lease_count(redis_url: str, prefix: str, key: str) -> int:
+    import redis
+
+    c = redis.Redis.from_url(redis_url, socket_timeout=2)
+    try:
+        now = c.time()
+        return int(c.zcount(f"{prefix}lease:{key}", f"({now[0] + now[1] / 1e6}", "+inf"))
+    finally:
+        c.close()
+
+
+def test_two_gateways_keep_one_pool_limit_and_one_org_rate(redis_server: RedisServer, upstream: Upstream,
+                                                            tmp_path: Path, prefix: str, gateways: list[Gateway]):
+    upstream.peak = 0
+    upstream.delay = 0.03
+    p = tmp_path / "p.yaml"
+    p.write_text(policy_yaml(upstream.url, redis_server.url, pool_limit=4, prefix=prefix,
+                             orgs_extra="  capped:\n    keys: [sk-capped]\n    classes: [batch]\n"
+                                        "    requests_per_minute: 3\n"))
+    g1, g2 = Gateway(p), Gateway(p)
+    gateways += [g1, g2]
+    jobs = [((g1, g2)[i % 2], ("sk-a", "sk-b")[i % 3 % 2], f"x{i}") for i in range(48)]
+    assert _fire(jobs) == [200] * 48
+    assert upstream.peak == 4, f"the upstream saw {upstream.peak} at once; the pool's limit is 4 for both gateways"
+    # an org limited to 3 a minute gets 3, not 3 per gateway (a token refills every 20 s)
+    statuses = [g.post("sk-capped", "capped")[0] for g in (g1, g2, g1, g2, g1, g2)]
+    assert sorted(statuses) == [200, 200, 200, 429, 429, 429], statuses
+
+
+def test_two_flows_on_two_gateways_get_their_weighted_shares(redis_server: RedisServer, upstream: Upstream,
+                                                               tmp_path: Path, prefix: str, gateways: list[Gateway]):
+    upstream.delay = 0.01
+    p = tmp_path / "p.yaml"
+    # team-a weight 3 on one gateway, team-b weight 1 on the other, one slot: 3 of every 4 go to team-a
+    p.write_text(policy_yaml(upstream.url, redis_server.url, pool_limit=1, prefix=prefix)
+                 .replace("  team-a:\n", "  team-a:\n    weight: 3\n"))
+    g1, g2 = Gateway(p), Gateway(p)
+    gateways += [g1, g2]
+    start = len(upstream.order)
+    n = 24
+    jobs = [(g1, "sk-a", f"sk-a {i}") for i in range(n)] + [(g2, "sk-b", f"sk-b {i}") for i in range(n)]
+    assert _fire(jobs) == [200] * (2 * n)
+    seen = upstream.order[start:]
+    window = seen[4:4 + 24]  # while both are backlogged (the first few went as they arrived)
+    assert 18 - 4 <= window.count("sk-a") <= 18 + 4, seen
+
+
+def test_a_killed_gateway_frees_its_slots_within_the_lease(redis_server: RedisServer, tmp_path: Path, prefix: str,
+                                                           gateways: list[Gateway]):
+    up = Upstream(delay=0.0).start()
+    try:
+        p = tmp_path / "p.yaml"
+        lease = 1.5
+        p.write_text(policy_yaml(up.url, redis_server.url, pool_limit=2, prefix=prefix, lease=lease))
+        g1, g2 = Gateway(p), Gateway(p)
+        gateways += [g1, g2]
+        up.hold = True
+        def doomed(i: int) -> None:
+            with contextlib.suppress(OSError):  # its gateway dies under it
+                g1.post("sk-a", f"held {i}", 5.0)
+
+        held = [threading.Thread(target=doomed, args=(i,)) for i in range(2)]
+        for t in held:
+            t.start()
+        wait_until(lambda: up.now == 2, "the killed gateway's two requests to reach the upstream")
+        g1.kill()
+        assert _lease_count(redis_server.url, prefix, "pool:main") == 2  # still counted: they may be running
+        up.hold = False  # the next requests answer at once
+        status, _ = g2.post("sk-b", "after")  # waits for the dead gateway's leases to expire
+        assert status == 200
+        assert _lease_count(redis_server.url, prefix, "pool:main") == 0
+        up.release()
+        for t in held:
+            t.join(LIMIT)
+    finally:
+        up.release()
+        up.stop()
+
+
+def test_redis_down_answers_503_and_the_gateways_recover(upstream: Upstream, tmp_path: Path, prefix: str,
+                                                         gateways: list[Gateway]):
+    r = RedisServer(free_port())
+    p = tmp_path / "p.yaml"
+    p.write_text(policy_yaml(upstream.url, r.url, pool_limit=2, prefix=prefix))
+    try:
+        # down at start: the gateway starts, says why, refuses; Redis comes: it recovers by itself
+        g = Gateway(p)
+        gateways.append(g)
+        code, body = g.health()
+        assert code == 503 and body["status"] == "state_unavailable" and "cannot be reached" in body["reason"]
+        code, err = g.post("sk-a", "x")
+        assert code == 503 and err["error"]["code"] == "state_unavailable"
+        r.start()
+        wait_until(lambda: g.health()[0] == 200, "the gateway to recover when Redis comes")
+        assert g.post("sk-a", "x")[0] == 200
+        # stopped mid-run: what runs finishes; new requests 503 with the reason; back when Redis is
+        upstream.hold = True
+        out: list[int] = []
+        t = threading.Thread(target=lambda: out.append(g.post("sk-a", "held")[0]))
+        before = upstream.now
+        t.start()
+        wait_until(lambda: upstream.now > before, "the request to reach the upstream")
+        r.stop()
+        wait_until(lambda: g.health()[0] == 503, "/health to say Redis is gone")
+        code, err = g.post("sk-b", "y")
+        assert code == 503 and "shared state" in err["error"]["message"]
+        upstream.release()
+        t.join(LIMIT)
+        assert out == [200]
+        r.start()  # empty: the next busy period starts level
+        wait_until(lambda: g.health()[0] == 200, "the gateway to recover when Redis returns")
+        assert g.post("sk-b", "y")[0] == 200
+    finally:
+        upstream.release()
+        r.stop()
+
+
+def test_a_gateway_with_another_policy_file_refuses_to_start(redis_server: RedisServer, upstream: Upstream,
+                                                             tmp_path: Path, prefix: str, gateways: list[Gateway]):
+    p1, p2 = tmp_path / "p1.yaml", tmp_path / "p2.yaml"
+    p1.write_text(policy_yaml(upstream.url, redis_server.url, pool_limit=4, prefix=prefix))
+    p2.write_text(policy_yaml(upstream.url, redis_server.url, pool_limit=5, prefix=prefix))
+    gateways.append(Gateway(p1))
+    with pytest.raises(RuntimeError, match="different policy"):
+        Gateway(p2)
