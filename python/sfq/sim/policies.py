@@ -389,7 +389,10 @@ class SFQ(Policy):
       flows' meters, not on the cost of their heads).
     * **Busy period held while the engines work**: ``work_started()`` at admission,
       ``work_done()`` at completion, so the core's idle rule fires when the fleet is idle,
-      not whenever the balancer's queue empties.
+      not whenever the balancer's queue empties. In ``settle`` and ``served`` the work is
+      reported as the flow's (``work_started(flow)``): a flow whose request still runs has
+      not left the system, so when its next request arrives it keeps its meter instead of
+      being lifted to ``v`` (a closed-loop client's lag is not wiped between its requests).
     * **Charge modes** (``charge``): ``seed`` charges the estimate at dispatch and never
       corrects it; ``settle`` corrects it to the actual cost at completion
       (``adjust(actual - estimate)``); ``served`` charges the prompt at dispatch and each
@@ -473,8 +476,9 @@ class SFQ(Policy):
 
     def admit(self, r: Request, t: int) -> None:
         # the work starts with the dispatch: reported first, so that taking the last waiting
-        # request does not close the busy period it opens
-        self.sched.work_started()
+        # request does not close the busy period it opens; in the delivered-service modes it
+        # is reported as the flow's, so the flow keeps its meter (its lag) while it runs
+        self.sched.work_started(None if self.charge == "seed" else r.flow)
         d = self.sched.dispatch()
         if d is None or d.item is not r:  # pragma: no cover - peek() promises the same request
             raise RuntimeError(f"the core dispatched {d!r}, not the request it named ({r!r})")
@@ -508,7 +512,7 @@ class SFQ(Policy):
             delta = 0.0
         if delta:
             self.sched.adjust(r.flow, delta)
-        self.sched.work_done()
+        self.sched.work_done(None if self.charge == "seed" else r.flow)
         if self.sim.running[r.flow] == 1:  # its last running request: the meter stops
             self._place(r.flow, False)
 
