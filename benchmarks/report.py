@@ -21,6 +21,7 @@ import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -49,7 +50,7 @@ TARGETS = {  # from issue 13, at T = 10k, medians of one run
 
 
 # --------------------------------------------------------------------------- running
-def _pythonpath_env() -> dict:
+def _pythonpath_env() -> dict[str, str]:
     env = dict(os.environ)
     probe = subprocess.run([sys.executable, "-c", "import sfq"], capture_output=True, env=env, cwd=ROOT)
     if probe.returncode != 0:  # not installed: run from the checkout
@@ -88,10 +89,13 @@ def run_memory(json_path: Path, impls: str) -> None:
 
 
 # --------------------------------------------------------------------------- reading
-def load(json_path: Path) -> tuple[dict, dict]:
+NS = dict[tuple[str, int, str], float]  # (group, T, implementation) -> ns per pair
+
+
+def load(json_path: Path) -> tuple[dict[str, Any], NS]:
     """(the JSON, {(group, T, impl): ns per pair (median)})"""
     data = json.loads(json_path.read_text())
-    ns: dict = {}
+    ns: NS = {}
     for b in data["benchmarks"]:
         x = b.get("extra_info", {})
         if not {"group", "impl", "T", "pairs"} <= x.keys():
@@ -102,8 +106,8 @@ def load(json_path: Path) -> tuple[dict, dict]:
     return data, ns
 
 
-def rounds_note(data: dict) -> str:
-    per: dict = defaultdict(set)
+def rounds_note(data: dict[str, Any]) -> str:
+    per: dict[str, set[int]] = defaultdict(set)
     for b in data["benchmarks"]:
         x = b.get("extra_info", {})
         if "impl" in x:
@@ -137,7 +141,7 @@ def _ratio(x: float | None, y: float | None) -> float | None:
     return x / y if x and y else None
 
 
-def targets(ns: dict, mem: dict | None) -> list[tuple[str, str, str, bool | None]]:
+def targets(ns: NS, mem: dict[str, Any] | None) -> list[tuple[str, str, str, bool | None]]:
     """(target, limit, measured, met?) rows for the issue's targets."""
     rows = []
     T = 10_000
@@ -167,7 +171,7 @@ def targets(ns: dict, mem: dict | None) -> list[tuple[str, str, str, bool | None
     return rows
 
 
-def markdown(data: dict, ns: dict, plot_rel: str | None) -> str:
+def markdown(data: dict[str, Any], ns: NS, plot_rel: str | None) -> str:
     info = data.get("sfq", {})
     mem = data.get("sfq_memory")
     sizes = sorted({t for (_, t, _) in ns})
@@ -216,8 +220,8 @@ def markdown(data: dict, ns: dict, plot_rel: str | None) -> str:
                  + " | ".join(fmt_ratio(r) for r in (_ratio(mn, c), _ratio(hq, c), _ratio(c, fl), _ratio(bt, fl)))
                  + " |")
     if 1_000 in sizes and 100_000 in sizes:
-        g = [_ratio(ns.get((gg, 100_000, i)), ns.get((gg, 1_000, i))) for gg, i in cols]
-        L.append("| T=100k ÷ T=1k | " + " | ".join(fmt_ratio(x) for x in g) + " | | | | |")
+        growth = [_ratio(ns.get((gg, 100_000, i)), ns.get((gg, 1_000, i))) for gg, i in cols]
+        L.append("| T=100k ÷ T=1k | " + " | ".join(fmt_ratio(x) for x in growth) + " | | | | |")
     L.append("")
     others = [g for g in GROUPS if g not in ("steady", "batch")]
     if any(k[0] in others for k in ns):
@@ -285,7 +289,7 @@ def rewrite_readme(readme: Path, section: str) -> None:
         readme.write_text(new)
 
 
-def plot(ns: dict, data: dict, out: Path) -> None:
+def plot(ns: NS, data: dict[str, Any], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
