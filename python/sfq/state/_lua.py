@@ -69,18 +69,20 @@ end
 return {1}
 """
 
-#: one candidate's turn: register it if it is not known (its start tag from the flow's
-#: meter and the virtual time), then grant it if every limit has room and no candidate
-#: ahead of it (smaller tag, not stale) could go instead.
-#: {m, pool, lease, flow, cost, w, strict (rank or -1), pool_lim (or -1), backends: [[name,
-#:  lim], ...], groups: [[key, lim], ...], rpm: [key, cap, rate] | null, tpm: [key, cap, rate,
-#:  tokens] | null, q: [key, member] | null}
-#: -> {1, backend} | {0, reason, wait}
+#: a gateway's candidates of one pool, in one round trip: register those not known (a start
+#: tag from the flow's meter and the virtual time), then, in the global order, grant each one
+#: while every limit has room and no candidate ahead of it (smaller tag, not stale, from any
+#: gateway) could go instead.
+#: {pool, lease, pool_lim (or -1), rpm: [key, cap, rate] | null, tpm: [key, cap, rate] | null,
+#:  c: [{m, flow, cost, w, strict (rank or -1), backends: [[name, lim], ...],
+#:       groups: [[key, lim], ...], tokens, q: [key, member] | null}, ...]}
+#: -> a flat list: member, 1, backend, '0' (granted) | member, 0, reason, wait (seconds)
 ACQUIRE = _COMMON + r"""
 local pool = A.pool
 local cand, cexp, cmeta = P .. 'cand:' .. pool, P .. 'cexp:' .. pool, P .. 'cmeta:' .. pool
 local vtk, fmk, fink = P .. 'vt:' .. pool, P .. 'fmax:' .. pool, P .. 'fin:' .. pool
 local plk = P .. 'lease:pool:' .. pool
+local function has(x) return x ~= nil and x ~= cjson.null end
 -- stale candidates (their gateway stopped renewing) leave the order
 local stale = redis.call('ZRANGEBYSCORE', cexp, '-inf', NOW)
 for _, s in ipairs(stale) do
@@ -89,83 +91,103 @@ for _, s in ipairs(stale) do
 end
 if #stale > 0 then redis.call('ZREMRANGEBYSCORE', cexp, '-inf', NOW) end
 local inpool = count(plk)
-local tag = redis.call('ZSCORE', cand, A.m)
-if not tag then
-  if A.strict >= 0 then
-    tag = -1e15 + A.strict * 1e12 + redis.call('INCR', P .. 'seq')
-  else
-    local v = tonumber(redis.call('GET', vtk) or '0')
-    if redis.call('ZCARD', cand) == 0 and inpool == 0 then
-      v = math.max(v, tonumber(redis.call('GET', fmk) or '0'))  -- a new busy period starts level
-      redis.call('SET', vtk, fmt(v))
+local ncand = redis.call('ZCARD', cand)
+for _, c in ipairs(A.c) do
+  local tag = redis.call('ZSCORE', cand, c.m)
+  if not tag then
+    local s, f = nil, nil
+    if c.strict >= 0 then
+      tag = -1e15 + c.strict * 1e12 + redis.call('INCR', P .. 'seq')
+    else
+      local v = tonumber(redis.call('GET', vtk) or '0')
+      if ncand == 0 and inpool == 0 then
+        v = math.max(v, tonumber(redis.call('GET', fmk) or '0'))  -- a new busy period starts level
+        redis.call('SET', vtk, fmt(v))
+      end
+      s = math.max(v, tonumber(redis.call('HGET', fink, c.flow) or '0'))
+      f = s + c.cost / c.w
+      redis.call('HSET', fink, c.flow, fmt(f))
+      if f > tonumber(redis.call('GET', fmk) or '0') then redis.call('SET', fmk, fmt(f)) end
+      tag = s
     end
-    local s = math.max(v, tonumber(redis.call('HGET', fink, A.flow) or '0'))
-    local f = s + A.cost / A.w
-    redis.call('HSET', fink, A.flow, fmt(f))
-    if f > tonumber(redis.call('GET', fmk) or '0') then redis.call('SET', fmk, fmt(f)) end
-    tag = s
-    A.s = s
-    A.f = f
+    redis.call('ZADD', cand, tag, c.m)
+    redis.call('HSET', cmeta, c.m, cjson.encode({groups = c.groups, flow = c.flow, s = s and fmt(s), f = f and fmt(f)}))
+    ncand = ncand + 1
   end
-  redis.call('ZADD', cand, tag, A.m)
-  redis.call('HSET', cmeta, A.m, cjson.encode({groups = A.groups, flow = A.flow, s = A.s and fmt(A.s), f = A.f and fmt(A.f)}))
+  c.tag = tonumber(tag)
+  redis.call('ZADD', cexp, NOW + A.lease, c.m)
 end
-tag = tonumber(tag)
-redis.call('ZADD', cexp, NOW + A.lease, A.m)
--- limits shared by every candidate of the pool
-if A.pool_lim >= 0 and inpool >= A.pool_lim then return {0, 'pool', '0'} end
-if A.rpm ~= cjson.null and A.rpm ~= nil then
-  local l = level(A.rpm[1], A.rpm[2], A.rpm[3])
-  if l < 1 - 1e-9 then return {0, 'bucket', fmt((1 - l) / A.rpm[3])} end
+table.sort(A.c, function(x, y) return x.tag < y.tag or (x.tag == y.tag and x.m < y.m) end)
+local function room(groups)
+  for _, g in ipairs(groups) do
+    if count(P .. 'lease:' .. g[1]) >= g[2] then return false end
+  end
+  return true
 end
--- this candidate's own limits
-for _, g in ipairs(A.groups) do
-  if count(P .. 'lease:' .. g[1]) >= g[2] then return {0, 'group', '0'} end
-end
-if A.tpm ~= cjson.null and A.tpm ~= nil then
-  local need = math.min(A.tpm[4], A.tpm[2])
-  local l = level(A.tpm[1], A.tpm[2], A.tpm[3])
-  if l < need - 1e-9 then return {0, 'bucket', fmt((need - l) / A.tpm[3])} end
-end
-local best, load = nil, 2
-for _, b in ipairs(A.backends) do
-  local n = count(P .. 'lease:backend:' .. b[1])
-  if n < b[2] and n / b[2] < load then best, load = b[1], n / b[2] end
-end
-if best == nil then return {0, 'backend', '0'} end
--- the order: a candidate ahead of this one that could go now goes first
-local ahead = redis.call('ZRANGEBYSCORE', cand, '-inf', '(' .. fmt(tag))
-for _, o in ipairs(ahead) do
-  local meta = redis.call('HGET', cmeta, o)
-  local ok = true
-  if meta then
-    for _, g in ipairs(cjson.decode(meta).groups) do
-      if count(P .. 'lease:' .. g[1]) >= g[2] then ok = false break end
+local out = {}
+local stop, stopwait = nil, '0'
+local granted = 0
+for _, c in ipairs(A.c) do
+  local res = nil
+  if not stop then
+    if A.pool_lim >= 0 and inpool >= A.pool_lim then
+      stop = 'pool'
+    elseif has(A.rpm) and level(A.rpm[1], A.rpm[2], A.rpm[3]) < 1 - 1e-9 then
+      stop, stopwait = 'bucket', fmt((1 - level(A.rpm[1], A.rpm[2], A.rpm[3])) / A.rpm[3])
+    elseif not room(c.groups) then
+      res = {c.m, 0, 'group', '0'}
+    else
+      local need = 0
+      if has(A.tpm) then need = math.min(c.tokens, A.tpm[2]) end
+      local tl = has(A.tpm) and level(A.tpm[1], A.tpm[2], A.tpm[3]) or 0
+      if has(A.tpm) and tl < need - 1e-9 then
+        stop, stopwait = 'bucket', fmt((need - tl) / A.tpm[3])
+      else
+        local best, load = nil, 2
+        for _, b in ipairs(c.backends) do
+          local n = count(P .. 'lease:backend:' .. b[1])
+          if n < b[2] and n / b[2] < load then best, load = b[1], n / b[2] end
+        end
+        if best == nil then
+          res = {c.m, 0, 'backend', '0'}
+        else
+          -- the order: a candidate ahead of this one that could go now goes first
+          for _, o in ipairs(redis.call('ZRANGEBYSCORE', cand, '-inf', '(' .. fmt(c.tag))) do
+            local meta = redis.call('HGET', cmeta, o)
+            if not meta or room(cjson.decode(meta).groups) then stop = 'order' break end
+          end
+          if not stop then
+            local exp = NOW + A.lease
+            redis.call('ZADD', plk, exp, c.m)
+            redis.call('ZADD', P .. 'lease:backend:' .. best, exp, c.m)
+            for _, g in ipairs(c.groups) do redis.call('ZADD', P .. 'lease:' .. g[1], exp, c.m) end
+            if has(A.rpm) then
+              bset(A.rpm[1], level(A.rpm[1], A.rpm[2], A.rpm[3]) - 1, A.rpm[2], A.rpm[3])
+            end
+            if has(A.tpm) then
+              bset(A.tpm[1], level(A.tpm[1], A.tpm[2], A.tpm[3]) - c.tokens, A.tpm[2], A.tpm[3])
+            end
+            redis.call('ZREM', cand, c.m)
+            redis.call('ZREM', cexp, c.m)
+            redis.call('HDEL', cmeta, c.m)
+            if has(c.q) then redis.call('ZREM', c.q[1], c.q[2]) end
+            if c.tag >= 0 then
+              local v = tonumber(redis.call('GET', vtk) or '0')
+              if c.tag > v then redis.call('SET', vtk, fmt(c.tag)) end
+            end
+            inpool = inpool + 1
+            granted = granted + 1
+            res = {c.m, 1, best, '0'}
+          end
+        end
+      end
     end
   end
-  if ok then return {0, 'order', '0'} end
+  if res == nil then res = {c.m, 0, stop, stopwait} end
+  for _, x in ipairs(res) do out[#out + 1] = x end
 end
--- granted
-local exp = NOW + A.lease
-redis.call('ZADD', plk, exp, A.m)
-redis.call('ZADD', P .. 'lease:backend:' .. best, exp, A.m)
-for _, g in ipairs(A.groups) do redis.call('ZADD', P .. 'lease:' .. g[1], exp, A.m) end
-if A.rpm ~= cjson.null and A.rpm ~= nil then
-  bset(A.rpm[1], level(A.rpm[1], A.rpm[2], A.rpm[3]) - 1, A.rpm[2], A.rpm[3])
-end
-if A.tpm ~= cjson.null and A.tpm ~= nil then
-  bset(A.tpm[1], level(A.tpm[1], A.tpm[2], A.tpm[3]) - A.tpm[4], A.tpm[2], A.tpm[3])
-end
-redis.call('ZREM', cand, A.m)
-redis.call('ZREM', cexp, A.m)
-redis.call('HDEL', cmeta, A.m)
-if A.q ~= cjson.null and A.q ~= nil then redis.call('ZREM', A.q[1], A.q[2]) end
-if tag >= 0 then
-  local v = tonumber(redis.call('GET', vtk) or '0')
-  if tag > v then redis.call('SET', vtk, fmt(tag)) end
-end
-if redis.call('ZCARD', cand) > 0 then redis.call('PUBLISH', P .. 'wake', pool) end
-return {1, best}
+if granted > 0 and redis.call('ZCARD', cand) > 0 then redis.call('PUBLISH', P .. 'wake', pool) end
+return out
 """
 
 #: a granted attempt ended: {m, pool, keys: [lease keys], tpm: [key, cap, rate, diff] | null}

@@ -67,13 +67,18 @@ def policy_hash(policy: Policy) -> str:
 
 
 class _Attempt:
-    __slots__ = ("member", "pool", "keys", "granted")
+    """One attempt's candidacy, then its grant (the lease keys it holds)."""
+
+    __slots__ = ("member", "pool", "keys", "granted", "payload", "request", "fut")
 
     def __init__(self, member: str, pool: str) -> None:
         self.member = member
         self.pool = pool
         self.keys: list[str] = []
         self.granted = False
+        self.payload: dict[str, Any] = {}
+        self.request: Request | None = None
+        self.fut: asyncio.Future[str] | None = None
 
 
 class RedisState(SharedState):
@@ -108,6 +113,9 @@ class RedisState(SharedState):
         self._reason: str | None = "not connected to Redis yet"
         self._fatal: str | None = None
         self._att: dict[int, _Attempt] = {}
+        self._pending: dict[str, dict[str, _Attempt]] = {}  # pool -> member -> waiting for its grant
+        self._drivers: dict[str, asyncio.Task[None]] = {}
+        self._dirty: dict[str, bool] = {}
         self._queued: dict[int, tuple[str, str]] = {}  # request id -> (queue key, member)
         self._tickets = itertools.count(1)
         self._wake: dict[str, asyncio.Future[None]] = {}
@@ -147,6 +155,11 @@ class RedisState(SharedState):
 
     def refuse_waiting(self) -> None:
         self._refusing = True
+        for pending in self._pending.values():
+            for a in list(pending.values()):
+                if a.fut is not None and not a.fut.done():
+                    a.fut.set_exception(Refused("closed", "the gateway closed before the shared state granted "
+                                                          "this request's start"))
         for pool in list(self._wake):
             self._wakeup(pool)
         if self._up is not None and not self._up.done():
@@ -157,9 +170,10 @@ class RedisState(SharedState):
             return
         self.refuse_waiting()
         self._closed = True
-        for t in self._loops + ([self._probe] if self._probe else []):
+        loops = self._loops + ([self._probe] if self._probe else []) + list(self._drivers.values())
+        for t in loops:
             t.cancel()
-        for t in self._loops + ([self._probe] if self._probe else []):
+        for t in loops:
             with contextlib.suppress(BaseException):
                 await t
         if self._tasks:
@@ -172,7 +186,7 @@ class RedisState(SharedState):
         """Stop renewing and talking to Redis at once, giving nothing back (what a gateway that
         dies does; for tests)."""
         self._closed = True
-        for t in self._loops + ([self._probe] if self._probe else []):
+        for t in self._loops + ([self._probe] if self._probe else []) + list(self._drivers.values()):
             t.cancel()
 
     @property
@@ -368,79 +382,112 @@ class RedisState(SharedState):
                                               ticket.member]))
 
     # ------------------------------------------------------------ starts
-    def _payload(self, r: Request, a: _Attempt, backends: Sequence[tuple[str, int]]) -> dict[str, Any]:
+    def _pool_payload(self, pool: str) -> dict[str, Any]:
+        lim = self.policy.pools[pool].limits
+        rk, tk = self._bucket_keys[pool]
+        return {
+            "pool": pool, "lease": self.lease, "pool_lim": -1 if lim.max_in_flight is None else lim.max_in_flight,
+            "rpm": None if not lim.requests_per_minute else [rk, lim.requests_per_minute,
+                                                             lim.requests_per_minute / 60.0],
+            "tpm": None if not lim.tokens_per_minute else [tk, lim.tokens_per_minute, lim.tokens_per_minute / 60.0],
+        }
+
+    def _candidate(self, r: Request, a: _Attempt, backends: Sequence[tuple[str, int]]) -> dict[str, Any]:
         pol = self.policy
         flow = r.flow
         cls = pol.classes[flow.cls]
-        pool = pol.pools[flow.pool]
         groups = []
         org = pol.orgs[flow.org]
         if org.max_in_flight is not None:
             groups.append([f"org:{flow.org}", org.max_in_flight])
         if cls.max_in_flight is not None:
             groups.append([f"class:{flow.cls}", cls.max_in_flight])
-        lim = pool.limits
-        rk, tk = self._bucket_keys[flow.pool]
-        strict = pol.strict_classes.index(flow.cls) if cls.strict else -1
         q = self._queued.get(r.id)
-        return {
-            "m": a.member, "pool": flow.pool, "lease": self.lease, "flow": f"{flow.org}\t{flow.cls}",
-            "cost": r.cost, "w": pol.flow_weight(flow.org, flow.cls), "strict": strict,
-            "pool_lim": -1 if lim.max_in_flight is None else lim.max_in_flight,
-            "backends": [[n, int(lm)] for n, lm in backends], "groups": groups,
-            "rpm": None if not lim.requests_per_minute else [rk, lim.requests_per_minute,
-                                                             lim.requests_per_minute / 60.0],
-            "tpm": None if not lim.tokens_per_minute else [tk, lim.tokens_per_minute, lim.tokens_per_minute / 60.0,
-                                                           r.tokens],
-            "q": None if q is None else list(q),
-        }
+        return {"m": a.member, "flow": f"{flow.org}\t{flow.cls}", "cost": r.cost,
+                "w": pol.flow_weight(flow.org, flow.cls),
+                "strict": pol.strict_classes.index(flow.cls) if cls.strict else -1,
+                "backends": [[n, int(lm)] for n, lm in backends], "groups": groups, "tokens": r.tokens,
+                "q": None if q is None else list(q)}
 
     async def acquire(self, r: Request, backends: Sequence[tuple[str, int]], until: float | None) -> str:
+        if self._refusing or self._closed:
+            raise Refused("closed", "the gateway is closing")
         if not backends:
             backends = [(r.backend or "", 1)]
         pool = r.flow.pool
-        a = self._att.get(r.id)
-        if a is None or a.granted:
-            a = self._att[r.id] = _Attempt(f"{self.gateway_id}:{r.id}:{r.tries}", pool)
-        payload = self._payload(r, a, backends)
-        while True:
-            if self._refusing or self._closed:
-                self._give_up(r, a)
-                raise Refused("closed", "the gateway closed before the shared state granted this request's start")
-            wait = LIMIT_POLL
-            if self.available:
-                call = asyncio.ensure_future(self._call("ACQUIRE", payload))
-                try:
-                    res: list[Any] | None = await asyncio.shield(call)
-                except StateUnavailable:
-                    res = None
-                except asyncio.CancelledError:  # the caller gave up: give back a grant in flight
-                    if self._att.get(r.id) is a:
-                        del self._att[r.id]
-                    call.add_done_callback(lambda c: self._late(c, r, a))
-                    raise
-                if res is not None and res[0] == 1:
-                    self._granted(r, a, str(res[1]))
-                    return str(res[1])
-                if res is not None:
-                    wait = ORDER_POLL if res[1] == "order" else (
-                        min(max(float(res[2]), 0.001), 1.0) if res[1] == "bucket" else LIMIT_POLL)
+        old = self._att.pop(r.id, None)
+        if old is not None:  # an earlier attempt never reported its end: give it back
+            self._over(old, None, r)
+        a = self._att[r.id] = _Attempt(f"{self.gateway_id}:{r.id}:{r.tries}", pool)
+        a.payload = self._candidate(r, a, backends)
+        a.request = r
+        a.fut = asyncio.get_running_loop().create_future()
+        self._pending.setdefault(pool, {})[a.member] = a
+        self._kick(pool)
+        try:
+            if until is None:
+                backend = await asyncio.shield(a.fut)
             else:
-                wait = PROBE
-            if until is not None:
-                left = until - self.clock()
-                if left <= 0:
-                    self._give_up(r, a)
-                    raise Refused(r.drop_reason or "queue_timeout",
-                                  "the request's queue age ran out before the gateways' shared state granted its "
-                                  "start" + ("" if self.available else f" ({self.reason})"))
-                wait = min(wait, left)
-            if self.available:
-                await self._sleep(pool, wait)
-            else:
+                backend = await asyncio.wait_for(asyncio.shield(a.fut), max(0.0, until - self.clock()))
+        except asyncio.TimeoutError:
+            self._give_up(a)
+            raise Refused(r.drop_reason or "queue_timeout",
+                          "the request's queue age ran out before the gateways' shared state granted its start"
+                          + ("" if self.available else f" ({self.reason})")) from None
+        except asyncio.CancelledError:
+            self._give_up(a)
+            raise
+        except Refused:
+            self._give_up(a)
+            raise
+        return backend
+
+    def _kick(self, pool: str) -> None:
+        """Run the pool's driver now (or right after the call it has in flight)."""
+        self._dirty[pool] = True
+        t = self._drivers.get(pool)
+        if t is None or t.done():
+            self._drivers[pool] = asyncio.get_running_loop().create_task(self._drive(pool))
+        else:
+            self._wakeup(pool)
+
+    async def _drive(self, pool: str) -> None:
+        """One round trip per wake-up for every candidate of the pool this gateway holds."""
+        pending = self._pending.setdefault(pool, {})
+        base = self._pool_payload(pool)
+        while pending and not self._closed:
+            if not self.available:
                 assert self._up is not None
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(self._up), wait)
+                    await asyncio.wait_for(asyncio.shield(self._up), PROBE)
+                continue
+            batch = list(pending.values())
+            self._dirty[pool] = False
+            try:
+                res = await self._call("ACQUIRE", {**base, "c": [x.payload for x in batch]})
+            except StateUnavailable:
+                continue
+            wait = LIMIT_POLL
+            for i in range(0, len(res), 4):
+                m, ok, what, hint = str(res[i]), int(res[i + 1]), str(res[i + 2]), float(res[i + 3])
+                a = pending.get(m)
+                if ok:
+                    if a is None or a.fut is None or a.fut.done():  # its caller gave up meanwhile
+                        a = next((x for x in batch if x.member == m), None)
+                        if a is not None and a.request is not None:
+                            self._granted(a.request, a, what)
+                            self._spawn(self._release(a, None, a.request))
+                        continue
+                    del pending[m]
+                    assert a.request is not None
+                    self._granted(a.request, a, what)
+                    a.fut.set_result(what)
+                elif what == "order":
+                    wait = min(wait, ORDER_POLL)
+                elif what == "bucket":
+                    wait = min(wait, max(hint, 0.001))
+            if pending and not self._dirty.get(pool):
+                await self._sleep(pool, wait)
 
     def _granted(self, r: Request, a: _Attempt, backend: str) -> None:
         p = self.prefix
@@ -453,31 +500,29 @@ class RedisState(SharedState):
             a.keys.append(f"{p}lease:class:{flow.cls}")
         self._queued.pop(r.id, None)
 
-    def _give_up(self, r: Request, a: _Attempt) -> None:
-        """The candidate leaves without a grant (its wait ran out, or the gateway closes)."""
-        if self._att.get(r.id) is a:
-            del self._att[r.id]
+    def _give_up(self, a: _Attempt) -> None:
+        """The candidate leaves without a grant (its wait ran out, its caller went away, or the
+        gateway closes); a grant in flight is given back by the driver."""
+        self._pending.get(a.pool, {}).pop(a.member, None)
+        if a.request is not None and self._att.get(a.request.id) is a:
+            del self._att[a.request.id]
+        if a.fut is not None and a.fut.done() and not a.fut.cancelled() and a.fut.exception() is None:
+            if a.request is not None:  # granted just now: give it back
+                self._spawn(self._release(a, None, a.request))
+            return
         if not self._closed:
             self._spawn(self._withdraw(a.pool, None, a.member))
 
-    def _late(self, call: asyncio.Future[list[Any]], r: Request, a: _Attempt) -> None:
-        """A call in flight when its caller gave up has answered: give back what it got."""
-        if self._closed:
-            return
-        if call.cancelled() or call.exception() is not None or call.result()[0] != 1:
-            self._spawn(self._withdraw(a.pool, None, a.member))
-            return
-        self._granted(r, a, str(call.result()[1]))
-        self._spawn(self._release(a, None, r))
-
-    def attempt_over(self, r: Request, actual_tokens: float | None) -> None:
-        a = self._att.pop(r.id, None)
-        if a is None:
-            return
+    def _over(self, a: _Attempt, actual_tokens: float | None, r: Request) -> None:
         if a.granted:
             self._spawn(self._release(a, actual_tokens, r))
         else:
-            self._spawn(self._withdraw(a.pool, None, a.member))
+            self._give_up(a)
+
+    def attempt_over(self, r: Request, actual_tokens: float | None) -> None:
+        a = self._att.pop(r.id, None)
+        if a is not None:
+            self._over(a, actual_tokens, r)
 
     def ended(self, r: Request) -> None:
         q = self._queued.pop(r.id, None)
