@@ -257,9 +257,9 @@ class Gateway:
         if e.stream:
             return await self._stream(request, e, key, cls, body, timeout)
         try:
-            reply = await self.pd.submit(key, body, cls=cls, timeout=timeout,
-                                         idempotency_key=request.headers.get("Idempotency-Key") or None,
-                                         on_admit=e.admitted)
+            reply = await self.pd.submit_flow(flow, body, timeout=timeout,
+                                              idempotency_key=request.headers.get("Idempotency-Key") or None,
+                                              on_admit=e.admitted)
         except SFQError as exc:
             return self._refuse(e, http_error_of(exc))
         except Exception as exc:  # a bug: answered, logged, never a hang
