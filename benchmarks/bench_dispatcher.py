@@ -13,6 +13,10 @@ dispatcher-conc  100 callers (100 flows) at once against two backends that yield
                  before answering, ``max_in_flight=32`` each: requests overlap, 36 queue in sfq and
                  every completion dispatches the next one (futures, wake-ups): requests per second
                  through the dispatcher on one core, against ``direct`` with the same callers.
+dispatcher-stats one ``d.stats()`` call with 50,000 flows known (each served once): its cost must
+                 not grow with the number of flows (``extra_info["requests"]`` is 1).
+dispatcher-admit admissions of new flows while 2,000 flows wait and ``max_flow_stats`` is 1,000
+                 (more flows wait than are kept idle): per admission, no rescan of all flows.
 
 ``core`` is the scheduler under the dispatcher: ``compiled`` (``sfq.Scheduler``) or ``reference``.
 Run: ``PYTHONPATH=python python -m pytest benchmarks/bench_dispatcher.py --benchmark-only``.
@@ -133,3 +137,59 @@ def test_conc_dispatcher(benchmark, core):
             assert sum(f["completed"] for f in s["flows"].values()) == N_CONC
 
     _bench(benchmark, lambda: _run(run), N_CONC, rounds=5)
+
+
+# ------------------------------------------------------------------ many flows
+class HeldBackend(InstantBackend):
+    """Never answers until the dispatcher closes: every later request waits in sfq."""
+
+    async def complete(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+        await asyncio.Event().wait()
+        return REPLY
+
+
+N_STATS_FLOWS = 50_000
+N_ADMIT = 2_000
+
+
+@pytest.mark.benchmark(group="dispatcher-stats")
+def test_stats_with_many_flows(benchmark, quick):
+    n = 1_000 if quick else N_STATS_FLOWS
+    loop = asyncio.new_event_loop()
+    d = Dispatcher([InstantBackend("b", max_in_flight=64)], estimator=CostEstimator(), max_flow_stats=2 * n)
+
+    async def fill() -> None:
+        await d.start()
+        for f in range(n):
+            await d.submit(f, BODY)
+
+    try:
+        loop.run_until_complete(fill())
+        benchmark.extra_info["requests"] = 1
+        benchmark.extra_info["flows"] = n
+        benchmark.pedantic(d.stats, rounds=50, iterations=10, warmup_rounds=1)
+        assert len(d.stats()["flows"]) == n
+    finally:
+        loop.run_until_complete(d.close())
+        loop.close()
+
+
+@pytest.mark.benchmark(group="dispatcher-admit")
+def test_admit_beyond_max_flow_stats(benchmark, core):
+    def run() -> None:
+        async def go() -> None:
+            d = Dispatcher([HeldBackend("b", max_in_flight=1)], estimator=CostEstimator(), scheduler=core,
+                           max_flow_stats=1_000, close_grace=0.001)
+            await d.start()
+            waiting = [asyncio.ensure_future(d.submit(("w", f), BODY)) for f in range(2_000)]
+            await asyncio.sleep(0)
+            t = [asyncio.ensure_future(d.submit(("new", f), BODY)) for f in range(N_ADMIT)]
+            await asyncio.sleep(0)
+            for x in (*waiting, *t):
+                x.cancel()
+            await asyncio.gather(*waiting, *t, return_exceptions=True)
+            await d.close()
+
+        _run(go)
+
+    _bench(benchmark, run, 2_000 + N_ADMIT, rounds=5)

@@ -354,9 +354,17 @@ class CostEstimator:
         pt = usage.get("prompt_tokens")  # type: ignore[union-attr]
         chars = estimate.prompt_chars
         if not estimate.prompt_exact and chars > 0 and type(pt) is int and pt > 0:
-            cpt = self.chars_per_token_of(model)
-            lo = max(chars / MAX_CHARS_PER_TOKEN, chars / cpt / MAX_PROMPT_SURPRISE)
-            hi = min(chars / MIN_CHARS_PER_TOKEN, chars / cpt * MAX_PROMPT_SURPRISE)
+            if m.n_prompt > 0 and m.tokens > 0:  # chars_per_token_of(model), inline
+                cpt = (m.chars + PRIOR_CHARS) / (m.tokens + PRIOR_CHARS / self.chars_per_token)
+            else:
+                cpt = self.chars_per_token
+            expect = chars / cpt
+            lo = expect / MAX_PROMPT_SURPRISE
+            if lo < chars / MAX_CHARS_PER_TOKEN:
+                lo = chars / MAX_CHARS_PER_TOKEN
+            hi = expect * MAX_PROMPT_SURPRISE
+            if hi > chars / MIN_CHARS_PER_TOKEN:
+                hi = chars / MIN_CHARS_PER_TOKEN
             tokens = float(pt)
             if not lo <= tokens <= hi:
                 tokens = min(max(tokens, lo), hi)

@@ -105,11 +105,12 @@ class Pool:
 class FlowStats:
     """Counters of one flow (see ``Dispatcher.stats``)."""
 
-    __slots__ = ("flow", "waiting", "held", "in_flight", "dispatched", "completed", "failed", "cancelled",
-                 "aborted", "rejected", "unavailable", "charged", "waits")
+    __slots__ = ("flow", "idle", "waiting", "held", "in_flight", "dispatched", "completed", "failed",
+                 "cancelled", "aborted", "rejected", "unavailable", "charged", "waits")
 
     def __init__(self, flow: Hashable, window: int) -> None:
         self.flow = flow
+        self.idle = False  # in the dispatcher's idle list (nothing waiting, held or in flight)
         self.waiting = 0  # in the scheduler
         self.held = 0  # selected and charged, waiting aside for a backend that fits
         self.in_flight = 0  # sent to a backend
@@ -139,7 +140,7 @@ class Job:
         self.cost = cost
         self.pool = pool
         self.t_enq = t_enq
-        self.t_loop = 0.0  # loop time at admission (for unavailable_timeout)
+        self.t_loop = 0.0  # loop time at admission when its pool was down (for unavailable_timeout)
         self.need = need
         self.idempotent = False
         self.fs: FlowStats = None  # type: ignore[assignment]  # set once enqueued

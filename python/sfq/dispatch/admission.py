@@ -79,9 +79,12 @@ class Admission(DispatcherBase):
                 f"(largest max_context {pool.largest_context:.0f})")
         c = est.cost if cost is None else cost
         job = Job(flow, body, endpoint, est, c, pool, self.clock(), need)
-        job.t_loop = asyncio.get_running_loop().time()
+        if pool.down_since is not None:  # arrives during an outage: its own unavailable_timeout
+            job.t_loop = asyncio.get_running_loop().time()
         ticket = pool.sched.enqueue(flow, c, job)  # checks the cost; nothing changed if it raises
-        fs = self._flow_stats(flow)
+        fs = self._flows.get(flow)
+        if fs is None or fs.idle:
+            fs = self._flow_stats(flow)
         job.fs = fs
         job.ticket = ticket
         fs.waiting += 1

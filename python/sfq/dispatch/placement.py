@@ -88,7 +88,7 @@ class Placement(DispatcherBase):
             bs = self._room(pool)
             if bs is None:
                 return
-            d = self._select(pool)
+            d = pool.sched.dispatch() if self.hooks is None else self._select(pool)
             if d is None:
                 return
             job = d.item
@@ -156,8 +156,12 @@ class Placement(DispatcherBase):
                     self.estimator.observe(job.est, usage, job.flow)
                 except Exception:  # a bad usage report must not fail a served request or stop the loop
                     log.exception("sfq: calibrating from the usage of backend %r failed; ignored", bs.name)
-            if not self._closed:
-                self._note_reply(bs, None, job.flow)
+            if not self._closed:  # a reply: the fast path of _note_reply(bs, None, flow)
+                bs.transport_failures = 0
+                replies = bs.replies
+                if len(replies) == replies.maxlen and replies[0][1]:
+                    bs.reply_errors -= 1
+                replies.append((job.flow, False))
         elif outcome == FAILED:
             bs.errors += 1
             fs.failed += 1
@@ -167,7 +171,8 @@ class Placement(DispatcherBase):
         else:
             bs.aborted += 1
             fs.aborted += 1
-        self._maybe_idle(fs)
+        if not (fs.waiting or fs.held or fs.in_flight):
+            self._maybe_idle(fs)
         if self.hooks is not None and job.record is not None:
             try:
                 self.hooks.ended(job.record, OUTCOME_NAMES[outcome], err, usage)

@@ -66,16 +66,17 @@ class Statistics(DispatcherBase):
             if len(self._flows) >= self._max_flow_stats:
                 self._forget_idle_flow_stats()
             fs = self._flows[flow] = FlowStats(flow, self._window)
-        else:
+        elif fs.idle:
+            fs.idle = False
             self._idle.pop(flow, None)
         return fs
 
     def _maybe_idle(self, fs: FlowStats) -> None:
         """Call after a flow's waiting/held/in-flight count dropped: an idle flow joins the
         idle list (newest last), from which ``max_flow_stats`` forgets the oldest."""
-        if not (fs.waiting or fs.held or fs.in_flight) and fs.flow in self._flows:
-            self._idle[fs.flow] = None
-            self._idle.move_to_end(fs.flow)
+        if not (fs.idle or fs.waiting or fs.held or fs.in_flight) and fs.flow in self._flows:
+            fs.idle = True
+            self._idle[fs.flow] = None  # it left the list when it got busy: this appends
 
     def _forget_idle_flow_stats(self) -> None:
         """Drop the statistics of idle flows, oldest first, down to 90% of ``max_flow_stats``:
@@ -85,8 +86,10 @@ class Statistics(DispatcherBase):
         while len(flows) > target and idle:
             f, _ = idle.popitem(last=False)
             fs = flows.get(f)
-            if fs is not None and not (fs.waiting or fs.held or fs.in_flight):
-                del flows[f]
+            if fs is not None:
+                fs.idle = False
+                if not (fs.waiting or fs.held or fs.in_flight):
+                    del flows[f]
 
     def stats(self) -> dict[str, Any]:
         """A snapshot; its cost grows with the number of backends and pools, not of flows.
