@@ -257,3 +257,32 @@ async def test_an_embedders_dispatchers_share_the_limits_and_refuse_without_redi
             await pd.close()
     finally:
         up.stop()
+
+
+async def test_a_reload_puts_the_new_policy_in_force_for_the_prefix(redis_server: RedisServer, prefix: str):
+    p1 = _policy(redis_server.url, prefix, lease=0.4)
+    p2 = _policy(redis_server.url, prefix, lease=0.4, limits="max_in_flight: 1")
+    a, b = RedisState(p1.state, p1), RedisState(p1.state, p1)
+    await a.start()
+    await b.start()
+    try:
+        a.reloaded(p2)  # its limits from now on: one at a time
+        r = _req(A)
+        await a.acquire(r, BACKENDS, None)
+        assert await _denied(a, _req(A))
+        a.attempt_over(r, None)
+        deadline = time.monotonic() + LIMIT
+        while b.available:  # the other gateway, still on the old file, stops admitting and says why
+            assert time.monotonic() < deadline, "the gateway on the old policy kept admitting"
+            await asyncio.sleep(0.02)
+        assert "different policy" in (b.reason or "")
+        with pytest.raises(Refused) as ei:
+            await b.admit(A)
+        assert ei.value.reason == "state_unavailable"
+        b.reloaded(p2)
+        while not b.available:
+            assert time.monotonic() < deadline, "the reloaded gateway did not come back"
+            await asyncio.sleep(0.02)
+    finally:
+        await a.close()
+        await b.close()

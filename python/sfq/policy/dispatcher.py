@@ -539,6 +539,8 @@ class PolicyDispatcher:
         self.engine = engine
         self._health_dirty = True  # the new queues start with every backend healthy: look again
         self.policy = policy
+        if self._shared:
+            self.state.reloaded(policy)
         for r in ended:
             fut = self._waiters.pop(r.id, None)
             if fut is not None and not fut.done():

@@ -20,7 +20,7 @@ Keys (``P`` = the prefix):
 
 from __future__ import annotations
 
-__all__ = ["ADMIT", "ACQUIRE", "RELEASE", "RENEW", "WITHDRAW", "HELLO"]
+__all__ = ["ADMIT", "ACQUIRE", "RENEW", "WITHDRAW", "HELLO"]
 
 _COMMON = r"""
 local P = ARGV[1]
@@ -73,7 +73,10 @@ return {1}
 #: tag from the flow's meter and the virtual time), then, in the global order, grant each one
 #: while every limit has room and no candidate ahead of it (smaller tag, not stale, from any
 #: gateway) could go instead.
+#: Releases of the pool's slots this gateway's attempts held (``rel``) go first, in the same
+#: round trip: a slot freed here goes straight to the next in the global order.
 #: {pool, lease, pool_lim (or -1), rpm: [key, cap, rate] | null, tpm: [key, cap, rate] | null,
+#:  rel: [{m, keys: [lease keys], diff (a usage correction of the tokens bucket)}, ...],
 #:  c: [{m, flow, cost, w, strict (rank or -1), backends: [[name, lim], ...],
 #:       groups: [[key, lim], ...], tokens, q: [key, member] | null}, ...]}
 #: -> a flat list: member, 1, backend, '0' (granted) | member, 0, reason, wait (seconds)
@@ -90,6 +93,14 @@ for _, s in ipairs(stale) do
   redis.call('HDEL', cmeta, s)
 end
 if #stale > 0 then redis.call('ZREMRANGEBYSCORE', cexp, '-inf', NOW) end
+local released = 0
+for _, r in ipairs(A.rel or {}) do
+  for _, k in ipairs(r.keys) do redis.call('ZREM', k, r.m) end
+  if has(A.tpm) and r.diff ~= 0 then
+    bset(A.tpm[1], level(A.tpm[1], A.tpm[2], A.tpm[3]) - r.diff, A.tpm[2], A.tpm[3])
+  end
+  released = released + 1
+end
 local inpool = count(plk)
 local ncand = redis.call('ZCARD', cand)
 for _, c in ipairs(A.c) do
@@ -186,19 +197,10 @@ for _, c in ipairs(A.c) do
   if res == nil then res = {c.m, 0, stop, stopwait} end
   for _, x in ipairs(res) do out[#out + 1] = x end
 end
-if granted > 0 and redis.call('ZCARD', cand) > 0 then redis.call('PUBLISH', P .. 'wake', pool) end
-return out
-"""
-
-#: a granted attempt ended: {m, pool, keys: [lease keys], tpm: [key, cap, rate, diff] | null}
-RELEASE = _COMMON + r"""
-for _, k in ipairs(A.keys) do redis.call('ZREM', k, A.m) end
-if A.tpm ~= cjson.null and A.tpm ~= nil then
-  local key, cap, rate, diff = A.tpm[1], A.tpm[2], A.tpm[3], A.tpm[4]
-  bset(key, level(key, cap, rate) - diff, cap, rate)
+if (granted > 0 and redis.call('ZCARD', cand) > 0) or released > granted then
+  redis.call('PUBLISH', P .. 'wake', pool)
 end
-redis.call('PUBLISH', P .. 'wake', A.pool)
-return {1}
+return out
 """
 
 #: a candidate (or a waiting request) leaves without a grant: {m, pool | null, q: [key, member] | null}
@@ -243,10 +245,12 @@ end
 return out
 """
 
-#: a gateway joins: {lease, hash} -> {1} | {0, the hash in force}
+#: a gateway joins: {lease, hash, force} -> {1} | {0, the hash in force}; ``force``: a reload
+#: puts a new policy in force for the prefix (the gateways still on the old one then refuse
+#: requests until they are reloaded too)
 HELLO = _COMMON + r"""
 local cur = redis.call('GET', P .. 'policy')
-if cur and cur ~= A.hash then return {0, cur} end
+if cur and cur ~= A.hash and not A.force then return {0, cur} end
 redis.call('SET', P .. 'policy', A.hash, 'PX', math.ceil(A.lease * 3000))
 return {1}
 """

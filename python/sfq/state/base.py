@@ -79,6 +79,9 @@ class SharedState:
         assert r.backend is not None
         return r.backend
 
+    def reloaded(self, policy: Any) -> None:
+        """A reload put ``policy`` in force here (the same ``state`` section)."""
+
     def refuse_waiting(self) -> None:
         """The dispatcher closes: every :meth:`acquire` still waiting raises ``Refused("closed")``."""
 

@@ -116,6 +116,7 @@ class RedisState(SharedState):
         self._pending: dict[str, dict[str, _Attempt]] = {}  # pool -> member -> waiting for its grant
         self._drivers: dict[str, asyncio.Task[None]] = {}
         self._dirty: dict[str, bool] = {}
+        self._releases: dict[str, list[dict[str, Any]]] = {}  # pool -> releases for the driver's next call
         self._queued: dict[int, tuple[str, str]] = {}  # request id -> (queue key, member)
         self._tickets = itertools.count(1)
         self._wake: dict[str, asyncio.Future[None]] = {}
@@ -141,7 +142,7 @@ class RedisState(SharedState):
             self._client = aioredis.Redis.from_url(
                 self.spec.redis, socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
                 retry_on_timeout=False, health_check_interval=0)
-        for name in ("ADMIT", "ACQUIRE", "RELEASE", "WITHDRAW", "RENEW", "HELLO"):
+        for name in ("ADMIT", "ACQUIRE", "WITHDRAW", "RENEW", "HELLO"):
             self._scripts[name] = self._client.register_script(getattr(_lua, name))
         self._up = asyncio.get_running_loop().create_future()
         try:
@@ -169,6 +170,11 @@ class RedisState(SharedState):
         if self._closed:
             return
         self.refuse_waiting()
+        for pool, rel in self._releases.items():  # give back what ended last, now
+            if rel and self.available:
+                with contextlib.suppress(StateUnavailable):
+                    await self._call("ACQUIRE", {**self._pool_payload(pool), "rel": rel[:], "c": []})
+                rel.clear()
         self._closed = True
         loops = self._loops + ([self._probe] if self._probe else []) + list(self._drivers.values())
         for t in loops:
@@ -221,13 +227,26 @@ class RedisState(SharedState):
             raise
         return [x.decode() if isinstance(x, bytes) else x for x in res]
 
-    async def _hello(self) -> None:
-        res = await self._call("HELLO", {"lease": self.lease, "hash": self.hash})
+    async def _hello(self, force: bool = False) -> None:
+        res = await self._call("HELLO", {"lease": self.lease, "hash": self.hash, "force": force})
         if res[0] != 1:
             self._fatal = self._mismatch(str(res[1]))
             self._available = False
             return
+        self._fatal = None
         self._go_up()
+
+    def reloaded(self, policy: Policy) -> None:
+        """A reload put ``policy`` in force: its limits from now on, and its hash for the prefix
+        (the other gateways refuse requests, saying why, until they are reloaded too)."""
+        self.policy = policy
+        self.hash = policy_hash(policy)
+        self._fatal = None
+        self._spawn(self._hello_forced())
+
+    async def _hello_forced(self) -> None:
+        with contextlib.suppress(StateUnavailable):
+            await self._hello(force=True)
 
     def _mismatch(self, cur: str) -> str:
         return (f"the gateways sharing Redis prefix {self.prefix!r} at {self.spec.redis} run a different policy "
@@ -269,6 +288,7 @@ class RedisState(SharedState):
         t.add_done_callback(self._tasks.discard)
 
     def _wakeup(self, pool: str) -> None:
+        self._dirty[pool] = True  # a wake-up during the driver's call is not lost: it goes again at once
         fut = self._wake.pop(pool, None)
         if fut is not None and not fut.done():
             fut.set_result(None)
@@ -296,9 +316,13 @@ class RedisState(SharedState):
         items = self._held()
         res = await self._call("RENEW", {"lease": self.lease, "hash": self.hash, "add": add, "items": items})
         if res[0] != 1:
-            self._fatal = self._mismatch(str(res[1]))
-            log.error("shared state refused: %s", self._fatal)
+            if self._fatal is None:
+                self._fatal = self._mismatch(str(res[1]))
+                log.error("refusing requests: %s", self._fatal)
             return
+        if self._fatal is not None:  # the others were reloaded to this gateway's policy
+            log.info("the gateways of prefix %r run the same policy again", self.prefix)
+            self._fatal = None
         missing = res[1:]
         if missing and not add:  # Redis lost them (a restart): put back those still held
             held = {(k, m) for k, m in self._held()}
@@ -444,7 +468,6 @@ class RedisState(SharedState):
 
     def _kick(self, pool: str) -> None:
         """Run the pool's driver now (or right after the call it has in flight)."""
-        self._dirty[pool] = True
         t = self._drivers.get(pool)
         if t is None or t.done():
             self._drivers[pool] = asyncio.get_running_loop().create_task(self._drive(pool))
@@ -454,17 +477,21 @@ class RedisState(SharedState):
     async def _drive(self, pool: str) -> None:
         """One round trip per wake-up for every candidate of the pool this gateway holds."""
         pending = self._pending.setdefault(pool, {})
+        releases = self._releases.setdefault(pool, [])
         base = self._pool_payload(pool)
-        while pending and not self._closed:
+        while (pending or releases) and not self._closed:
             if not self.available:
+                releases.clear()  # Redis is gone: those leases expire by themselves
                 assert self._up is not None
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(asyncio.shield(self._up), PROBE)
                 continue
             batch = list(pending.values())
+            rel = releases[:]
+            releases.clear()
             self._dirty[pool] = False
             try:
-                res = await self._call("ACQUIRE", {**base, "c": [x.payload for x in batch]})
+                res = await self._call("ACQUIRE", {**base, "rel": rel, "c": [x.payload for x in batch]})
             except StateUnavailable:
                 continue
             wait = LIMIT_POLL
@@ -476,7 +503,7 @@ class RedisState(SharedState):
                         a = next((x for x in batch if x.member == m), None)
                         if a is not None and a.request is not None:
                             self._granted(a.request, a, what)
-                            self._spawn(self._release(a, None, a.request))
+                            self._release(a, None, a.request)
                         continue
                     del pending[m]
                     assert a.request is not None
@@ -508,14 +535,14 @@ class RedisState(SharedState):
             del self._att[a.request.id]
         if a.fut is not None and a.fut.done() and not a.fut.cancelled() and a.fut.exception() is None:
             if a.request is not None:  # granted just now: give it back
-                self._spawn(self._release(a, None, a.request))
+                self._release(a, None, a.request)
             return
         if not self._closed:
             self._spawn(self._withdraw(a.pool, None, a.member))
 
     def _over(self, a: _Attempt, actual_tokens: float | None, r: Request) -> None:
         if a.granted:
-            self._spawn(self._release(a, actual_tokens, r))
+            self._release(a, actual_tokens, r)
         else:
             self._give_up(a)
 
@@ -529,16 +556,16 @@ class RedisState(SharedState):
         if q is not None:
             self._spawn(self._withdraw(None, list(q)))
 
-    async def _release(self, a: _Attempt, actual_tokens: float | None, r: Request) -> None:
-        tpm = None
-        lim = self.policy.pools[a.pool].limits
-        if lim.tokens_per_minute and actual_tokens is not None and math.isfinite(actual_tokens):
+    def _release(self, a: _Attempt, actual_tokens: float | None, r: Request) -> None:
+        """Give the attempt's slots back, in the pool driver's next round trip (with the grants
+        it makes); a usage report corrects the tokens bucket by the difference."""
+        diff = 0.0
+        if actual_tokens is not None and math.isfinite(actual_tokens):
             diff = float(actual_tokens) - r.tokens
-            if diff:
-                tpm = [self._bucket_keys[a.pool][1], lim.tokens_per_minute, lim.tokens_per_minute / 60.0, diff]
-        with contextlib.suppress(StateUnavailable):  # not reachable: the leases expire by themselves
-            await self._call("RELEASE", {"m": a.member, "pool": a.pool, "keys": a.keys, "tpm": tpm})
-        self._wakeup(a.pool)
+        if self._closed:
+            return
+        self._releases.setdefault(a.pool, []).append({"m": a.member, "keys": a.keys, "diff": diff})
+        self._kick(a.pool)
 
     async def _withdraw(self, pool: str | None, q: list[str] | None, member: str = "") -> None:
         with contextlib.suppress(StateUnavailable):
