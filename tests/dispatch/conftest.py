@@ -122,6 +122,7 @@ class FakeServer:
         self.health_status = 200
         self.health_route = True
         self.models_route = True
+        self.completions_route = True  # POST /v1/completions (chat-only servers have none)
         self.models_calls = 0
         self.retry_after: str | None = None
         self.fail_prompt: str | None = None
@@ -149,7 +150,7 @@ class FakeServer:
     # -------------------------------------------------------------- server
     async def start(self) -> None:
         app = web.Application()
-        app.router.add_post("/v1/completions", self._complete)
+        app.router.add_post("/v1/completions", self._maybe_complete)
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
@@ -164,6 +165,11 @@ class FakeServer:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+    async def _maybe_complete(self, request: web.Request) -> web.StreamResponse:
+        if not self.completions_route:
+            raise web.HTTPNotFound()
+        return await self._complete(request)
 
     async def _models(self, request: web.Request) -> web.Response:
         self.models_calls += 1

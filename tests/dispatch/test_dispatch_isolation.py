@@ -146,16 +146,19 @@ async def test_a_refused_connection_says_never_sent(refused_url: str):
 
 
 # ------------------------------------------------------------------ 3. health
-@pytest.mark.parametrize("routes, used", [((False, True), "models"), ((False, False), "completion")])
+@pytest.mark.parametrize("routes, used", [((False, True, True), "models"), ((False, False, True), "completion"),
+                                         ((False, False, False), "chat")])
 async def test_a_backend_without_a_health_route_comes_back(fake: FakeServer, routes, used):
-    fake.health_route, fake.models_route = routes
+    fake.health_route, fake.models_route, completions = routes
     fake.modes.append("503")
     b = OpenAIBackend(fake.url)
     async with Dispatcher([b], backoff=0.02, max_backoff=0.05, error_window=1) as d:
         with pytest.raises(BackendHTTPError):
             await d.submit("f", BODY)
         assert not d.stats()["backends"][fake.url]["healthy"]
-        waiting = asyncio.create_task(d.submit("g", BODY))
+        fake.completions_route = completions
+        chat = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+        waiting = asyncio.create_task(d.submit("g", BODY if completions else chat))
         await wait_until(lambda: d.stats()["backends"][fake.url]["healthy"], "the backend to return")
         assert (await waiting)["usage"]["completion_tokens"] == 4
     assert b._health_route == used

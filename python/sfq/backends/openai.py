@@ -164,8 +164,8 @@ class OpenAIBackend(Backend):
     health_path, metrics_path:
         where ``check_health`` and ``fetch_metrics`` look. ``check_health`` asks
         ``health_path`` and, when the server has no such route (404/405), ``/v1/models``, then
-        a one-token completion: it works on any OpenAI-compatible server, and remembers which
-        route answered.
+        a one-token completion (or chat completion): it works on any OpenAI-compatible server,
+        and remembers which route answered.
     trace_configs:
         extra ``aiohttp.TraceConfig`` objects for the request session (tracing, tests).
     """
@@ -434,9 +434,10 @@ class OpenAIBackend(Backend):
     # ---------------------------------------------------------------- probes
     async def check_health(self) -> bool:
         """True when the server answers: ``health_path`` (2xx), else (no such route: 404/405)
-        ``GET /v1/models``, else a one-token completion. The route that answered is used first
-        next time. Any other status, or no answer, is False."""
-        routes = ("health", "models", "completion")
+        ``GET /v1/models``, else a one-token completion (``/v1/completions``, then
+        ``/v1/chat/completions``). The route that answered is used first next time. Any other
+        status, or no answer, is False."""
+        routes = ("health", "models", "completion", "chat")
         start = routes.index(self._health_route)
         for route in routes[start:]:
             status = await self._probe_route(route)
@@ -452,11 +453,15 @@ class OpenAIBackend(Backend):
     async def _probe_route(self, route: str) -> int | None:
         session = await self._aux_sess()
         try:
-            if route == "completion":
-                body = dict(_PROBE_BODY)
+            if route in ("completion", "chat"):
+                body: dict[str, Any] = dict(_PROBE_BODY)
+                if route == "chat":
+                    del body["prompt"]
+                    body["messages"] = [{"role": "user", "content": "hi"}]
                 if self.model is not None:
                     body["model"] = self.model
-                ctx = session.post(self._urls["completions"], json=body, timeout=self._aux_timeout)
+                ctx = session.post(self._urls["completions" if route == "completion" else "chat/completions"],
+                                   json=body, timeout=self._aux_timeout)
             else:
                 ctx = session.get(self._health_url if route == "health" else self._models_url,
                                   timeout=self._aux_timeout)
