@@ -138,6 +138,7 @@ class PolicyDispatcher:
         if self._shared:
             self.engine.on_attempt_over = state.attempt_over
             self.engine.on_end = state.ended
+            self.engine.retry.local_budget = False  # the shared state applies it over every gateway
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -286,6 +287,17 @@ class PolicyDispatcher:
         self.state.bind(ticket, r)
         return r
 
+    async def _retry_allowed(self, r: Request) -> bool:
+        """The shared state's word on a retry the engine planned (the flow's retry budget over
+        every gateway); when it says no, the request ends as failed (``budget``)."""
+        if not self._shared:
+            return True
+        if await self.state.retry_allowed(r):
+            return True
+        if r.outcome is None:
+            self.engine.end_retry(r, "budget")
+        return False
+
     async def _granted(self, r: Request) -> None:
         """The shared state's grant of the start the engine decided for ``r``: global slots,
         buckets and order (several gateways); ``r`` may be moved to the backend granted."""
@@ -427,7 +439,7 @@ class PolicyDispatcher:
                     self._health_dirty = True
                     decision = self.engine.fail(r, exc)
                     self._pump()
-                    if not decision.retry:
+                    if not decision.retry or not await self._retry_allowed(r):
                         raise
                     await self._backoff(r, decision.delay)
                     continue
@@ -500,7 +512,7 @@ class PolicyDispatcher:
                     self._health_dirty = True
                     decision = self.engine.fail(r, exc, retryable=chunks == 0)
                     self._pump()
-                    if not decision.retry:
+                    if not decision.retry or not await self._retry_allowed(r):
                         raise
                     await self._backoff(r, decision.delay)
                     continue

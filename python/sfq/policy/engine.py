@@ -321,6 +321,13 @@ class PolicyEngine:
                 self.metrics.cancelled_work_tokens(tuple(r.flow), work_tokens)  # type: ignore[arg-type]
         self._end(r, "cancelled_before_start" if r.tries == 0 else "cancelled_during_execution")
 
+    def end_retry(self, r: Request, reason: str) -> None:
+        """End a request waiting to be retried as failed (``reason``): a shared state (several
+        gateways, ``sfq.state``) refused the retry, e.g. over the flow's global retry budget."""
+        if r.state != BACKOFF:
+            raise ValueError(f"end_retry({r!r}): the request is not waiting for a retry")
+        self._end(r, "failed", reason)
+
     def abandon(self, r: Request, outcome: str, reason: str | None = None) -> None:
         """End a request the engine started locally but that never reached a backend because
         the shared state (several gateways, ``sfq.state``) did not grant its start: its slots

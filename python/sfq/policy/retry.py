@@ -120,6 +120,9 @@ class RetryPlanner:
         self.spec = spec
         self.rng = rng if rng is not None else random.Random()
         self._flows: dict[Hashable, _FlowBudget] = {}
+        #: whether plan() applies the budget itself; false when a state shared by several
+        #: gateways applies it over all of them (``sfq.state``)
+        self.local_budget = True
 
     def _budget(self, flow: Hashable, now: float) -> _FlowBudget:
         b = self._flows.get(flow)
@@ -170,7 +173,8 @@ class RetryPlanner:
         if tries >= self.spec.max_attempts:
             return RetryDecision(False, 0.0, "max_attempts")
         b = self._budget(flow, now)
-        if b.outstanding > 0 and (b.retries + 1) * 100.0 > self.spec.budget_per_flow_percent * (len(b.events) + 1):
+        if self.local_budget and b.outstanding > 0 and (
+                (b.retries + 1) * 100.0 > self.spec.budget_per_flow_percent * (len(b.events) + 1)):
             return RetryDecision(False, 0.0, "budget")
         delay = self.backoff(tries)
         if retry_after is not None and retry_after > delay:

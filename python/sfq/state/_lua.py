@@ -20,7 +20,7 @@ Keys (``P`` = the prefix):
 
 from __future__ import annotations
 
-__all__ = ["ADMIT", "ACQUIRE", "RENEW", "WITHDRAW", "HELLO"]
+__all__ = ["ADMIT", "ACQUIRE", "RENEW", "RETRY", "WITHDRAW", "HELLO"]
 
 _COMMON = r"""
 local P = ARGV[1]
@@ -78,7 +78,8 @@ return {1}
 #: {pool, lease, pool_lim (or -1), rpm: [key, cap, rate] | null, tpm: [key, cap, rate] | null,
 #:  rel: [{m, keys: [lease keys], diff (a usage correction of the tokens bucket)}, ...],
 #:  c: [{m, flow, cost, w, strict (rank or -1), backends: [[name, lim], ...],
-#:       groups: [[key, lim], ...], tokens, q: [key, member] | null}, ...]}
+#:       groups: [[key, lim], ...], tokens, q: [key, member] | null,
+#:       first: key | null (a first attempt: counted in its flow's retry-budget window)}, ...]}
 #: -> a flat list: member, 1, backend, '0' (granted) | member, 0, reason, wait (seconds)
 ACQUIRE = _COMMON + r"""
 local pool = A.pool
@@ -182,6 +183,10 @@ for _, c in ipairs(A.c) do
             redis.call('ZREM', cexp, c.m)
             redis.call('HDEL', cmeta, c.m)
             if has(c.q) then redis.call('ZREM', c.q[1], c.q[2]) end
+            if has(c.first) then
+              redis.call('ZADD', c.first, NOW, c.m)
+              redis.call('PEXPIRE', c.first, 61000)
+            end
             if c.tag >= 0 then
               local v = tonumber(redis.call('GET', vtk) or '0')
               if c.tag > v then redis.call('SET', vtk, fmt(c.tag)) end
@@ -201,6 +206,22 @@ if (granted > 0 and redis.call('ZCARD', cand) > 0) or released > granted then
   redis.call('PUBLISH', P .. 'wake', pool)
 end
 return out
+"""
+
+#: a retry, within the flow's budget over every gateway: at most ``pct`` percent of the flow's
+#: attempts over the last minute are retries, but one retry waiting or running is always
+#: allowed. {first, retry, out: keys, pct, lease, m} -> {1} (counted, and ``m`` holds one of
+#: the flow's outstanding retries, a lease) | {0}
+RETRY = _COMMON + r"""
+local cut = NOW - 60
+redis.call('ZREMRANGEBYSCORE', A.first, '-inf', cut)
+redis.call('ZREMRANGEBYSCORE', A.retry, '-inf', cut)
+local nf, nr = redis.call('ZCARD', A.first), redis.call('ZCARD', A.retry)
+if count(A.out) > 0 and (nr + 1) * 100 > A.pct * (nf + nr + 1) then return {0} end
+redis.call('ZADD', A.retry, NOW, A.m)
+redis.call('PEXPIRE', A.retry, 61000)
+redis.call('ZADD', A.out, NOW + A.lease, A.m)
+return {1}
 """
 
 #: a candidate (or a waiting request) leaves without a grant: {m, pool | null, q: [key, member] | null}

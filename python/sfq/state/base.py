@@ -85,6 +85,11 @@ class SharedState:
     def refuse_waiting(self) -> None:
         """The dispatcher closes: every :meth:`acquire` still waiting raises ``Refused("closed")``."""
 
+    async def retry_allowed(self, r: Request) -> bool:
+        """Whether the retry the engine planned for ``r`` is within its flow's retry budget
+        over every gateway (``False``: it ends as failed, reason ``budget``)."""
+        return True
+
     def attempt_over(self, r: Request, actual_tokens: float | None) -> None:
         """A started attempt of ``r`` ended (granted or not): give back what it holds."""
 

@@ -53,6 +53,8 @@ log = logging.getLogger("sfq.state")
 ORDER_POLL = 0.02
 #: seconds between re-checks of a candidate denied by a full limit (a release also wakes it)
 LIMIT_POLL = 0.1
+#: round trips in flight at once per pool (a new candidate need not wait for a release's)
+MAX_CALLS = 2
 #: seconds between probes while Redis cannot be reached
 PROBE = 0.25
 
@@ -69,7 +71,7 @@ def policy_hash(policy: Policy) -> str:
 class _Attempt:
     """One attempt's candidacy, then its grant (the lease keys it holds)."""
 
-    __slots__ = ("member", "pool", "keys", "granted", "payload", "request", "fut")
+    __slots__ = ("member", "pool", "keys", "granted", "payload", "request", "fut", "inflight")
 
     def __init__(self, member: str, pool: str) -> None:
         self.member = member
@@ -79,6 +81,7 @@ class _Attempt:
         self.payload: dict[str, Any] = {}
         self.request: Request | None = None
         self.fut: asyncio.Future[str] | None = None
+        self.inflight = False  # in a round trip now
 
 
 class RedisState(SharedState):
@@ -114,12 +117,14 @@ class RedisState(SharedState):
         self._fatal: str | None = None
         self._att: dict[int, _Attempt] = {}
         self._pending: dict[str, dict[str, _Attempt]] = {}  # pool -> member -> waiting for its grant
-        self._drivers: dict[str, asyncio.Task[None]] = {}
+        self._calls: dict[str, int] = {}  # pool -> round trips in flight
+        self._timers: dict[str, asyncio.TimerHandle] = {}
         self._dirty: dict[str, bool] = {}
         self._releases: dict[str, list[dict[str, Any]]] = {}  # pool -> releases for the driver's next call
         self._queued: dict[int, tuple[str, str]] = {}  # request id -> (queue key, member)
+        self._retrying: dict[int, tuple[str, str]] = {}  # request id -> (outstanding retries key, member)
+        self._budgeted = policy.retry.max_attempts > 1 and policy.retry.budget_per_flow_percent < 100
         self._tickets = itertools.count(1)
-        self._wake: dict[str, asyncio.Future[None]] = {}
         self._up: asyncio.Future[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[Any]] = []
@@ -142,7 +147,7 @@ class RedisState(SharedState):
             self._client = aioredis.Redis.from_url(
                 self.spec.redis, socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
                 retry_on_timeout=False, health_check_interval=0)
-        for name in ("ADMIT", "ACQUIRE", "WITHDRAW", "RENEW", "HELLO"):
+        for name in ("ADMIT", "ACQUIRE", "WITHDRAW", "RENEW", "RETRY", "HELLO"):
             self._scripts[name] = self._client.register_script(getattr(_lua, name))
         self._up = asyncio.get_running_loop().create_future()
         try:
@@ -161,8 +166,6 @@ class RedisState(SharedState):
                 if a.fut is not None and not a.fut.done():
                     a.fut.set_exception(Refused("closed", "the gateway closed before the shared state granted "
                                                           "this request's start"))
-        for pool in list(self._wake):
-            self._wakeup(pool)
         if self._up is not None and not self._up.done():
             self._up.set_result(None)
 
@@ -176,7 +179,9 @@ class RedisState(SharedState):
                     await self._call("ACQUIRE", {**self._pool_payload(pool), "rel": rel[:], "c": []})
                 rel.clear()
         self._closed = True
-        loops = self._loops + ([self._probe] if self._probe else []) + list(self._drivers.values())
+        for h in self._timers.values():
+            h.cancel()
+        loops = self._loops + ([self._probe] if self._probe else [])
         for t in loops:
             t.cancel()
         for t in loops:
@@ -192,7 +197,9 @@ class RedisState(SharedState):
         """Stop renewing and talking to Redis at once, giving nothing back (what a gateway that
         dies does; for tests)."""
         self._closed = True
-        for t in self._loops + ([self._probe] if self._probe else []) + list(self._drivers.values()):
+        for h in self._timers.values():
+            h.cancel()
+        for t in self._loops + ([self._probe] if self._probe else []) + list(self._tasks):
             t.cancel()
 
     @property
@@ -271,8 +278,8 @@ class RedisState(SharedState):
         if self._up is not None and not self._up.done():
             self._up.set_result(None)
         self._up = asyncio.get_running_loop().create_future()
-        for pool in list(self._wake):
-            self._wakeup(pool)
+        for pool in list(self._pending):
+            self._kick(pool)
 
     async def _probe_loop(self) -> None:
         while not self._closed and not self._available and self._fatal is None:
@@ -288,17 +295,9 @@ class RedisState(SharedState):
         t.add_done_callback(self._tasks.discard)
 
     def _wakeup(self, pool: str) -> None:
-        self._dirty[pool] = True  # a wake-up during the driver's call is not lost: it goes again at once
-        fut = self._wake.pop(pool, None)
-        if fut is not None and not fut.done():
-            fut.set_result(None)
-
-    async def _sleep(self, pool: str, seconds: float) -> None:
-        fut = self._wake.get(pool)
-        if fut is None or fut.done():
-            fut = self._wake[pool] = asyncio.get_running_loop().create_future()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(fut), max(seconds, 0.0))
+        """Another gateway (or this one) freed something in the pool."""
+        if self._pending.get(pool):
+            self._kick(pool)
 
     # ------------------------------------------------------------ renewals and wake-ups
     def _held(self) -> list[list[str]]:
@@ -310,6 +309,7 @@ class RedisState(SharedState):
             else:
                 items.append([f"{p}cexp:{a.pool}", a.member])
         items.extend([k, m] for k, m in self._queued.values())
+        items.extend([k, m] for k, m in self._retrying.values())
         return items
 
     async def _renew(self, add: bool = False) -> None:
@@ -431,7 +431,9 @@ class RedisState(SharedState):
                 "w": pol.flow_weight(flow.org, flow.cls),
                 "strict": pol.strict_classes.index(flow.cls) if cls.strict else -1,
                 "backends": [[n, int(lm)] for n, lm in backends], "groups": groups, "tokens": r.tokens,
-                "q": None if q is None else list(q)}
+                "q": None if q is None else list(q),
+                "first": (f"{self.prefix}rb:first:{flow.org}\t{flow.cls}\t{flow.pool}"
+                          if self._budgeted and r.tries <= 1 else None)}
 
     async def acquire(self, r: Request, backends: Sequence[tuple[str, int]], until: float | None) -> str:
         if self._refusing or self._closed:
@@ -467,54 +469,83 @@ class RedisState(SharedState):
         return backend
 
     def _kick(self, pool: str) -> None:
-        """Run the pool's driver now (or right after the call it has in flight)."""
-        t = self._drivers.get(pool)
-        if t is None or t.done():
-            self._drivers[pool] = asyncio.get_running_loop().create_task(self._drive(pool))
-        else:
-            self._wakeup(pool)
+        """Something changed for the pool (a new candidate, a release, a wake-up from another
+        gateway, a timer): make a round trip now, unless :data:`MAX_CALLS` are in flight and
+        none is new (then again right after one of them answers)."""
+        if self._closed:
+            return
+        self._dirty[pool] = True
+        if not self.available or self._calls.get(pool, 0) >= MAX_CALLS:
+            return  # _go_up kicks every pool; a call in flight looks again when it answers
+        pending = self._pending.get(pool, {})
+        releases = self._releases.get(pool, [])
+        if not releases and not any(not a.inflight for a in pending.values()):
+            return
+        self._dirty[pool] = False
+        self._calls[pool] = self._calls.get(pool, 0) + 1
+        self._spawn(self._one_call(pool))
 
-    async def _drive(self, pool: str) -> None:
-        """One round trip per wake-up for every candidate of the pool this gateway holds."""
+    async def _one_call(self, pool: str) -> None:
+        """One round trip for every candidate of the pool this gateway holds (those not already
+        in a call in flight) and every release waiting to go."""
         pending = self._pending.setdefault(pool, {})
         releases = self._releases.setdefault(pool, [])
-        base = self._pool_payload(pool)
-        while (pending or releases) and not self._closed:
-            if not self.available:
-                releases.clear()  # Redis is gone: those leases expire by themselves
-                assert self._up is not None
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(self._up), PROBE)
-                continue
-            batch = list(pending.values())
-            rel = releases[:]
-            releases.clear()
-            self._dirty[pool] = False
-            try:
-                res = await self._call("ACQUIRE", {**base, "rel": rel, "c": [x.payload for x in batch]})
-            except StateUnavailable:
-                continue
-            wait = LIMIT_POLL
-            for i in range(0, len(res), 4):
-                m, ok, what, hint = str(res[i]), int(res[i + 1]), str(res[i + 2]), float(res[i + 3])
-                a = pending.get(m)
-                if ok:
-                    if a is None or a.fut is None or a.fut.done():  # its caller gave up meanwhile
-                        a = next((x for x in batch if x.member == m), None)
-                        if a is not None and a.request is not None:
-                            self._granted(a.request, a, what)
-                            self._release(a, None, a.request)
-                        continue
-                    del pending[m]
-                    assert a.request is not None
-                    self._granted(a.request, a, what)
-                    a.fut.set_result(what)
-                elif what == "order":
-                    wait = min(wait, ORDER_POLL)
-                elif what == "bucket":
-                    wait = min(wait, max(hint, 0.001))
-            if pending and not self._dirty.get(pool):
-                await self._sleep(pool, wait)
+        batch = [a for a in pending.values() if not a.inflight]
+        for a in batch:
+            a.inflight = True
+        rel = releases[:]
+        releases.clear()
+        res: list[Any] = []
+        try:
+            res = await self._call("ACQUIRE", {**self._pool_payload(pool), "rel": rel,
+                                               "c": [x.payload for x in batch]})
+        except StateUnavailable:
+            pass  # the releases are lost: those leases expire by themselves
+        finally:
+            for a in batch:
+                a.inflight = False
+            self._calls[pool] -= 1
+        wait = LIMIT_POLL
+        for i in range(0, len(res), 4):
+            m, ok, what, hint = str(res[i]), int(res[i + 1]), str(res[i + 2]), float(res[i + 3])
+            att = pending.get(m)
+            if ok:
+                if att is None or att.fut is None or att.fut.done():  # its caller gave up meanwhile
+                    att = next((x for x in batch if x.member == m), None)
+                    if att is not None and att.request is not None:
+                        self._granted(att.request, att, what)
+                        self._release(att, None, att.request)
+                    continue
+                del pending[m]
+                assert att.request is not None
+                self._granted(att.request, att, what)
+                att.fut.set_result(what)
+            elif what == "order":
+                wait = min(wait, ORDER_POLL)
+            elif what == "bucket":
+                wait = min(wait, max(hint, 0.001))
+        if self._dirty.get(pool) or releases:
+            self._kick(pool)
+        if pending:
+            self._arm(pool, wait)
+
+    def _arm(self, pool: str, wait: float) -> None:
+        """Look again in ``wait`` seconds at the latest (a lease of a dead gateway expires, a
+        bucket refills, a wake-up was lost)."""
+        if self._closed:
+            return
+        loop = asyncio.get_running_loop()
+        at = loop.time() + wait
+        h = self._timers.get(pool)
+        if h is not None and not h.cancelled() and h.when() <= at:
+            return
+        if h is not None:
+            h.cancel()
+        self._timers[pool] = loop.call_later(wait, self._on_timer, pool)
+
+    def _on_timer(self, pool: str) -> None:
+        self._timers.pop(pool, None)
+        self._kick(pool)
 
     def _granted(self, r: Request, a: _Attempt, backend: str) -> None:
         p = self.prefix
@@ -550,8 +581,35 @@ class RedisState(SharedState):
         a = self._att.pop(r.id, None)
         if a is not None:
             self._over(a, actual_tokens, r)
+        if r.retrying:
+            self._retry_over(r)
+
+    def _retry_over(self, r: Request) -> None:
+        out = self._retrying.pop(r.id, None)
+        if out is not None:
+            self._spawn(self._withdraw(None, list(out)))
+
+    async def retry_allowed(self, r: Request) -> bool:
+        if not self._budgeted:
+            return True
+        if not self.available:
+            return False  # the budget cannot be checked: no retry rather than one past it
+        f = r.flow
+        base = f"{self.prefix}rb:%s:{f.org}\t{f.cls}\t{f.pool}"
+        member = f"{self.gateway_id}:{r.id}:{r.tries}"
+        try:
+            res = await self._call("RETRY", {"first": base % "first", "retry": base % "retry", "out": base % "out",
+                                             "pct": self.policy.retry.budget_per_flow_percent, "lease": self.lease,
+                                             "m": member})
+        except StateUnavailable:
+            return False
+        if res[0] != 1:
+            return False
+        self._retrying[r.id] = (base % "out", member)
+        return True
 
     def ended(self, r: Request) -> None:
+        self._retry_over(r)
         q = self._queued.pop(r.id, None)
         if q is not None:
             self._spawn(self._withdraw(None, list(q)))
