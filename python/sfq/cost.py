@@ -23,10 +23,14 @@ characters on average, or more than one token per UTF-8 byte) and, further, to w
 factor 4 of what the current chars-per-token ratio predicts (``clamped`` counts the fields
 clamped). The ratio itself is robust: the prior ``chars_per_token`` counts as 64 characters
 of evidence, so the first report cannot set it alone, and one report moves it by at most its
-share of the characters seen (a chat template's own tokens on a tiny prompt included). A saved state is validated on load: a
-non-finite, negative or impossible total (output above its cap, a chars-per-token ratio
-outside ``[1/4, 16]``) is a ``ValueError`` naming the entry and the field, and the estimator is
-left unchanged.
+share of the characters seen, times 4 (a chat template's own tokens on a tiny prompt
+included). The output ratio needs no such care: each report is clamped to ``[0, 1]`` of its
+own cap, so it moves the ratio by at most its share of the caps seen.
+
+A saved state is validated on load: a non-finite, negative or impossible total (output above
+its cap, a chars-per-token ratio outside ``[1/4, 16]``, counts that disagree) is a
+``ValueError`` naming the entry and the field, and the estimator is left unchanged (a bad
+state is refused, never silently repaired).
 
 Units: tokens for every count, "cost units" for costs (whatever ``input_weight`` and
 ``output_weight`` make of a token; 1.0 each by default, i.e. tokens).

@@ -66,7 +66,7 @@ async def test_max_in_flight_and_least_loaded_placement(sched):
 
 
 async def test_fair_order_and_charged_cost_bound(sched):
-    """Two backlogged flows, costs 1 vs 8: dispatch by meter; |W_a - W_b| <= 2 c_max (seed §3.2)."""
+    """Two backlogged flows, costs 1 vs 8: dispatch by meter; |W_a - W_b| <= 2 c_max (Goyal, Vin and Cheng, 1996)."""
     b = GateBackend("b", max_in_flight=1)
     records: list[DispatchRecord] = []
     async with Dispatcher([b], scheduler=sched, on_dispatch=records.append) as d:

@@ -280,7 +280,7 @@ async def test_fairness_flood_versus_short_requests(llama: LlamaServer):
     * the short flow's requests start within a bounded wait: from its arrival on, at most one
       long request is dispatched between two short ones (under FIFO: the whole flood first);
     * while both flows are backlogged, charged cost is split evenly: |W_bulk - W_chat| <= 2 c_max
-      (seed 000 §3.2), and the long flow gets no more than that ahead.
+      (Goyal, Vin and Cheng, 1996), and the long flow gets no more than that ahead.
     """
     records, arrival, stats = await _flood_and_chat(llama, None)
     after = records[arrival:]
