@@ -28,8 +28,8 @@ class Placement(DispatcherBase):
                 try:
                     pools.append(self._pools[m])
                 except (KeyError, TypeError):
-                    pools = sorted(str(k) for k in self._pools)
-                    raise KeyError(f"no pool serves model {m!r}; pools: {pools}") from None
+                    names = sorted(str(k) for k in self._pools)
+                    raise KeyError(f"no pool serves model {m!r}; pools: {names}") from None
         for pool in pools:
             self._pump(pool)
 
