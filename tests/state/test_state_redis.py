@@ -20,7 +20,7 @@ from sfq.state import InMemoryState, RedisState, state_for
 
 
 def _policy(url: str, prefix: str, *, lease: float = 1.0, limits: str = "max_in_flight: 2",
-            orgs: str = "", classes: str = "", backend: str = "http://127.0.0.1:9") -> Any:
+            orgs: str = "", classes: str = "", backend: str = "http://127.0.0.1:9", extra: str = "") -> Any:
     return parse_policy(f"""
 pools:
   p:
@@ -35,7 +35,7 @@ orgs:
   b: {{keys: [kb], classes: [batch]}}
 {orgs}
 state: {{redis: "{url}", prefix: "{prefix}", lease_seconds: {lease}}}
-""")
+{extra}""")
 
 
 def _req(flow: Flow, tokens: float = 0.0) -> Request:
@@ -283,6 +283,35 @@ async def test_a_reload_puts_the_new_policy_in_force_for_the_prefix(redis_server
         while not b.available:
             assert time.monotonic() < deadline, "the reloaded gateway did not come back"
             await asyncio.sleep(0.02)
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_the_retry_budget_counts_every_gateway(redis_server: RedisServer, prefix: str):
+    pol = _policy(redis_server.url, prefix, limits="max_in_flight: 8",
+                  extra="retry: {max_attempts: 3, budget_per_flow_percent: 20}")
+    a, b = RedisState(pol.state, pol), RedisState(pol.state, pol)
+    await a.start()
+    await b.start()
+    try:
+        firsts = [(a, _req(A)) for _ in range(4)] + [(b, _req(A))]
+        for st, r in firsts:  # five first attempts of the flow, four of them on one gateway
+            await st.acquire(r, BACKENDS, None)
+        for st, r in firsts:
+            st.attempt_over(r, None)
+        ra = firsts[0][1]
+        ra.tries = 1
+        assert await a.retry_allowed(ra), "one retry per flow is always allowed"
+        rb = firsts[4][1]
+        # the second gateway saw one first attempt; over both, 2 retries of 7 attempts > 20 %
+        assert not await b.retry_allowed(rb)
+        ra.retrying = True
+        a.attempt_over(ra, None)  # that retry's attempt ended: no retry of the flow is outstanding
+        deadline = time.monotonic() + LIMIT
+        while not await b.retry_allowed(rb):
+            assert time.monotonic() < deadline, "the ended retry still counted as outstanding"
+            await asyncio.sleep(0.01)
     finally:
         await a.close()
         await b.close()

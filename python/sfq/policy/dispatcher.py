@@ -302,8 +302,12 @@ class PolicyDispatcher:
         """The shared state's grant of the start the engine decided for ``r``: global slots,
         buckets and order (several gateways); ``r`` may be moved to the backend granted."""
         q = self.engine.queues[r.flow.pool]
+        now = self.clock()
         fits = [(b.name, b.limit) for b in q.backends.values()
-                if b.healthy and (b.max_context is None or r.need <= b.max_context)]
+                if b.healthy and b.paused_until <= now and (b.max_context is None or r.need <= b.max_context)]
+        if not fits:  # the one the engine chose (it was fit then)
+            assert r.backend is not None
+            fits = [(r.backend, q.backends[r.backend].limit)]
         until = None if r.drop_at == math.inf else r.drop_at
         try:
             backend = await self.state.acquire(r, fits, until)
