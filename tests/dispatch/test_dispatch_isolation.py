@@ -184,7 +184,7 @@ async def test_one_tenants_5xx_do_not_take_the_backend_down(fake: FakeServer):
                 break
             with pytest.raises(BackendHTTPError):
                 await d.submit(f"good{i % 6}", BODY)
-        assert 5 <= i <= 12  # five failures of other flows than the worst one, at least half of their replies
+        assert 5 <= i < 19  # down once other flows than the worst one see >= 50% 5xx (and at least five)
         st = d.stats()["backends"][fake.url]
         assert not st["healthy"] and "replies to other flows than the one failing most were 5xx" in st["down_reason"]
 
