@@ -229,15 +229,27 @@ def section_latency(tmp: Path, quick: bool) -> dict[str, Any]:
     gw_cpu, other = None, None
     secs = 2 if quick else 15
     out: dict[str, Any] = {"uptime_before": uptime(), "seconds": secs, "rates": {}}
-    with upstream(other) as up, gateway(policy_text(up, 512), gw_cpu, tmp) as (gw, _):
-        hey(gw + "/v1/completions", rate=200, seconds=1 if quick else 3, conc=10, cpu=other)  # warm-up
-        for rate in (200, 1000):
-            conc = max(10, rate // 20)
-            direct = hey(up + "/v1/completions", rate=rate, seconds=secs, conc=conc, cpu=other)
-            through = hey(gw + "/v1/completions", rate=rate, seconds=secs, conc=conc, cpu=other)
-            out["rates"][str(rate)] = {"direct": direct, "gateway": through,
-                                       "added_p50_ms": through["p50_ms"] - direct["p50_ms"],
-                                       "added_p99_ms": through["p99_ms"] - direct["p99_ms"]}
+    with upstream(other) as up:
+        # for scale: what a bare aiohttp proxy (no policy, no log) adds under the same conditions
+        fifo = Proc([sys.executable, str(HERE / "fifo_proxy.py"), "--upstream", up, "--max-in-flight", "512"])
+        try:
+            bare_url = f"http://127.0.0.1:{fifo.wait_for(r'ready ([0-9]+)').group(1)}"
+            hey(bare_url + "/v1/completions", rate=200, seconds=1, conc=10, cpu=other)  # warm-up
+            bare = {rate: hey(bare_url + "/v1/completions", rate=rate, seconds=secs, conc=max(10, rate // 20),
+                              cpu=other) for rate in (200, 1000)}
+        finally:
+            fifo.stop()
+        with gateway(policy_text(up, 512), gw_cpu, tmp) as (gw, _):
+            hey(gw + "/v1/completions", rate=200, seconds=1 if quick else 3, conc=10, cpu=other)  # warm-up
+            for rate in (200, 1000):
+                conc = max(10, rate // 20)
+                direct = hey(up + "/v1/completions", rate=rate, seconds=secs, conc=conc, cpu=other)
+                through = hey(gw + "/v1/completions", rate=rate, seconds=secs, conc=conc, cpu=other)
+                out["rates"][str(rate)] = {"direct": direct, "gateway": through, "bare_proxy": bare[rate],
+                                           "added_p50_ms": through["p50_ms"] - direct["p50_ms"],
+                                           "added_p99_ms": through["p99_ms"] - direct["p99_ms"],
+                                           "bare_added_p50_ms": bare[rate]["p50_ms"] - direct["p50_ms"],
+                                           "bare_added_p99_ms": bare[rate]["p99_ms"] - direct["p99_ms"]}
     out["uptime_after"] = uptime()
     return out
 
@@ -396,7 +408,7 @@ def table(res: dict[str, Any]) -> str:
                         f"(direct {r['direct']['p50_ms']:.2f} / {r['direct']['p99_ms']:.2f} ms, through "
                         f"{r['gateway']['p50_ms']:.2f} / {r['gateway']['p99_ms']:.2f} ms; "
                         f"{r['gateway']['rate']:.0f} req/s achieved, {r['gateway']['ok']}/{r['gateway']['requests']}"
-                        " ok) |")
+                        f" ok; a bare aiohttp proxy adds {r['bare_added_p50_ms']:.2f} / {r['bare_added_p99_ms']:.2f} ms) |")
     mx = res.get("max")
     if mx:
         g, bp = mx["gateway"], mx["bare_proxy"]
