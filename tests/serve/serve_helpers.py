@@ -4,7 +4,7 @@ gateway as a real process (``python -m sfq serve``) on loopback.
 The upstream's behaviour is chosen per request by its prompt (or last message): ``hold``
 waits until the test releases it, ``err500``/``err400``/``err503``/``err429`` answer that
 status, ``cut`` sends two stream events then drops the connection, ``drip`` streams one
-event per 50 ms; anything else answers
+event per 50 ms, ``big`` streams 64 KiB events (``sent`` counts the bytes written); anything else answers
 (``max_tokens`` tokens of ``x``). It records every request's body and headers, which held
 requests were abandoned by the gateway (``aborted``), and which finished.
 """
@@ -57,6 +57,7 @@ class Upstream:
         self.aborted: list[str] = []  # texts of held requests whose connection the gateway dropped
         self.finished: list[str] = []
         self.holding: list[str] = []
+        self.sent: dict[str, int] = {}  # bytes of stream events written so far, by text
         self.url = ""
         self._loop = asyncio.new_event_loop()
         self._gate: asyncio.Event | None = None
@@ -138,11 +139,14 @@ class Upstream:
                         await asyncio.sleep(0.05)
                         request.transport.close()  # type: ignore[union-attr]
                         return resp
-                    delta = {"delta": {"content": "x"}} if chat else {"text": "x"}
+                    piece = "y" * 65536 if text.startswith("big") else "x"
+                    delta = {"delta": {"content": piece}} if chat else {"text": piece}
                     ev = {"id": "up", "object": "chat.completion.chunk" if chat else "text_completion",
                           "created": 0, "model": body.get("model"),
                           "choices": [{"index": 0, **delta, "finish_reason": None}]}
-                    await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
+                    data = b"data: " + json.dumps(ev).encode() + b"\n\n"
+                    await resp.write(data)
+                    self.sent[text] = self.sent.get(text, 0) + len(data)
                 if (body.get("stream_options") or {}).get("include_usage"):
                     ev = {"id": "up", "object": "chat.completion.chunk", "created": 0, "model": body.get("model"),
                           "choices": [], "usage": usage}

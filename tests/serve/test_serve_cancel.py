@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from serve_helpers import GatewayProcess, Upstream, wait_until
 
 
-def _send(gw: GatewayProcess, body: dict, key: str = "sk-a", path: str = "/v1/completions") -> socket.socket:
+def _send(gw: GatewayProcess, body: dict, key: str = "sk-a", path: str = "/v1/completions",
+          rcvbuf: int | None = None) -> socket.socket:
     """Send a request on a raw connection and return it, unanswered (the test closes it)."""
     data = json.dumps(body).encode()
-    s = socket.create_connection(("127.0.0.1", int(gw.url.rsplit(":", 1)[1])))
+    s = socket.socket()
+    if rcvbuf is not None:  # before connecting, so that the TCP window follows it
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.connect(("127.0.0.1", int(gw.url.rsplit(":", 1)[1])))
     s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
               f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
     return s
@@ -67,3 +72,30 @@ def test_disconnect_mid_stream_aborts_the_upstream_stream(gateway: GatewayProces
     line = wait_until(lambda: [x for x in gateway.access() if x["stream"] and x["status"] == 499],
                       "the access log line of the abandoned stream")[-1]
     assert line["outcome"] == "cancelled_during_execution" and line["events"] >= 2
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        return next(int(line.split()[1]) << 10 for line in fh if line.startswith("VmRSS:"))
+
+
+def test_a_client_that_stops_reading_holds_the_upstream_back(gateway: GatewayProcess, upstream: Upstream):
+    """Backpressure: a 128 MiB stream to a client that stops reading after 256 KiB. However long
+    it stalls, the gateway holds no more than its buffers (a gateway that buffered the response
+    would take all 128 MiB at loopback speed), and the upstream is held back."""
+    s = _send(gateway, {"model": "m", "prompt": "big-1", "max_tokens": 2048, "stream": True}, rcvbuf=1 << 16)
+    got = 0
+    while got < 256 << 10:
+        piece = s.recv(65536)
+        assert piece, "the gateway closed the stream"
+        got += len(piece)
+    base = _rss(gateway.proc.pid)
+    grew = 0
+    deadline = time.monotonic() + 2.0  # the observation window, not a timing check
+    while time.monotonic() < deadline:
+        grew = max(grew, _rss(gateway.proc.pid) - base)
+        time.sleep(0.05)
+    assert grew < 32 << 20, f"the gateway grew by {grew / 2**20:.1f} MiB for a client that stopped reading"
+    assert "big-1" not in upstream.finished and upstream.sent["big-1"] < 128 << 20
+    s.close()
+    wait_until(lambda: "big-1" in upstream.aborted, "the upstream to see the stream aborted")
