@@ -326,7 +326,10 @@ class RedisState(SharedState):
         missing = res[1:]
         if missing and not add:  # Redis lost them (a restart): put back those still held
             held = {(k, m) for k, m in self._held()}
-            back = [items[int(i)] for i in missing if tuple(items[int(i)]) in held]
+            cexp = f"{self.prefix}cexp:"
+            # a candidate re-registers itself on its next round trip; only slots and places go back
+            back = [items[int(i)] for i in missing
+                    if tuple(items[int(i)]) in held and not items[int(i)][0].startswith(cexp)]
             if back:
                 log.warning("Redis had lost %d of this gateway's leases; putting them back", len(back))
                 await self._call("RENEW", {"lease": self.lease, "hash": self.hash, "add": True, "items": back})
