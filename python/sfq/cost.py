@@ -1,6 +1,7 @@
 """Cost estimation for LLM requests.
 
-A request's cost is fixed when it is dispatched and never corrected afterwards::
+A request's cost is estimated when it is dispatched (``sfq.Dispatcher`` estimates again at
+dispatch, from what the calibration has learned by then)::
 
     cost = input_weight * prompt_tokens + output_weight * expected_output_tokens
     expected_output_tokens = n * max_tokens * ratio     (times the prompts of a batch prompt)
@@ -13,7 +14,9 @@ characters is divided by a characters-per-token ratio calibrated per model from 
 backends' ``usage.prompt_tokens`` (``chars_per_token`` before any sample).
 
 Calibration happens only from completed requests (``observe``) and only changes the costs
-of *later* requests: the scheduler's meters never see a correction. The calibration state
+of *later* requests. Whether a dispatched request's charge is corrected afterwards is the
+dispatcher's charge mode (``Dispatcher(charge=...)``): ``actual_cost`` turns a usage report
+into the cost the ``settle`` and ``served`` modes correct the meter to. The calibration state
 can be saved to and loaded from JSON so a restarted proxy keeps it.
 
 No single usage report can poison the calibration. Every field is checked and clamped to
@@ -377,6 +380,25 @@ class CostEstimator:
             m.tokens += tokens
             m.n_prompt += 1
         return True
+
+    def actual_cost(self, estimate: Estimate, usage: Mapping[str, Any] | None) -> float | None:
+        """The cost of a finished request from the server's ``usage`` report, in cost units
+        (``input_weight * prompt_tokens + output_weight * completion_tokens``), or ``None`` when
+        the report has no usable ``completion_tokens``. Clamped like ``observe``: output to
+        ``[0, max_tokens]``, prompt tokens to within a factor 4 of the estimate (plus 64 for a
+        chat template's own tokens; the estimate when the report has none), so one absurd
+        report cannot move a meter by more than the request could have cost."""
+        comp = usage.get("completion_tokens") if isinstance(usage, Mapping) else None
+        if type(comp) is not int or comp < 0:
+            return None
+        if comp > estimate.max_tokens:
+            comp = estimate.max_tokens
+        prompt = estimate.prompt_tokens
+        pt = usage.get("prompt_tokens")  # type: ignore[union-attr]
+        if type(pt) is int and pt >= 0:
+            prompt = min(max(float(pt), prompt / MAX_PROMPT_SURPRISE), prompt * MAX_PROMPT_SURPRISE + PRIOR_CHARS)
+        cost = self.input_weight * prompt + self.output_weight * comp
+        return min(max(cost, self.min_cost), MAX_COST)
 
     def _prune_flows(self) -> None:
         """Keep per-flow calibration bounded (``max_flows``): drop down to 90% of it, first the

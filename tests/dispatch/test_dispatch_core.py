@@ -38,7 +38,8 @@ async def test_submit_returns_the_reply_and_calibrates(sched):
         assert reply["usage"]["completion_tokens"] == 5
         assert est.ratio("m") == 0.5
         s = d.stats()
-        assert s["flows"]["f"]["completed"] == 1 and s["flows"]["f"]["charged_cost"] == 10
+        # estimated 10 at dispatch, settled to the usage (5) at completion (charge="served", the default)
+        assert s["flows"]["f"]["completed"] == 1 and s["flows"]["f"]["charged_cost"] == 5
         assert s["backends"]["b"]["completed"] == 1 and s["backends"]["b"]["in_flight"] == 0
 
 
@@ -222,12 +223,15 @@ async def test_overtake_lets_later_flows_go(sched):
         await settle()
         assert len(small.calls) == 3  # overtook the held request
         assert d.stats()["flows"]["a"]["held"] == 1
-        # cancelling a held request: it was charged (selected), so it counts as aborted
+        # cancelling a held request: it waited aside uncharged (look before you pop), so it counts
+        # as cancelled before dispatch and its flow's meter never moved
+        meter = d._pools[None].sched.meter("a")
         big.cancel()
         with pytest.raises(asyncio.CancelledError):
             await big
         s = d.stats()["flows"]["a"]
-        assert s["held"] == 0 and s["aborted"] == 1 and s["charged_cost"] == 1.0
+        assert s["held"] == 0 and s["cancelled"] == 1 and s["aborted"] == 0 and s["charged_cost"] == 0.0
+        assert d._pools[None].sched.meter("a") == meter and not d._pools[None].sched.suspended("a")
         large.release(0)
         for i in range(3):
             small.release(i)

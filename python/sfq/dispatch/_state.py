@@ -19,8 +19,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sfq.dispatch")
 
-# job states (EXPIRED: removed after ``unavailable_timeout`` with no healthy backend)
-WAITING, HELD, PLACED, DONE, CANCELLED, REJECTED, EXPIRED = range(7)
+# job states (EXPIRED: removed after ``unavailable_timeout`` with no healthy backend). HELD: still in
+# the scheduler, uncharged, named by ``peek()`` but fitting no backend with room (stalled, or set
+# aside with its flow suspended so that others may overtake); TAKEN: selected by a hook that
+# dispatched another request than ``peek()`` named, charged, waiting for a backend that fits
+WAITING, HELD, PLACED, DONE, CANCELLED, REJECTED, EXPIRED, TAKEN = range(8)
+#: charge modes (``Dispatcher(charge=...)``)
+CHARGE_MODES = ("served", "settle", "seed")
 # outcomes of a placed job
 OK, FAILED, ABORTED = range(3)
 #: outcome codes as the hooks see them
@@ -87,17 +92,19 @@ class BState:
 class Pool:
     """Backends serving one model, and the scheduler that orders their requests."""
 
-    __slots__ = ("model", "sched", "backends", "aside", "limited", "largest_context", "waiting", "down_since",
-                 "down_timer")
+    __slots__ = ("model", "sched", "backends", "aside", "stalled", "taken", "limited", "largest_context", "waiting",
+                 "down_since", "down_timer")
 
     def __init__(self, model: str | None, sched: Any) -> None:
         self.model = model
         self.sched = sched
         self.backends: list[BState] = []
-        self.aside: list[Job] = []  # selected (charged), waiting for a backend that fits
+        self.aside: list[Job] = []  # HELD with their flow suspended (overtake), uncharged, oldest first
+        self.stalled: Job | None = None  # HELD, not suspended: the head everything else waits behind
+        self.taken: list[Job] = []  # TAKEN: charged by a hook's own selection, waiting for a backend that fits
         self.limited = False  # some backend declares max_context
         self.largest_context: float = float("inf")
-        self.waiting: dict[int, Job] = {}  # ticket -> job still in the scheduler (admission order)
+        self.waiting: dict[int, Job] = {}  # ticket -> job still in the scheduler (WAITING or HELD; admission order)
         self.down_since: float | None = None  # loop time since which no backend is healthy
         self.down_timer: asyncio.TimerHandle | None = None
 
@@ -112,16 +119,16 @@ class FlowStats:
         self.flow = flow
         self.idle = False  # in the dispatcher's idle list (nothing waiting, held or in flight)
         self.waiting = 0  # in the scheduler
-        self.held = 0  # selected and charged, waiting aside for a backend that fits
+        self.held = 0  # next in line but fitting no backend with room: waiting aside, uncharged
         self.in_flight = 0  # sent to a backend
-        self.dispatched = 0  # selected by the scheduler (charged)
+        self.dispatched = 0  # dispatched by the scheduler (charged)
         self.completed = 0
         self.failed = 0
         self.cancelled = 0  # given up before dispatch: uncharged
         self.aborted = 0  # given up after dispatch: charged, backend call aborted
         self.rejected = 0  # removed when the dispatcher closed
         self.unavailable = 0  # removed after unavailable_timeout with no healthy backend (NoHealthyBackend)
-        self.charged = 0.0  # cost units charged at dispatch
+        self.charged = 0.0  # cost units charged: at dispatch, plus the corrections of the charge mode
         self.waits: deque[float] = deque(maxlen=window)  # seconds from submit to send
 
 
@@ -129,7 +136,8 @@ class Job:
     """One accepted request, from admission to its outcome."""
 
     __slots__ = ("flow", "body", "endpoint", "est", "cost", "pool", "ticket", "t_enq", "t_loop", "state", "bs",
-                 "fut", "need", "start", "finish", "fs", "record", "idempotent")
+                 "fut", "need", "start", "finish", "fs", "record", "idempotent", "fixed", "charged", "working",
+                 "tokens", "stream")
 
     def __init__(self, flow: Hashable, body: dict[str, Any], endpoint: str, est: Estimate | None, cost: float,
                  pool: Pool, t_enq: float, need: float) -> None:
@@ -143,6 +151,11 @@ class Job:
         self.t_loop = 0.0  # loop time at admission when its pool was down (for unavailable_timeout)
         self.need = need
         self.idempotent = False
+        self.fixed = False  # the caller gave the cost: charged as given, never re-estimated or corrected
+        self.charged = 0.0  # cost units charged for this request so far (once dispatched)
+        self.working = False  # reported to the scheduler with work_started() and not yet work_done()
+        self.tokens = 0.0  # output tokens counted so far (charge="served", streams)
+        self.stream = False
         self.fs: FlowStats = None  # type: ignore[assignment]  # set once enqueued
         self.ticket = 0
         self.state = WAITING
@@ -161,6 +174,9 @@ class DispatcherBase:
     """
 
     estimator: CostEstimator
+    charge: str
+    _served: bool
+    _seed: bool
     clock: Callable[[], float]
     overtake: int
     backoff: float
@@ -203,6 +219,15 @@ class DispatcherBase:
 
     def _finish(self, job: Job, outcome: int, err: BackendError | None = None,
                 usage: Mapping[str, Any] | None = None) -> None:
+        raise NotImplementedError
+
+    def _unhold(self, job: Job) -> None:
+        raise NotImplementedError
+
+    def _work_over(self, job: Job) -> None:
+        raise NotImplementedError
+
+    def _served_tokens(self, job: Job, event: Mapping[str, Any]) -> None:
         raise NotImplementedError
 
     # health

@@ -1,5 +1,6 @@
-"""Admission: validate a request, estimate its cost, route it to its pool, enqueue it; and the
-way back out for a caller that gives up before its request is sent (withdrawn, uncharged)."""
+"""Admission: validate a request, estimate it (to route it and check its size), enqueue it at a
+lower bound of its cost (the charge is estimated at dispatch); and the way back out for a
+caller that gives up before its request is dispatched (withdrawn, uncharged)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 from .._common import unhashable_flow
 from ..backends.base import CHAT_COMPLETIONS, COMPLETIONS
 from ..errors import DispatcherClosed, NoHealthyBackend, RequestTooLarge, UnknownModel
-from ._state import ABORTED, CANCELLED, EXPIRED, HELD, PLACED, REJECTED, WAITING, DispatcherBase, Job
+from ._state import ABORTED, CANCELLED, EXPIRED, HELD, PLACED, REJECTED, TAKEN, WAITING, DispatcherBase, Job
 
 
 class PlacementFuture(asyncio.Future):  # type: ignore[type-arg]
@@ -77,8 +78,19 @@ class Admission(DispatcherBase):
                 f"the request needs about {need:.0f} tokens (prompt {est.prompt_tokens:.0f} + max_tokens "
                 f"{per_seq}), more than any backend of pool {pool.model!r} takes "
                 f"(largest max_context {pool.largest_context:.0f})")
-        c = est.cost if cost is None else cost
+        if cost is None:
+            # the charge is estimated at dispatch (the calibration may learn in between): enqueued at
+            # a lower bound, the prompt's cost; SFQ selects by the flows' meters, not by their heads'
+            # costs, so this changes no order, and the dispatch corrects the meter at once
+            e = self.estimator
+            c = e.input_weight * est.prompt_tokens
+            if c < e.min_cost:
+                c = e.min_cost
+        else:
+            c = cost
         job = Job(flow, body, endpoint, est, c, pool, self.clock(), need)
+        job.fixed = cost is not None
+        job.stream = streaming
         if pool.down_since is not None:  # arrives during an outage: its own unavailable_timeout
             job.t_loop = asyncio.get_running_loop().time()
         ticket = pool.sched.enqueue(flow, c, job)  # checks the cost; nothing changed if it raises
@@ -102,28 +114,33 @@ class Admission(DispatcherBase):
             await fut
         except asyncio.CancelledError:
             pool = job.pool
-            if job.state in (WAITING, CANCELLED):  # never dispatched: uncharged
+            if job.state in (WAITING, HELD, CANCELLED):  # never dispatched: uncharged
                 self._withdraw(job)  # (already done when the cancellation went through the future)
                 self._pump(pool)  # the head may have changed (overtake / stalls)
-            elif job.state == HELD:  # selected and charged, not sent
-                pool.aside.remove(job)
+            elif job.state == TAKEN:  # dispatched by a hook's own choice and charged, not sent
+                pool.taken.remove(job)
                 job.state = CANCELLED
                 job.fs.held -= 1
                 job.fs.aborted += 1
+                self._work_over(job)
                 self._maybe_idle(job.fs)
-                self._pump(pool)  # a stall may be over
+                self._pump(pool)
             elif job.state == PLACED:  # placed while the cancellation was on its way
                 self._finish(job, ABORTED)
             raise
 
     def _withdraw(self, job: Job) -> None:
-        """Remove a still-waiting job from its pool's scheduler, uncharged (its caller gave up)."""
-        if job.state != WAITING:
+        """Remove a job still in its pool's scheduler (waiting, or held aside), uncharged (its caller
+        gave up)."""
+        if job.state != WAITING and job.state != HELD:
             return
         pool = job.pool
         pool.sched.cancel(job.ticket)
         del pool.waiting[job.ticket]
+        if job.state == HELD:
+            self._unhold(job)
+        else:
+            job.fs.waiting -= 1
         job.state = CANCELLED
-        job.fs.waiting -= 1
         job.fs.cancelled += 1
         self._maybe_idle(job.fs)

@@ -133,6 +133,7 @@ class Calls(DispatcherBase):
         usage = None
         outcome, err = ABORTED, None
         agen = None
+        count = self._served and not job.fixed  # charge the output as it is delivered
         try:
             # may raise before returning an iterator
             if idempotent:
@@ -140,6 +141,8 @@ class Calls(DispatcherBase):
             else:
                 agen = bs.backend.stream(job.endpoint, job.body)
             async for event in agen:
+                if count:
+                    self._served_tokens(job, event)
                 u = event.get("usage")
                 if u:
                     usage = u

@@ -18,7 +18,7 @@ from .health import Health
 from .hooks import DispatchHooks
 from .lifecycle import Lifecycle
 from .placement import Placement
-from ._state import BState, DispatchRecord, FlowStats, Pool
+from ._state import CHARGE_MODES, BState, DispatchRecord, FlowStats, Pool
 from .stats import Statistics
 
 __all__ = ["Dispatcher"]
@@ -35,7 +35,16 @@ class Dispatcher(Calls, Admission, Placement, Health, Statistics, Lifecycle):
         ``model=None`` form the default pool, which takes every model name no other pool
         serves. Names must be unique.
     estimator:
-        the ``CostEstimator`` (default: ``CostEstimator()``, cost in tokens).
+        the ``CostEstimator`` (default: ``CostEstimator()``, cost in tokens). A request is
+        estimated at admission (to route it and check its size) and again at dispatch, where
+        it is charged: the calibration may have learned in between.
+    charge:
+        what a request is charged (see the package docstring): ``"served"`` (default): a
+        stream its prompt at dispatch and its output tokens as they are delivered, a
+        non-streamed request its estimate at dispatch; both reconciled with the server's
+        ``usage`` at completion. ``"settle"``: the estimate at dispatch, corrected to the
+        ``usage`` at completion. ``"seed"``: the estimate at dispatch, never corrected.
+        A request whose ``cost=`` the caller gives is charged that, never corrected.
     clock:
         seconds, for waits (default ``time.monotonic``).
     overtake:
@@ -79,6 +88,7 @@ class Dispatcher(Calls, Admission, Placement, Health, Statistics, Lifecycle):
         backends: Iterable[Backend | str],
         *,
         estimator: CostEstimator | None = None,
+        charge: str = "served",
         clock: Callable[[], float] = time.monotonic,
         overtake: int = 0,
         backoff: float = 0.25,
@@ -105,6 +115,8 @@ class Dispatcher(Calls, Admission, Placement, Health, Statistics, Lifecycle):
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"backend names must be unique; repeated: {dup}")
+        if not isinstance(charge, str) or charge not in CHARGE_MODES:
+            raise ValueError(f"charge must be one of {', '.join(map(repr, CHARGE_MODES))}, got {charge!r}")
         if isinstance(overtake, bool) or not isinstance(overtake, int) or overtake < 0:
             raise ValueError(f"overtake must be an integer >= 0, got {overtake!r}")
         for what, v in (("backoff", backoff), ("max_backoff", max_backoff), ("close_grace", close_grace),
@@ -132,6 +144,9 @@ class Dispatcher(Calls, Admission, Placement, Health, Statistics, Lifecycle):
             raise TypeError(f"hooks must be a DispatchHooks, got {hooks!r}")
         self._max_flow_stats = max_flow_stats
         self.estimator = estimator if estimator is not None else CostEstimator()
+        self.charge = charge
+        self._served = charge == "served"
+        self._seed = charge == "seed"
         self.clock = clock
         self.overtake = overtake
         self.backoff = float(backoff)

@@ -16,7 +16,7 @@ A 429 pauses that backend (nothing new is sent there) for its ``Retry-After``, a
 ``max_pause`` seconds. A backend out of rotation is health-checked with backoff (``backoff``
 doubling to ``max_backoff``) until a check passes; then its window is cleared. Requests
 that wait in a pool with no healthy backend are removed with ``NoHealthyBackend`` after
-``unavailable_timeout`` seconds. Saturation probes hold a saturated backend out of placement.
+``unavailable_timeout`` seconds (uncharged, unless a hook had dispatched them). Saturation probes hold a saturated backend out of placement.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections.abc import Hashable
 
 from ..backends.probe import ProbeReading
 from ..errors import BackendError, BackendHTTPError, BackendRateLimited, NoHealthyBackend
-from ._state import EXPIRED, BState, DispatcherBase, Job, Pool, log
+from ._state import EXPIRED, HELD, BState, DispatcherBase, Job, Pool, log
 
 #: pause after a 429 without a (parsable) Retry-After, seconds
 DEFAULT_PAUSE = 1.0
@@ -178,15 +178,19 @@ class Health(DispatcherBase):
                 break
             pool.sched.cancel(ticket)  # never dispatched: uncharged
             del pool.waiting[ticket]
-            job.fs.waiting -= 1
+            if job.state == HELD:
+                self._unhold(job)
+            else:
+                job.fs.waiting -= 1
             self._expire(job, timeout)
-        for job in list(pool.aside):  # selected and charged, never sent
+        for job in list(pool.taken):  # dispatched by a hook's own choice and charged, never sent
             due = max(job.t_loop, since) + timeout
             if due > now:
                 next_due = due if next_due is None else min(next_due, due)
                 continue
-            pool.aside.remove(job)
+            pool.taken.remove(job)
             job.fs.held -= 1
+            self._work_over(job)
             self._expire(job, timeout)
         if next_due is not None:
             pool.down_timer = loop.call_later(max(0.0, next_due - now), self._expire_unavailable, pool)

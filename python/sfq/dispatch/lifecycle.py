@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from ..errors import DispatcherClosed
-from ._state import REJECTED, DispatcherBase, Job
+from ._state import HELD, REJECTED, DispatcherBase, Job
 
 
 class Lifecycle(DispatcherBase):
@@ -24,7 +24,7 @@ class Lifecycle(DispatcherBase):
 
     async def close(self) -> None:
         """Stop accepting requests; reject those not yet sent (``DispatcherClosed``; uncharged
-        unless already selected); wait up to ``close_grace`` seconds for requests in flight;
+        unless a hook had dispatched them); wait up to ``close_grace`` seconds for requests in flight;
         then stop the probes and close the backends (aborting what is still running)."""
         if self._close_task is None:
             self._close_task = asyncio.ensure_future(self._close())
@@ -42,13 +42,17 @@ class Lifecycle(DispatcherBase):
                 pool.down_timer = None
             for ticket, job in list(pool.waiting.items()):
                 pool.sched.cancel(ticket)
-                job.fs.waiting -= 1
+                if job.state == HELD:
+                    self._unhold(job)  # (resumes its flow: nothing stays suspended)
+                else:
+                    job.fs.waiting -= 1
                 self._reject(job)
             pool.waiting.clear()
-            for job in pool.aside:
+            for job in pool.taken:
                 job.fs.held -= 1
+                self._work_over(job)
                 self._reject(job)
-            pool.aside.clear()
+            pool.taken.clear()
         if self._in_flight:
             self._drained = asyncio.Event()
             try:

@@ -1,7 +1,8 @@
-"""The pump and placement: while a backend of a pool has room, take the next request from the
-pool's scheduler (through ``DispatchHooks.select`` when hooks are set) and send it to the
-least-loaded backend with room that can take it; when a request ends, free its slot and pump
-again."""
+"""The pump and placement: while a backend of a pool has room, look at the request the pool's
+scheduler names next (``peek``), and when a backend with room can take it, dispatch it (through
+``DispatchHooks.select`` when hooks are set), charge it as the charge mode says and send it to
+the least-loaded such backend; when a request ends, correct its charge (``settle``/``served``),
+report its work done, free its slot and pump again."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import BackendError
-from ._state import (ABORTED, CANCELLED, DONE, FAILED, HELD, OK, OUTCOME_NAMES, PLACED, BState, DispatcherBase,
-                     DispatchRecord, Job, Pool, log)
+from ._state import (ABORTED, CANCELLED, DONE, FAILED, HELD, OK, OUTCOME_NAMES, PLACED, TAKEN, WAITING, BState,
+                     DispatcherBase, DispatchRecord, Job, Pool, log)
 
 
 class Placement(DispatcherBase):
@@ -58,56 +59,229 @@ class Placement(DispatcherBase):
                     best, best_load = bs, load
         return best
 
-    def _select(self, pool: Pool) -> Any:
-        hooks = self.hooks
-        if hooks is None:
-            return pool.sched.dispatch()
-        try:
-            return hooks.select(pool.model, pool.sched)
-        except Exception:
-            log.exception("sfq: DispatchHooks.select raised; nothing dispatched from pool %r for now", pool.model)
-            return None
-
+    # ------------------------------------------------------------------ the pump
     def _pump(self, pool: Pool) -> None:
-        """Dispatch one request at a time while a backend of ``pool`` has room."""
-        aside = pool.aside
+        """Dispatch one request at a time while a backend of ``pool`` has room.
+
+        Look before you pop: the request ``peek()`` names is dispatched (charged) only when a
+        backend with room takes it. One that fits none waits aside, uncharged (HELD): with
+        ``overtake=0`` everything waits behind it (the stall); with ``overtake=k`` up to ``k``
+        such requests have their flow suspended (its requests keep waiting, uncharged) so later
+        selections go out, and the flow is resumed when a backend that fits has room (it rejoins
+        at ``max(S, v)``: nothing is banked while it waited aside)."""
+        sched = pool.sched
         while True:
-            if aside:
-                for job in list(aside):
-                    bs = self._fit(pool, job)
-                    if bs is None:
-                        if not self.overtake:
-                            return  # stall: the selected head waits for a backend that fits
-                        continue
-                    aside.remove(job)
-                    job.fs.held -= 1
-                    self._send(job, bs)
-                if len(aside) > self.overtake:
-                    return
+            if pool.taken and not self._place_taken(pool):
+                return
+            if pool.aside:
+                self._release_aside(pool)
             if not pool.waiting:
                 return
             bs = self._room(pool)
             if bs is None:
                 return
-            d = pool.sched.dispatch() if self.hooks is None else self._select(pool)
-            if d is None:
+            if pool.stalled is not None:  # let peek() decide afresh (meters may have moved)
+                self._unstall(pool)
+            d = sched.peek()
+            if d is None:  # every waiting flow is suspended (aside, or by a policy)
                 return
             job = d.item
-            del pool.waiting[job.ticket]
-            job.start = d.start
-            job.finish = d.finish
-            fs = job.fs
-            fs.waiting -= 1
-            fs.dispatched += 1
-            fs.charged += d.cost
             if pool.limited and bs.max_context is not None and job.need > bs.max_context:
                 bs = self._fit(pool, job)
                 if bs is None:
-                    job.state = HELD
-                    fs.held += 1
-                    aside.append(job)
+                    self._hold(pool, job)
+                    if pool.stalled is not None:
+                        return  # stall: the head waits, uncharged, first in line
                     continue
+            if self.hooks is None:
+                job.working = True
+                sched.work_started(None if self._seed else job.flow)  # before dispatch: the busy period stays open
+                d = sched.dispatch()
+            else:
+                d = self._select(pool, job)
+                if d is None:
+                    return
+                if d.item is not job:  # the hook chose another request: it must fit too
+                    job = d.item
+                    self._dispatched(pool, job, d)
+                    fit = self._fit(pool, job)
+                    if fit is None:
+                        job.state = TAKEN
+                        job.fs.held += 1
+                        pool.taken.append(job)
+                        continue
+                    self._send(job, fit)
+                    continue
+            self._dispatched(pool, job, d)
             self._send(job, bs)
+
+    def _select(self, pool: Pool, job: Job) -> Any:
+        """Ask the hooks to dispatch; ``job`` is the request ``peek()`` names, which fits."""
+        sched = pool.sched
+        flow = None if self._seed else job.flow
+        sched.work_started(flow)  # reported first: the dispatch must not close the busy period
+        try:
+            d = self.hooks.select(pool.model, sched)  # type: ignore[union-attr]
+        except Exception:
+            log.exception("sfq: DispatchHooks.select raised; nothing dispatched from pool %r for now", pool.model)
+            d = None
+        if d is None:
+            sched.work_done(flow)
+            return None
+        got: Job = d.item
+        if got is not job and not self._seed:  # the work is the chosen request's flow's
+            sched.work_started(got.flow)
+            sched.work_done(flow)
+        got.working = True
+        return d
+
+    def _dispatched(self, pool: Pool, job: Job, d: Any) -> None:
+        """``job`` left the scheduler (``d``): estimate its cost now and charge it."""
+        del pool.waiting[job.ticket]
+        fs = job.fs
+        fs.waiting -= 1
+        fs.dispatched += 1
+        job.start = d.start
+        charge = d.cost
+        finish = d.finish
+        if not job.fixed:
+            target = self._dispatch_cost(job)
+            if target != charge:
+                try:
+                    pool.sched.adjust(job.flow, target - charge)
+                    charge = target
+                    finish = pool.sched.meter(job.flow)
+                except (OverflowError, ValueError):
+                    log.exception("sfq: correcting the charge of a request of flow %r failed; charged %g",
+                                  job.flow, charge)
+        job.cost = job.charged = charge
+        job.finish = finish
+        fs.charged += charge
+
+    def _dispatch_cost(self, job: Job) -> float:
+        """The charge at dispatch: the estimate as the estimator sees it now (its calibration may
+        have moved since admission); for a stream in ``served`` mode only its prompt, the output
+        being charged as it is delivered."""
+        est = self.estimator
+        try:
+            e = est.estimate(job.body, job.flow)
+        except Exception:  # validated at admission: keep that estimate
+            return job.est.cost if job.est is not None else job.cost
+        job.est = e
+        if self._served and job.stream:
+            c = est.input_weight * e.prompt_tokens
+            return c if c > est.min_cost else est.min_cost
+        return e.cost
+
+    def _hold(self, pool: Pool, job: Job) -> None:
+        """``job`` is next in line but fits no backend with room: it waits aside, uncharged."""
+        job.state = HELD
+        fs = job.fs
+        fs.waiting -= 1
+        fs.held += 1
+        if len(pool.aside) < self.overtake:
+            pool.aside.append(job)
+            pool.sched.suspend(job.flow)  # others may overtake; its flow keeps its requests, uncharged
+        else:
+            pool.stalled = job
+
+    def _unstall(self, pool: Pool) -> None:
+        job = pool.stalled
+        assert job is not None
+        pool.stalled = None
+        job.state = WAITING
+        job.fs.held -= 1
+        job.fs.waiting += 1
+
+    def _unhold(self, job: Job) -> None:
+        """A HELD job leaves the aside (placed, withdrawn, expired or rejected): its flow competes
+        again (at ``max(S, v)``). The caller sets its state and cancels its ticket first if it goes."""
+        pool = job.pool
+        if pool.stalled is job:
+            pool.stalled = None
+        else:
+            pool.aside.remove(job)
+            pool.sched.resume(job.flow)
+        job.fs.held -= 1
+
+    def _release_aside(self, pool: Pool) -> None:
+        """Put back in the competition the flows whose held head now fits a backend with room."""
+        for job in list(pool.aside):
+            if self._fit(pool, job) is not None:
+                self._unhold(job)
+                job.state = WAITING
+                job.fs.waiting += 1
+
+    def _place_taken(self, pool: Pool) -> bool:
+        """Send the hook-chosen requests that now fit; True when none is left waiting."""
+        for job in list(pool.taken):
+            bs = self._fit(pool, job)
+            if bs is not None:
+                pool.taken.remove(job)
+                job.fs.held -= 1
+                self._send(job, bs)
+        return not pool.taken
+
+    # ------------------------------------------------------------------ the charge modes
+    def _correct(self, job: Job, delta: float) -> None:
+        """Move ``job``'s flow's meter by ``delta`` cost units (the charge modes' corrections)."""
+        if not delta:
+            return
+        try:
+            job.pool.sched.adjust(job.flow, delta)
+        except (OverflowError, ValueError):
+            log.exception("sfq: correcting the charge of a request of flow %r by %g failed; ignored", job.flow, delta)
+            return
+        job.charged += delta
+        job.fs.charged += delta
+
+    def _served_tokens(self, job: Job, event: Mapping[str, Any]) -> None:
+        """``served`` mode: charge the output tokens one event of a stream delivers. A usage
+        report in the event (``completion_tokens`` so far) is taken as the count; otherwise each
+        choice's text counts ``max(1, chars / chars_per_token)`` tokens. Capped at ``max_tokens``."""
+        est = job.est
+        if est is None:
+            return
+        u = event.get("usage")
+        if u:
+            ct = u.get("completion_tokens") if isinstance(u, Mapping) else None
+            if type(ct) is int and ct >= 0:
+                n = float(min(ct, est.max_tokens))
+                if n != job.tokens:
+                    self._correct(job, self.estimator.output_weight * (n - job.tokens))
+                    job.tokens = n
+                return
+        choices = event.get("choices")
+        if not choices or not isinstance(choices, list):
+            return
+        cpt = 0.0
+        n = 0.0
+        for ch in choices:
+            if not isinstance(ch, Mapping):
+                continue
+            text = ch.get("text")
+            if text is None:
+                delta = ch.get("delta")
+                if isinstance(delta, Mapping):
+                    text = delta.get("content") or delta.get("reasoning_content")
+            if isinstance(text, str) and text:
+                if not cpt:
+                    cpt = self.estimator.chars_per_token_of(est.model)
+                t = len(text) / cpt
+                n += t if t > 1.0 else 1.0
+        if n:
+            room = est.max_tokens - job.tokens
+            if n > room:
+                n = room
+            if n > 0:
+                job.tokens += n
+                self._correct(job, self.estimator.output_weight * n)
+
+    def _work_over(self, job: Job) -> None:
+        """The request's work is over (whatever the outcome): the scheduler's ``work_done``."""
+        if job.working:
+            job.working = False
+            job.pool.sched.work_done(None if self._seed else job.flow)
 
     def _send(self, job: Job, bs: BState) -> None:
         job.state = PLACED
@@ -142,6 +316,14 @@ class Placement(DispatcherBase):
         if job.state != PLACED:
             return
         job.state = CANCELLED if outcome == ABORTED else DONE
+        if outcome == OK and usage is not None and not job.fixed and not self._seed:
+            # settle / served: the charge becomes the cost the server reports (a failed or
+            # aborted request keeps what it was charged: the estimate, or in served mode its
+            # prompt and the tokens delivered before it ended)
+            actual = None if job.est is None else self.estimator.actual_cost(job.est, usage)
+            if actual is not None:
+                self._correct(job, actual - job.charged)
+        self._work_over(job)  # after the correction: a flow with work in flight is adjusted exactly
         bs = job.bs
         assert bs is not None
         bs.in_flight -= 1

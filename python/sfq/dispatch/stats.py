@@ -95,11 +95,12 @@ class Statistics(DispatcherBase):
         """A snapshot; its cost grows with the number of backends and pools, not of flows.
 
         ``flows``: a read-only ``Mapping`` flow -> row, each row built when read (see
-        ``FlowsView``): ``waiting`` (queued), ``held`` (selected, waiting aside for a backend
-        that fits), ``in_flight``, ``dispatched`` (charged), ``completed``, ``failed``,
+        ``FlowsView``): ``waiting`` (queued), ``held`` (next in line, waiting aside, uncharged,
+        for a backend that fits), ``in_flight``, ``dispatched``, ``completed``, ``failed``,
         ``cancelled`` (before dispatch, uncharged), ``aborted`` (after dispatch), ``rejected``
         (at close), ``unavailable`` (removed after ``unavailable_timeout`` with no healthy
-        backend), ``charged_cost`` (cost units), ``wait_p50``/``wait_p95``/``wait_p99``
+        backend), ``charged_cost`` (cost units: at dispatch plus the
+        corrections of the charge mode), ``wait_p50``/``wait_p95``/``wait_p99``
         (seconds from submit to send over the last ``wait_window`` sends; ``None`` before any).
         ``backends[name]``: ``model``, ``in_flight``, ``max_in_flight``, ``healthy``,
         ``saturated``, ``paused`` (after a 429), ``dispatched``, ``completed``, ``errors``,
@@ -122,7 +123,8 @@ class Statistics(DispatcherBase):
                 "probe": bs.reading._asdict() if bs.reading is not None else None, "probe_errors": bs.probe_errors,
             }
         pools = {
-            model: {"waiting": len(p.waiting), "held": len(p.aside),
+            model: {"waiting": len(p.waiting) - len(p.aside) - (p.stalled is not None),
+                    "held": len(p.aside) + (p.stalled is not None) + len(p.taken),
                     "in_flight": sum(bs.in_flight for bs in p.backends), "virtual_time": p.sched.virtual_time,
                     "backends": [bs.name for bs in p.backends], "healthy": sum(bs.healthy for bs in p.backends)}
             for model, p in self._pools.items()
