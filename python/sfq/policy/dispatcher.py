@@ -49,7 +49,7 @@ from .config import Policy, load_policy
 from .engine import PolicyEngine
 from .queue import RUNNING, Request
 from .retry import IdempotencyIndex
-from ..state import SharedState, state_for
+from ..state import SharedState, local_policy, state_for
 
 __all__ = ["PolicyDispatcher"]
 
@@ -92,7 +92,16 @@ class PolicyDispatcher:
             policy = load_policy(policy)
         self.policy = policy
         self.clock = clock
-        self.engine = PolicyEngine(policy, clock=clock, scheduler=scheduler, rng=rng, registry=registry)
+        if state is None:
+            state = state_for(policy, clock=clock)
+        if not isinstance(state, SharedState):
+            raise TypeError(f"state must be an sfq.state.SharedState, got {state!r}")
+        self.state: SharedState = state
+        self._shared = bool(state.shared)
+        # shared: the engine orders each flow's requests and hands them on; the shared state
+        # applies the limits and the order over every gateway
+        self.engine = PolicyEngine(local_policy(policy) if self._shared else policy, clock=clock,
+                                   scheduler=scheduler, rng=rng, registry=registry)
         self.registry = self.engine.metrics.registry
         cs = policy.cost
         self.estimator = estimator if estimator is not None else CostEstimator(
@@ -129,12 +138,6 @@ class PolicyDispatcher:
         self._started = False
         self._closed = False
         self._pumping = False
-        if state is None:
-            state = state_for(policy, clock=clock)
-        if not isinstance(state, SharedState):
-            raise TypeError(f"state must be an sfq.state.SharedState, got {state!r}")
-        self.state: SharedState = state
-        self._shared = bool(state.shared)
         if self._shared:
             self.engine.on_attempt_over = state.attempt_over
             self.engine.on_end = state.ended
@@ -551,7 +554,7 @@ class PolicyDispatcher:
             policy = load_policy(policy)
         if self._closed:
             raise Refused("closed", "this dispatcher is closed")
-        engine, ended = self.engine.reloaded(policy)
+        engine, ended = self.engine.reloaded(local_policy(policy) if self._shared else policy)
         self.engine = engine
         self._health_dirty = True  # the new queues start with every backend healthy: look again
         self.policy = policy
@@ -570,8 +573,19 @@ class PolicyDispatcher:
         """The policy's snapshot (``PolicyEngine.stats``) plus each backend's dispatcher view."""
         s = self.engine.stats()
         s["backends"] = {name: d.stats()["backends"][name] for name, d in self._dispatchers.items()}
-        if self._shared:
-            s["state"] = self.state.stats()
+        if self._shared:  # the limits in force are the shared state's; requests it has not granted yet wait
+            st = self.state.stats()
+            s["state"] = st
+            for name, p in s["pools"].items():
+                spec = self.policy.pools[name]
+                held = st.get("candidates_by_pool", {}).get(name, 0)
+                p["max_in_flight"] = spec.limits.max_in_flight
+                p["waiting"] += held
+                p["in_flight"] -= held
+                for b in spec.backends:
+                    if b.name in p["backends"]:
+                        p["backends"][b.name]["max_in_flight"] = b.max_in_flight
+            s["limits"] = {}
         return s
 
     def dispatcher_of(self, backend: str) -> Dispatcher:

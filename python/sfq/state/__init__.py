@@ -8,13 +8,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .base import InMemoryState, SharedState, Ticket
+from .base import InMemoryState, SharedState, Ticket, local_policy
 
 if TYPE_CHECKING:
     from ..policy.config import Policy
     from .redis_state import RedisState
 
-__all__ = ["InMemoryState", "RedisState", "SharedState", "Ticket", "state_for"]
+__all__ = ["InMemoryState", "RedisState", "SharedState", "Ticket", "local_policy", "state_for"]
 
 
 def state_for(policy: Policy, *, clock: Callable[[], float] | None = None, **options: Any) -> SharedState:

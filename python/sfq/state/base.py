@@ -16,12 +16,36 @@ global fair order. Admission (org rates, queue lengths) asks it first too
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
+from types import MappingProxyType
 from typing import Any
 
 from ..policy.classify import Flow
+from ..policy.config import Policy
 from ..policy.queue import Request
 
-__all__ = ["SharedState", "InMemoryState", "Ticket"]
+__all__ = ["SharedState", "InMemoryState", "Ticket", "local_policy"]
+
+#: a limit the local engine never reaches (the shared state keeps the real one)
+_UNLIMITED = 1 << 30
+
+
+def local_policy(policy: Policy) -> Policy:
+    """The policy a gateway's own engine runs when a shared state keeps the limits: the same
+    pools, classes, orgs, weights, ages and retries, without the limits the shared state
+    applies over every gateway (slots, buckets, org rates, queue lengths). The engine then
+    hands every request on at once, in its flow's order, and the shared state's global order
+    decides which goes next: a flow's share does not depend on which gateways its requests
+    reach, nor on who else uses them."""
+    pools = {n: replace(p, limits=replace(p.limits, max_in_flight=None, requests_per_minute=None,
+                                          tokens_per_minute=None),
+                        backends=tuple(replace(b, max_in_flight=_UNLIMITED) for b in p.backends))
+             for n, p in policy.pools.items()}
+    classes = {n: replace(c, max_in_flight=_UNLIMITED if c.strict else None, max_queue_length=None)
+               for n, c in policy.classes.items()}
+    orgs = {n: replace(o, max_in_flight=None, requests_per_minute=None) for n, o in policy.orgs.items()}
+    return replace(policy, pools=MappingProxyType(pools), classes=MappingProxyType(classes),
+                   orgs=MappingProxyType(orgs))
 
 
 class Ticket:

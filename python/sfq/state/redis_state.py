@@ -71,7 +71,7 @@ def policy_hash(policy: Policy) -> str:
 class _Attempt:
     """One attempt's candidacy, then its grant (the lease keys it holds)."""
 
-    __slots__ = ("member", "pool", "keys", "granted", "payload", "request", "fut", "inflight")
+    __slots__ = ("member", "pool", "keys", "granted", "payload", "request", "fut", "inflight", "registered", "flow")
 
     def __init__(self, member: str, pool: str) -> None:
         self.member = member
@@ -82,6 +82,8 @@ class _Attempt:
         self.request: Request | None = None
         self.fut: asyncio.Future[str] | None = None
         self.inflight = False  # in a round trip now
+        self.registered = False  # a candidate in Redis (it has a start tag)
+        self.flow = ""
 
 
 class RedisState(SharedState):
@@ -135,6 +137,8 @@ class RedisState(SharedState):
         p = self.prefix
         self._bucket_keys = {name: (f"{p}bucket:pool:{name}:rpm", f"{p}bucket:pool:{name}:tpm")
                              for name in policy.pools}
+        #: candidates per flow registered in Redis at once (the rest wait here, in order)
+        self._cap = {name: pool.limits.max_in_flight or 8 for name, pool in policy.pools.items()}
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -248,6 +252,7 @@ class RedisState(SharedState):
         (the other gateways refuse requests, saying why, until they are reloaded too)."""
         self.policy = policy
         self.hash = policy_hash(policy)
+        self._cap = {name: pool.limits.max_in_flight or 8 for name, pool in policy.pools.items()}
         self._fatal = None
         self._spawn(self._hello_forced())
 
@@ -449,6 +454,7 @@ class RedisState(SharedState):
             self._over(old, None, r)
         a = self._att[r.id] = _Attempt(f"{self.gateway_id}:{r.id}:{r.tries}", pool)
         a.payload = self._candidate(r, a, backends)
+        a.flow = a.payload["flow"]
         a.request = r
         a.fut = asyncio.get_running_loop().create_future()
         self._pending.setdefault(pool, {})[a.member] = a
@@ -493,9 +499,25 @@ class RedisState(SharedState):
         in a call in flight) and every release waiting to go."""
         pending = self._pending.setdefault(pool, {})
         releases = self._releases.setdefault(pool, [])
-        batch = [a for a in pending.values() if not a.inflight]
-        for a in batch:
+        # every registered candidate, and each flow's next ones up to the cap (its head first:
+        # the engine hands requests on in their flow's order)
+        cap = self._cap[pool]
+        per_flow: dict[str, int] = {}
+        for a in pending.values():
+            if a.registered:
+                per_flow[a.flow] = per_flow.get(a.flow, 0) + 1
+        batch = []
+        for a in pending.values():
+            if a.inflight:
+                continue
+            if not a.registered:
+                n = per_flow.get(a.flow, 0)
+                if n >= cap:
+                    continue
+                per_flow[a.flow] = n + 1
+                a.registered = True
             a.inflight = True
+            batch.append(a)
         rel = releases[:]
         releases.clear()
         res: list[Any] = []
@@ -571,7 +593,7 @@ class RedisState(SharedState):
             if a.request is not None:  # granted just now: give it back
                 self._release(a, None, a.request)
             return
-        if not self._closed:
+        if not self._closed and a.registered:
             self._spawn(self._withdraw(a.pool, None, a.member))
 
     def _over(self, a: _Attempt, actual_tokens: float | None, r: Request) -> None:
@@ -638,7 +660,8 @@ class RedisState(SharedState):
     def stats(self) -> dict[str, Any]:
         return {"kind": "redis", "available": self.available, "reason": self.reason, "gateway": self.gateway_id,
                 "prefix": self.prefix, "lease_seconds": self.lease, "holding": sum(a.granted for a in self._att.values()),
-                "candidates": sum(not a.granted for a in self._att.values()), "round_trips": self.round_trips}
+                "candidates": sum(not a.granted for a in self._att.values()), "round_trips": self.round_trips,
+                "candidates_by_pool": {p: len(v) for p, v in self._pending.items()}}
 
     async def global_counts(self) -> dict[str, int]:
         """Every lease set's live count (for tests and ``/health``)."""
