@@ -165,3 +165,19 @@ def test_a_gateway_with_another_policy_file_refuses_to_start(redis_server: Redis
     gateways.append(Gateway(p1))
     with pytest.raises(RuntimeError, match="different policy"):
         Gateway(p2)
+
+
+def test_a_flow_gets_its_share_whichever_gateways_its_requests_reach(
+        redis_server: RedisServer, upstream: Upstream, tmp_path: Path, prefix: str, gateways: list[Gateway]):
+    upstream.delay = 0.01
+    p = tmp_path / "p.yaml"
+    p.write_text(policy_yaml(upstream.url, redis_server.url, pool_limit=2, prefix=prefix))
+    g1, g2 = Gateway(p), Gateway(p)
+    gateways += [g1, g2]
+    start = len(upstream.order)
+    n = 24
+    # team-a only reaches the first gateway; team-b reaches both (and shares the first with team-a)
+    jobs = [(g1, "sk-a", f"sk-a {i}") for i in range(n)] + [((g1, g2)[i % 2], "sk-b", f"sk-b {i}") for i in range(n)]
+    assert _fire(jobs) == [200] * (2 * n)
+    window = upstream.order[start:][4:4 + 24]
+    assert 12 - 4 <= window.count("sk-a") <= 12 + 4, upstream.order[start:]
