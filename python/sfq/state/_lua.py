@@ -79,8 +79,11 @@ return {1}
 #:  rel: [{m, keys: [lease keys], diff (a usage correction of the tokens bucket)}, ...],
 #:  c: [{m, flow, cost, w, strict (rank or -1), backends: [[name, lim], ...],
 #:       groups: [[key, lim], ...], tokens, q: [key, member] | null,
-#:       first: key | null (a first attempt: counted in its flow's retry-budget window)}, ...]}
-#: -> a flat list: member, 1, backend, '0' (granted) | member, 0, reason, wait (seconds)
+#:       first: key | null (a first attempt: counted in its flow's retry-budget window)}
+#:       or just {m} for a candidate registered by an earlier call, ...]}
+#: -> {why the rest wait ('' | pool | bucket | order | group | backend), seconds (a bucket's
+#:     wait), the number granted, member, backend, ..., then the members Redis no longer knew
+#:     (sent as just {m}; the gateway sends them whole again)}
 ACQUIRE = _COMMON + r"""
 local pool = A.pool
 local cand, cexp, cmeta = P .. 'cand:' .. pool, P .. 'cexp:' .. pool, P .. 'cmeta:' .. pool
@@ -104,9 +107,20 @@ for _, r in ipairs(A.rel or {}) do
 end
 local inpool = count(plk)
 local ncand = redis.call('ZCARD', cand)
+local cs, lost = {}, {}
 for _, c in ipairs(A.c) do
   local tag = redis.call('ZSCORE', cand, c.m)
-  if not tag then
+  if c.flow == nil then  -- registered by an earlier call: its details are in cmeta
+    local meta = tag and redis.call('HGET', cmeta, c.m)
+    if meta then
+      local d = cjson.decode(meta)
+      c.flow, c.groups, c.backends, c.tokens, c.q, c.first = d.flow, d.groups, d.backends, d.tokens, d.q, d.first
+    else
+      lost[#lost + 1] = c.m
+      tag = nil
+      c = nil
+    end
+  elseif not tag then
     local s, f = nil, nil
     if c.strict >= 0 then
       tag = -1e15 + c.strict * 1e12 + redis.call('INCR', P .. 'seq')
@@ -123,13 +137,17 @@ for _, c in ipairs(A.c) do
       tag = s
     end
     redis.call('ZADD', cand, tag, c.m)
-    redis.call('HSET', cmeta, c.m, cjson.encode({groups = c.groups, flow = c.flow, s = s and fmt(s), f = f and fmt(f)}))
+    redis.call('HSET', cmeta, c.m, cjson.encode({groups = c.groups, flow = c.flow, s = s and fmt(s), f = f and fmt(f),
+                                                 backends = c.backends, tokens = c.tokens, q = c.q, first = c.first}))
     ncand = ncand + 1
   end
-  c.tag = tonumber(tag)
-  redis.call('ZADD', cexp, NOW + A.lease, c.m)
+  if c then
+    c.tag = tonumber(tag)
+    redis.call('ZADD', cexp, NOW + A.lease, c.m)
+    cs[#cs + 1] = c
+  end
 end
-table.sort(A.c, function(x, y) return x.tag < y.tag or (x.tag == y.tag and x.m < y.m) end)
+table.sort(cs, function(x, y) return x.tag < y.tag or (x.tag == y.tag and x.m < y.m) end)
 local function room(groups)
   for _, g in ipairs(groups) do
     if count(P .. 'lease:' .. g[1]) >= g[2] then return false end
@@ -138,16 +156,16 @@ local function room(groups)
 end
 local out = {}
 local stop, stopwait = nil, '0'
+local why = ''
 local granted = 0
-for _, c in ipairs(A.c) do
-  local res = nil
+for _, c in ipairs(cs) do
   if not stop then
     if A.pool_lim >= 0 and inpool >= A.pool_lim then
       stop = 'pool'
     elseif has(A.rpm) and level(A.rpm[1], A.rpm[2], A.rpm[3]) < 1 - 1e-9 then
       stop, stopwait = 'bucket', fmt((1 - level(A.rpm[1], A.rpm[2], A.rpm[3])) / A.rpm[3])
     elseif not room(c.groups) then
-      res = {c.m, 0, 'group', '0'}
+      if why == '' then why = 'group' end
     else
       local need = 0
       if has(A.tpm) then need = math.min(c.tokens, A.tpm[2]) end
@@ -161,7 +179,7 @@ for _, c in ipairs(A.c) do
           if n < b[2] and n / b[2] < load then best, load = b[1], n / b[2] end
         end
         if best == nil then
-          res = {c.m, 0, 'backend', '0'}
+          if why == '' then why = 'backend' end
         else
           -- the order: a candidate ahead of this one that could go now goes first
           for _, o in ipairs(redis.call('ZRANGEBYSCORE', cand, '-inf', '(' .. fmt(c.tag))) do
@@ -193,19 +211,21 @@ for _, c in ipairs(A.c) do
             end
             inpool = inpool + 1
             granted = granted + 1
-            res = {c.m, 1, best, '0'}
+            out[#out + 1] = c.m
+            out[#out + 1] = best
           end
         end
       end
     end
   end
-  if res == nil then res = {c.m, 0, stop, stopwait} end
-  for _, x in ipairs(res) do out[#out + 1] = x end
 end
 if (granted > 0 and redis.call('ZCARD', cand) > 0) or released > granted then
   redis.call('PUBLISH', P .. 'wake', pool)
 end
-return out
+local head = {stop or why, stopwait, granted}
+for _, x in ipairs(out) do head[#head + 1] = x end
+for _, m in ipairs(lost) do head[#head + 1] = m end
+return head
 """
 
 #: a retry, within the flow's budget over every gateway: at most ``pct`` percent of the flow's

@@ -71,7 +71,8 @@ def policy_hash(policy: Policy) -> str:
 class _Attempt:
     """One attempt's candidacy, then its grant (the lease keys it holds)."""
 
-    __slots__ = ("member", "pool", "keys", "granted", "payload", "request", "fut", "inflight", "registered", "flow")
+    __slots__ = ("member", "pool", "keys", "granted", "payload", "request", "fut", "inflight", "registered", "flow",
+                 "known")
 
     def __init__(self, member: str, pool: str) -> None:
         self.member = member
@@ -83,6 +84,7 @@ class _Attempt:
         self.fut: asyncio.Future[str] | None = None
         self.inflight = False  # in a round trip now
         self.registered = False  # a candidate in Redis (it has a start tag)
+        self.known = False  # Redis has its details: later calls send only its name
         self.flow = ""
 
 
@@ -523,7 +525,7 @@ class RedisState(SharedState):
         res: list[Any] = []
         try:
             res = await self._call("ACQUIRE", {**self._pool_payload(pool), "rel": rel,
-                                               "c": [x.payload for x in batch]})
+                                               "c": [{"m": x.member} if x.known else x.payload for x in batch]})
         except StateUnavailable:
             pass  # the releases are lost: those leases expire by themselves
         finally:
@@ -531,24 +533,31 @@ class RedisState(SharedState):
                 a.inflight = False
             self._calls[pool] -= 1
         wait = LIMIT_POLL
-        for i in range(0, len(res), 4):
-            m, ok, what, hint = str(res[i]), int(res[i + 1]), str(res[i + 2]), float(res[i + 3])
-            att = pending.get(m)
-            if ok:
+        if res:
+            why, hint, n = str(res[0]), float(res[1]), int(res[2])
+            if why == "order":
+                wait = ORDER_POLL
+            elif why == "bucket":
+                wait = min(wait, max(hint, 0.001))
+            for a in batch:
+                a.known = True
+            for m in res[3 + 2 * n:]:  # Redis no longer knew them (a restart): sent whole next time
+                lost = next((x for x in batch if x.member == str(m)), None)
+                if lost is not None:
+                    lost.known = False
+            for i in range(3, 3 + 2 * n, 2):
+                m, backend = str(res[i]), str(res[i + 1])
+                att = pending.get(m)
                 if att is None or att.fut is None or att.fut.done():  # its caller gave up meanwhile
                     att = next((x for x in batch if x.member == m), None)
                     if att is not None and att.request is not None:
-                        self._granted(att.request, att, what)
+                        self._granted(att.request, att, backend)
                         self._release(att, None, att.request)
                     continue
                 del pending[m]
                 assert att.request is not None
-                self._granted(att.request, att, what)
-                att.fut.set_result(what)
-            elif what == "order":
-                wait = min(wait, ORDER_POLL)
-            elif what == "bucket":
-                wait = min(wait, max(hint, 0.001))
+                self._granted(att.request, att, backend)
+                att.fut.set_result(backend)
         if self._dirty.get(pool) or releases:
             self._kick(pool)
         if pending:
