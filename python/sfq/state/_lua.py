@@ -219,8 +219,8 @@ for _, c in ipairs(cs) do
     end
   end
 end
-if (granted > 0 and redis.call('ZCARD', cand) > 0) or released > granted then
-  redis.call('PUBLISH', P .. 'wake', pool)
+if (granted > 0 or released > granted) and redis.call('ZCARD', cand) > 0 then
+  redis.call('PUBLISH', P .. 'wake', pool)  -- someone waits: the others look again
 end
 local head = {stop or why, stopwait, granted}
 for _, x in ipairs(out) do head[#head + 1] = x end
@@ -259,7 +259,7 @@ if A.pool ~= cjson.null and A.pool ~= nil then
   redis.call('ZREM', cand, A.m)
   redis.call('ZREM', cexp, A.m)
   redis.call('HDEL', cmeta, A.m)
-  redis.call('PUBLISH', P .. 'wake', A.pool)
+  if redis.call('ZCARD', cand) > 0 then redis.call('PUBLISH', P .. 'wake', A.pool) end
 end
 if A.q ~= cjson.null and A.q ~= nil then redis.call('ZREM', A.q[1], A.q[2]) end
 return {1}
