@@ -188,7 +188,7 @@ class Gateway:
             pools[name] = {"models": list(spec.models), **ps}
         backends = {name: {k: b[k] for k in ("healthy", "saturated", "in_flight", "max_in_flight") if k in b}
                     for name, b in s["backends"].items()}
-        body = {"status": "draining" if self.draining else "ok", "pools": pools, "backends": backends}
+        body: dict[str, Any] = {"status": "draining" if self.draining else "ok", "pools": pools, "backends": backends}
         st = self.pd.state
         if st.shared:  # several gateways, one queue: without the shared state nothing new is admitted
             body["state"] = s.get("state")

@@ -55,30 +55,27 @@ async def serve(config: str | Path, *, host: str = "127.0.0.1", port: int = 8080
     """Run the gateway until SIGTERM/SIGINT (or ``stop`` is set), then shut down gracefully.
     ``ready`` gets the bound ``(host, port)`` (``port=0`` picks a free one)."""
     gw = Gateway(config, grace=grace)
-    runner = web.AppRunner(gw.app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=1024)
-    try:
-        await site.start()
-    except OSError:
-        await runner.cleanup()
-        raise
-    sock = site._server.sockets[0]  # type: ignore[union-attr]
-    bound = sock.getsockname()[:2]
-    log.info("listening on http://%s:%d (policy %s; pools: %s)", bound[0], bound[1], config,
-             ", ".join(gw.policy.pools))
-    if ready is not None and not ready.done():
-        ready.set_result((bound[0], bound[1]))
     loop = asyncio.get_running_loop()
     stop = stop if stop is not None else asyncio.Event()
     handled: list[signal.Signals] = []
+    # the handlers first: a SIGHUP during start-up must not kill the process (its default action)
     for sig, fn in ((signal.SIGTERM, stop.set), (signal.SIGINT, stop.set), (signal.SIGHUP, gw.reload)):
         try:
             loop.add_signal_handler(sig, fn)
             handled.append(sig)
         except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no such signal here
             pass
+    runner = web.AppRunner(gw.app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     try:
+        await runner.setup()
+        site = web.TCPSite(runner, host, port, backlog=1024)
+        await site.start()
+        sock = site._server.sockets[0]  # type: ignore[union-attr]
+        bound = sock.getsockname()[:2]
+        log.info("listening on http://%s:%d (policy %s; pools: %s)", bound[0], bound[1], config,
+                 ", ".join(gw.policy.pools))
+        if ready is not None and not ready.done():
+            ready.set_result((bound[0], bound[1]))
         await stop.wait()
         log.info("shutting down: no new requests; %d waiting answered 503; running ones get %g s",
                  sum(p["waiting"] for p in gw.pd.stats()["pools"].values()), grace)
