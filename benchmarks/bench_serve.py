@@ -408,7 +408,8 @@ def table(res: dict[str, Any]) -> str:
                         f"(direct {r['direct']['p50_ms']:.2f} / {r['direct']['p99_ms']:.2f} ms, through "
                         f"{r['gateway']['p50_ms']:.2f} / {r['gateway']['p99_ms']:.2f} ms; "
                         f"{r['gateway']['rate']:.0f} req/s achieved, {r['gateway']['ok']}/{r['gateway']['requests']}"
-                        f" ok; a bare aiohttp proxy adds {r['bare_added_p50_ms']:.2f} / {r['bare_added_p99_ms']:.2f} ms) |")
+                        f" ok; a bare aiohttp proxy adds {r['bare_added_p50_ms']:.2f} / "
+                        f"{r['bare_added_p99_ms']:.2f} ms) |")
     mx = res.get("max")
     if mx:
         g, bp = mx["gateway"], mx["bare_proxy"]
