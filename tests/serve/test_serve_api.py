@@ -148,3 +148,11 @@ def test_an_oversized_body_gets_413_in_openai_shape(gateway: GatewayProcess):
             pass  # the gateway may answer and close before reading it all
         data = s.recv(65536)
     assert data.startswith(b"HTTP/1.1 413") and b'"request_too_large"' in data
+
+
+def test_a_deadline_that_runs_out_while_running_aborts_the_call(client, gate: Upstream):
+    with pytest.raises(openai.InternalServerError) as e504:
+        client.completions.create(model="m", prompt="hold-deadline", max_tokens=1,
+                                  extra_headers={"X-SFQ-Timeout": "0.5"})
+    assert e504.value.status_code == 504 and e504.value.code == "deadline_exceeded"
+    wait_until(lambda: "hold-deadline" in gate.aborted, "the upstream to see the call aborted")
