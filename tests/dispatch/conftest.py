@@ -112,7 +112,9 @@ class FakeServer:
     ``health_route``/``models_route``: whether ``GET /health`` and ``GET /v1/models`` exist
     (404 otherwise). ``fail_prompt``: requests with this prompt get a 500 whatever the mode.
     ``chaos``: a function of the request body that picks its mode (after ``modes``).
-    ``outage``: every request is dropped and every health check fails.
+    ``outage``: every request is dropped and every health check fails. ``output``: a function
+    of the body giving the number of tokens to generate (default ``max_tokens``);
+    ``delivered`` counts the tokens sent per prompt (stream chunks as they are written).
     """
 
     def __init__(self) -> None:
@@ -132,6 +134,8 @@ class FakeServer:
         self.health_calls = 0
         self.metrics_text = ""
         self.requests: list[dict[str, Any]] = []
+        self.output: Any = None  # body -> tokens to generate (default: its max_tokens)
+        self.delivered: dict[str, int] = {}  # prompt -> tokens (stream chunks or reply tokens) sent
         self.disconnects = 0  # handlers that saw the client go away mid-request
         self.finished = 0  # handlers that ran to completion
         self.port = 0
@@ -199,7 +203,7 @@ class FakeServer:
         if self.fail_prompt is not None and body.get("prompt") == self.fail_prompt:
             mode = "500"
         chat = request.path.endswith("chat/completions")
-        n = int(body.get("max_tokens", 4))
+        n = int(body.get("max_tokens", 4)) if self.output is None else int(self.output(body))
         prompt = json.dumps(body.get("messages")) if chat else str(body.get("prompt", ""))
         usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
         if mode == "absurd":
@@ -222,6 +226,9 @@ class FakeServer:
             if mode == "slow":
                 await asyncio.sleep(self.delay)
             reply = _reply(chat, "x" * n, usage)
+            if mode != "cut":
+                key = str(body.get("prompt"))
+                self.delivered[key] = self.delivered.get(key, 0) + n
             if mode == "cut":
                 data = json.dumps(reply).encode()
                 resp = web.StreamResponse(headers={"Content-Length": str(len(data) + 100),
@@ -269,6 +276,8 @@ class FakeServer:
             if mode == "slow":
                 await asyncio.sleep(self.delay)
             await resp.write(b"data: " + json.dumps(_chunk(chat, "x")).encode() + b"\n\n")
+            key = str(body.get("prompt"))
+            self.delivered[key] = self.delivered.get(key, 0) + 1
         if (body.get("stream_options") or {}).get("include_usage"):
             await resp.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
