@@ -197,7 +197,7 @@ class RedisState(SharedState):
             await asyncio.wait(list(self._tasks), timeout=self.timeout * 2)
         if self._client is not None:
             with contextlib.suppress(Exception):
-                await self._client.aclose()
+                await asyncio.wait_for(self._client.aclose(), self.timeout)
 
     async def abandon(self) -> None:
         """Stop renewing and talking to Redis at once, giving nothing back (what a gateway that
