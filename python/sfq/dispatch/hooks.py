@@ -15,6 +15,12 @@ What a policy does with them (examples):
 * strict classes first: ``select`` looks at ``sched.peek()`` (or at a second scheduler of
   its own) before calling ``sched.dispatch()``.
 
+The pump calls ``select`` only when the request ``sched.peek()`` names fits a backend with
+room, and reports the work (``sched.work_started``) just before: a ``select`` that returns that
+request (``sched.dispatch()``) is always placed at once. With ``overtake > 0`` the dispatcher
+itself suspends the flow of a request that waits aside and resumes it when it fits: a policy
+that suspends flows too should not suspend those (``Dispatcher.stats()``: ``held``).
+
 The request's path stays one-way: the hooks only decide *whether* and *whose*; the request
 itself is always taken from the pool's scheduler (``sched.dispatch()``) and placed by the
 dispatcher.
@@ -42,7 +48,7 @@ class DispatchHooks:
         """Take the next request of pool ``model`` from ``sched`` (the pool's scheduler): return
         ``sched.dispatch()``'s ``Dispatch``, or ``None`` to dispatch nothing now.
 
-        Called only when a backend of the pool has room and ``len(sched) > 0``. The returned
+        Called only when a backend of the pool has room for the request ``sched.peek()`` names. The returned
         ``Dispatch`` must come from this ``sched.dispatch()`` call (its ``item`` is the
         dispatcher's own record of the request). After a ``None``, the pool is pumped again at
         the next arrival, completion, recovery, or ``Dispatcher.wake(model)``.
@@ -50,7 +56,8 @@ class DispatchHooks:
         return sched.dispatch()
 
     def sent(self, record: DispatchRecord) -> None:
-        """A request was sent to ``record.backend`` (its charge is ``record.cost``)."""
+        """A request was sent to ``record.backend`` (its charge at dispatch is ``record.cost``;
+        ``settle``/``served`` correct it later)."""
 
     def ended(self, record: DispatchRecord, outcome: str, error: BackendError | None,
               usage: Mapping[str, Any] | None) -> None:
