@@ -239,12 +239,31 @@ class FifoScheduler:
         self._q[t] = (flow, cost, item)
         return t
 
+    def peek(self) -> Any:
+        if not self._q:
+            return None
+        flow, cost, item = self._q[next(iter(self._q))]
+        return _D(flow, item, cost)
+
     def dispatch(self) -> Any:
         if not self._q:
             return None
         t = next(iter(self._q))
         flow, cost, item = self._q.pop(t)
         return _D(flow, item, cost)
+
+    # FIFO has no meters and no busy period: corrections and work reports change nothing
+    def adjust(self, flow: Any, delta: float) -> None:
+        pass
+
+    def meter(self, flow: Any) -> float:
+        return 0.0
+
+    def work_started(self, flow: Any = None) -> None:
+        pass
+
+    def work_done(self, flow: Any = None) -> None:
+        pass
 
     def cancel(self, ticket: int) -> bool:
         return self._q.pop(ticket, None) is not None

@@ -67,7 +67,10 @@ class Dispatcher(Calls, Admission, Placement, Health, Statistics, Lifecycle):
     max_pause:
         a 429 pauses its backend for its ``Retry-After`` (1 s without one), at most this (default 60).
     scheduler:
-        the scheduler class/factory (default ``sfq.Scheduler``).
+        the scheduler class/factory (default ``sfq.Scheduler``); one per pool. The dispatcher
+        uses its ``enqueue``, ``peek``, ``dispatch``, ``cancel``, ``adjust``, ``meter``,
+        ``work_started``/``work_done``, ``set_weight``, ``virtual_time``, ``len``, and with
+        ``overtake > 0`` ``suspend``/``resume``.
     on_dispatch:
         called with a ``DispatchRecord`` each time a request is sent (synchronously: keep it short).
     hooks:
