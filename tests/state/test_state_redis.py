@@ -315,3 +315,49 @@ async def test_the_retry_budget_counts_every_gateway(redis_server: RedisServer, 
     finally:
         await a.close()
         await b.close()
+
+
+async def _until(cond: Any, what: str) -> None:
+    deadline = time.monotonic() + LIMIT
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+async def test_waiting_requests_wait_through_an_outage_and_within_their_age(prefix: str):
+    r = RedisServer(free_port()).start()
+    up = Upstream(delay=0.0).start()
+    try:
+        pol = _policy(r.url, prefix, limits="max_in_flight: 1", backend=up.url,
+                      classes="  quick: {weight: 1, max_queue_age_seconds: 0.3}",
+                      orgs="  q: {keys: [kq], classes: [quick]}")
+        pd = PolicyDispatcher(pol)
+        await pd.start()
+        body = {"model": "m", "prompt": "x", "max_tokens": 1}
+        try:
+            up.hold = True
+            first = asyncio.create_task(pd.submit("ka", body))
+            await _until(lambda: up.now == 1, "the first request to run")
+            second = asyncio.create_task(pd.submit("kb", body))
+            await _until(lambda: pd.stats()["pools"]["p"]["waiting"] == 1, "the second to wait")
+            # a waiting request runs out of its queue age while the slot is held: 504's reason
+            with pytest.raises(Refused) as ei:
+                await asyncio.wait_for(pd.submit("kq", body), LIMIT)
+            assert ei.value.reason == "queue_timeout"
+            r.stop()  # Redis goes away: the running one finishes, the waiting one waits
+            await _until(lambda: not pd.state.available, "the state to notice")
+            up.release()
+            assert (await asyncio.wait_for(first, LIMIT))["choices"]
+            with pytest.raises(Refused) as ei:
+                await pd.submit("ka", body)
+            assert ei.value.reason == "state_unavailable"
+            assert not second.done()
+            r.start()  # back, empty: the waiting request goes
+            assert (await asyncio.wait_for(second, LIMIT))["choices"]
+            assert up.peak == 1
+        finally:
+            await pd.close()
+    finally:
+        up.release()
+        up.stop()
+        r.stop()
