@@ -20,12 +20,13 @@ from sfq.state import InMemoryState, RedisState, state_for
 
 
 def _policy(url: str, prefix: str, *, lease: float = 1.0, limits: str = "max_in_flight: 2",
-            orgs: str = "", classes: str = "", backend: str = "http://127.0.0.1:9", extra: str = "") -> Any:
+            orgs: str = "", classes: str = "", backend: str = "http://127.0.0.1:9", extra: str = "",
+            backend_limit: int = 16) -> Any:
     return parse_policy(f"""
 pools:
   p:
     models: [m]
-    backends: [{{url: "{backend}", max_in_flight: 16}}]
+    backends: [{{url: "{backend}", max_in_flight: {backend_limit}}}]
     limits: {{{limits}}}
 classes:
   batch: {{weight: 1}}
@@ -241,6 +242,20 @@ async def test_an_embedders_dispatchers_share_the_limits_and_refuse_without_redi
             assert len(replies) == 24 and all(r["choices"] for r in replies)
             assert up.peak <= 3 and up.total == 24
             assert all(pd.stats()["state"]["round_trips"] > 0 for pd in pds)
+        finally:
+            for pd in pds:
+                await pd.close()
+        # no pool limit: the backend's own max_in_flight holds for both dispatchers together
+        up.peak = 0
+        pol = _policy(redis_server.url, prefix + "b:", limits="", backend=up.url, backend_limit=2)
+        pds = [PolicyDispatcher(pol), PolicyDispatcher(pol)]
+        for pd in pds:
+            await pd.start()
+        try:
+            await asyncio.wait_for(asyncio.gather(*(pds[i % 2].submit("ka", body) for i in range(16))), LIMIT)
+            assert up.peak == 2
+            h = pds[0].stats()["pools"]["p"]
+            assert h["backends"][up.url]["max_in_flight"] == 2 and h["max_in_flight"] is None
         finally:
             for pd in pds:
                 await pd.close()

@@ -112,6 +112,12 @@ class PolicyDispatcher:
         if extra:
             raise ValueError(f"backends {extra} are not in the policy; its backends: {sorted(known)}")
         opts = dict(dispatcher_options or {})
+        # the pool-level bound on a wait with no backend in rotation (the per-backend
+        # dispatchers never see such a request: it waits here, in the policy's queue)
+        ut = opts.get("unavailable_timeout", 30.0)
+        self._unavailable_timeout = float("inf") if ut is None else float(ut)
+        for q in self.engine.queues.values():
+            q.unavailable_timeout = self._unavailable_timeout
         self._dispatchers: dict[str, Dispatcher] = {}
         self._pool_of: dict[str, str] = {}
         probed = False
@@ -188,12 +194,17 @@ class PolicyDispatcher:
             return False
         self._health_dirty = False
         down = set()
+        in_rotation: dict[str, bool] = {}
         for name, d in self._dispatchers.items():
             b = d.stats()["backends"][name]
             ok = bool(b["healthy"]) and not b["saturated"]
-            self.engine.queues[self._pool_of[name]].set_healthy(name, ok)
+            pool = self._pool_of[name]
+            self.engine.queues[pool].set_healthy(name, ok)
+            in_rotation[pool] = in_rotation.get(pool, False) or bool(b["healthy"])
             if not ok:
                 down.add(name)
+        for pool, up in in_rotation.items():
+            self.engine.queues[pool].set_available(up)
         self._down = down
         return bool(down)
 
@@ -210,7 +221,10 @@ class PolicyDispatcher:
                     fut.set_result(None)
             for r in self.engine.dropped:
                 fut = self._waiters.pop(r.id, None)
-                if fut is not None and not fut.done():
+                if fut is not None and not fut.done() and r.reason == "unavailable":
+                    fut.set_exception(NoHealthyBackend(
+                        f"no backend of pool {r.flow.pool!r} was in rotation for {self._unavailable_timeout:g} s"))
+                elif fut is not None and not fut.done():
                     fut.set_exception(Refused(r.reason or "queue_timeout",
                                               f"the request's {'deadline' if r.reason == 'deadline' else 'queue age'}"
                                               " ran out before it started"))
@@ -306,11 +320,12 @@ class PolicyDispatcher:
         buckets and order (several gateways); ``r`` may be moved to the backend granted."""
         q = self.engine.queues[r.flow.pool]
         now = self.clock()
-        fits = [(b.name, b.limit) for b in q.backends.values()
+        limit = {b.name: b.max_in_flight for b in self.policy.pools[r.flow.pool].backends}  # the real ones
+        fits = [(b.name, limit[b.name]) for b in q.backends.values()
                 if b.healthy and b.paused_until <= now and (b.max_context is None or r.need <= b.max_context)]
         if not fits:  # the one the engine chose (it was fit then)
             assert r.backend is not None
-            fits = [(r.backend, q.backends[r.backend].limit)]
+            fits = [(r.backend, limit[r.backend])]
         until = None if r.drop_at == math.inf else r.drop_at
         try:
             backend = await self.state.acquire(r, fits, until)

@@ -313,7 +313,7 @@ class RedisState(SharedState):
         for a in self._att.values():
             if a.granted:
                 items.extend([k, a.member] for k in a.keys)
-            else:
+            elif a.registered:
                 items.append([f"{p}cexp:{a.pool}", a.member])
         items.extend([k, m] for k, m in self._queued.values())
         items.extend([k, m] for k, m in self._retrying.values())
