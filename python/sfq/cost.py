@@ -388,17 +388,21 @@ class CostEstimator:
         ``[0, max_tokens]``, prompt tokens to within a factor 4 of the estimate (plus 64 for a
         chat template's own tokens; the estimate when the report has none), so one absurd
         report cannot move a meter by more than the request could have cost."""
-        comp = usage.get("completion_tokens") if isinstance(usage, Mapping) else None
+        if type(usage) is not dict and not isinstance(usage, Mapping):
+            return None
+        comp = usage.get("completion_tokens")
         if type(comp) is not int or comp < 0:
             return None
         if comp > estimate.max_tokens:
             comp = estimate.max_tokens
         prompt = estimate.prompt_tokens
-        pt = usage.get("prompt_tokens")  # type: ignore[union-attr]
+        pt = usage.get("prompt_tokens")
         if type(pt) is int and pt >= 0:
-            prompt = min(max(float(pt), prompt / MAX_PROMPT_SURPRISE), prompt * MAX_PROMPT_SURPRISE + PRIOR_CHARS)
+            lo = prompt / MAX_PROMPT_SURPRISE
+            hi = prompt * MAX_PROMPT_SURPRISE + PRIOR_CHARS
+            prompt = lo if pt < lo else hi if pt > hi else float(pt)
         cost = self.input_weight * prompt + self.output_weight * comp
-        return min(max(cost, self.min_cost), MAX_COST)
+        return self.min_cost if cost < self.min_cost else MAX_COST if cost > MAX_COST else cost
 
     def _prune_flows(self) -> None:
         """Keep per-flow calibration bounded (``max_flows``): drop down to 90% of it, first the

@@ -365,3 +365,19 @@ async def test_delivered_tokens_converge_under_served_and_settle_not_under_seed(
 
 def test_the_default_is_served():
     assert Dispatcher([GateBackend("b")]).charge == "served" and sfq.Dispatcher is Dispatcher
+
+
+@pytest.mark.parametrize("mode", ["settle", "served"])
+async def test_an_absurd_usage_report_moves_the_meter_only_as_far_as_the_request_could_cost(sched, mode):
+    """10**12 tokens reported: output clamped to max_tokens (40), the prompt (4 token ids) to
+    4 * 4 + 64: the meter settles at 80 + 40, and nothing raises."""
+    b = GateBackend("b")
+    async with Dispatcher([b], estimator=est(), scheduler=sched, charge=mode) as d:
+        t = asyncio.create_task(d.submit("a", body()))
+        await settle()
+        b.calls[0][2].set_result({"usage": {"prompt_tokens": 10**12, "completion_tokens": 10**12}})
+        await t
+        assert meter(d, "a") == 4 * 4 + 64 + 40
+        e = est()
+        assert e.actual_cost(e.estimate(body()), {"prompt_tokens": "x", "completion_tokens": -1}) is None
+        assert e.actual_cost(e.estimate(body()), {"completion_tokens": 7}) == 4 + 7  # no prompt report: the estimate

@@ -150,7 +150,8 @@ class Placement(DispatcherBase):
                 try:
                     pool.sched.adjust(job.flow, target - charge)
                     charge = target
-                    finish = pool.sched.meter(job.flow)
+                    if self.on_dispatch is not None or self.hooks is not None:  # only a record shows it
+                        finish = pool.sched.meter(job.flow)
                 except (OverflowError, ValueError):
                     log.exception("sfq: correcting the charge of a request of flow %r failed; charged %g",
                                   job.flow, charge)
