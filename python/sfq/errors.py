@@ -36,8 +36,8 @@ class SchedulerBusy(SFQError, RuntimeError):
 class BackendError(SFQError):
     """A backend failed to serve a dispatched request.
 
-    The request was charged when it was dispatched and stays charged (meters never change
-    after dispatch). ``backend`` names the backend, ``status`` is the HTTP status when there
+    The request keeps what it was charged (no refund on failure): its estimate at dispatch,
+    or in the ``served`` charge mode a stream's prompt and the tokens it delivered. ``backend`` names the backend, ``status`` is the HTTP status when there
     was one, ``body`` the start of the response body when there was one. ``unhealthy`` says
     whether the failure counts against the backend's health (transport failures, 5xx) rather
     than only against the request (4xx, an error event in a stream); the dispatcher takes a
