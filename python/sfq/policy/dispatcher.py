@@ -148,6 +148,7 @@ class PolicyDispatcher:
             self.engine.on_attempt_over = state.attempt_over
             self.engine.on_end = state.ended
             self.engine.retry.local_budget = False  # the shared state applies it over every gateway
+            self.engine.defer_start = True  # a request starts when the shared state grants it
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -340,6 +341,7 @@ class PolicyDispatcher:
             raise
         if backend != r.backend and backend in q.backends:
             q.move(r, backend)
+        self.engine.granted(r)
 
     async def _until_started(self, r: Request) -> None:
         fut = self._waiters.get(r.id)

@@ -21,6 +21,8 @@ OUTCOMES = ("completed", "failed", "cancelled_before_start", "cancelled_during_e
 REASONS = ("unauthenticated", "class_not_allowed", "unknown_model", "bad_request", "too_large", "rate_limited",
            "queue_full",
            "queue_timeout", "deadline", "closed",
+           # no backend of the pool was in rotation for unavailable_timeout
+           "unavailable",
            # several gateways sharing one queue (sfq.state): Redis cannot be reached; a retry over
            # the flow's budget counted over every gateway
            "state_unavailable", "budget")

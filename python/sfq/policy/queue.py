@@ -234,6 +234,11 @@ class PolicyQueue:
         self.in_flight = 0
         self._drops: list[tuple[float, int, Request]] = []  # (drop_at, id, request), lazily cleaned
         self._dropped: list[Request] = []  # dropped by pop(), not yet handed out by expire()
+        #: seconds a waiting request may wait while no backend of the pool is in rotation
+        #: before it is answered (reason ``unavailable``); counted from its arrival or from the
+        #: start of the outage, whichever is later
+        self.unavailable_timeout = 30.0
+        self.down_since: float | None = None  # when the pool lost its last backend in rotation
         self._starts: dict[str, deque[float]] = {c: deque() for c in policy.classes}  # last minute's starts
         self.blocked_until = -_INF  # when a bucket or a paused backend next allows a start
 
@@ -362,13 +367,38 @@ class PolicyQueue:
                 self._unqueue(r)
                 r.reason = r.drop_reason
                 self._dropped.append(r)
+        if self.down_since is not None:
+            gone = [r for r in self.iter_waiting() if self._unavailable_at(r) <= now]
+            for r in gone:
+                self._unqueue(r)
+                r.reason = "unavailable"
+                self._dropped.append(r)
+
+    def _unavailable_at(self, r: Request) -> float:
+        assert self.down_since is not None
+        return max(self.down_since, r.queued_at) + self.unavailable_timeout
+
+    def set_available(self, available: bool) -> None:
+        """Whether any backend of the pool is in rotation (saturated or not). While none is,
+        waiting requests are answered after :attr:`unavailable_timeout` (``unavailable``)
+        rather than wait for a backend that may never come back."""
+        if available:
+            self.down_since = None
+        elif self.down_since is None:
+            self.down_since = self.clock()
 
     def next_drop(self) -> float | None:
-        """When the next waiting request runs out of queue age or deadline (``None``: never)."""
+        """When the next waiting request runs out of queue age or deadline, or of
+        ``unavailable_timeout`` during an outage (``None``: never)."""
         drops = self._drops
         while drops and (drops[0][2].state != WAITING or drops[0][2].drop_at != drops[0][0]):
             heapq.heappop(drops)
-        return drops[0][0] if drops else None
+        t = drops[0][0] if drops else None
+        if self.down_since is not None:  # an outage: O(waiting) while it lasts, never otherwise
+            u = min((self._unavailable_at(r) for r in self.iter_waiting()), default=None)
+            if u is not None and (t is None or u < t):
+                t = u
+        return t
 
     # ------------------------------------------------------------ limits and suspension
     def _group_full(self, g: tuple[str, str]) -> None:
