@@ -242,6 +242,11 @@ async def test_an_embedders_dispatchers_share_the_limits_and_refuse_without_redi
             assert len(replies) == 24 and all(r["choices"] for r in replies)
             assert up.peak <= 3 and up.total == 24
             assert all(pd.stats()["state"]["round_trips"] > 0 for pd in pds)
+            # the metrics count a request as waiting until the shared state grants its start
+            flows = [pd.stats()["flows"][f] for pd in pds for f in ("a/batch/p", "b/batch/p")]
+            assert sum(f["attempts"] for f in flows) == 24 and sum(f["completed"] for f in flows) == 24
+            assert all(f["waiting"] == 0 and f["in_flight"] == 0 for f in flows)
+            assert max(f["mean_wait"] or 0.0 for f in flows) > 0.01  # 24 requests, 3 at a time, 30 ms each
         finally:
             for pd in pds:
                 await pd.close()

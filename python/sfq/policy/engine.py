@@ -77,6 +77,9 @@ class PolicyEngine:
         #: usage report's tokens, or ``None``) and when a request ends; ``None`` in memory
         self.on_attempt_over: Callable[[Request, float | None], None] | None = None
         self.on_end: Callable[[Request], None] | None = None
+        #: a start the engine decides is only a candidate until the shared state grants it
+        #: (:meth:`granted`); until then the request counts as waiting
+        self.defer_start = False
 
     # ------------------------------------------------------------ admission
     def classify(self, credential: str | None, stated_class: str | None, model: object) -> Flow:
@@ -201,6 +204,16 @@ class PolicyEngine:
 
     def _started(self, r: Request) -> None:
         assert r.started_at is not None
+        if self.defer_start:  # counted when the shared state grants it (granted())
+            return
+        self.metrics.started(tuple(r.flow), r.started_at - r.queued_at, r.cost, r.retrying)  # type: ignore[arg-type]
+
+    def granted(self, r: Request) -> None:
+        """The shared state granted the start the engine decided for ``r`` (``defer_start``):
+        it starts now, and the metrics count its wait up to now."""
+        if r.state != RUNNING:
+            raise ValueError(f"granted({r!r}): the request is not running")
+        r.started_at = self.clock()
         self.metrics.started(tuple(r.flow), r.started_at - r.queued_at, r.cost, r.retrying)  # type: ignore[arg-type]
 
     def _dropped(self, r: Request) -> None:
@@ -335,7 +348,17 @@ class PolicyEngine:
         ``cancelled_before_start``) with ``reason``."""
         if r.state != RUNNING:
             raise ValueError(f"abandon({r!r}): the request is not running")
-        self._attempt_over(r)
+        if not self.defer_start:
+            self._attempt_over(r)
+        else:  # it never started: it leaves the queue
+            self.queues[r.flow.pool].finish(r)
+            if self.on_attempt_over is not None:
+                self.on_attempt_over(r, None)
+            r.tries -= 1
+            key = tuple(r.flow)
+            self.metrics.left_queue(key)  # type: ignore[arg-type]
+            if reason in ("queue_timeout", "deadline"):
+                self.metrics.timeout(key)  # type: ignore[arg-type]
         self._end(r, outcome, reason)
 
     def close(self) -> list[Request]:
@@ -383,6 +406,7 @@ class PolicyEngine:
         new = PolicyEngine(policy, clock=self.clock, scheduler=self._scheduler, metrics=self.metrics)
         new.retry = self.retry
         new.on_attempt_over, new.on_end = self.on_attempt_over, self.on_end
+        new.defer_start = self.defer_start
         new.retry.spec = policy.retry
         new.submitted = self.submitted
         for org, b in self.org_rate.items():
