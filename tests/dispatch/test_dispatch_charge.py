@@ -381,3 +381,30 @@ async def test_an_absurd_usage_report_moves_the_meter_only_as_far_as_the_request
         e = est()
         assert e.actual_cost(e.estimate(body()), {"prompt_tokens": "x", "completion_tokens": -1}) is None
         assert e.actual_cost(e.estimate(body()), {"completion_tokens": 7}) == 4 + 7  # no prompt report: the estimate
+
+
+async def test_a_held_request_expires_uncharged_when_no_backend_is_healthy(sched):
+    from sfq.errors import BackendUnavailable, NoHealthyBackend
+
+    small = GateBackend("small", max_in_flight=4, max_context=100)
+    large = GateBackend("large", max_in_flight=1, max_context=10_000)
+    small.healthy = large.healthy = False  # their health checks fail: they stay down
+    async with Dispatcher([small, large], estimator=est(), scheduler=sched, overtake=1, transport_failures=1,
+                          backoff=10, max_backoff=10, unavailable_timeout=0.05) as d:
+        core = d.scheduler_of(None)
+        tx = asyncio.create_task(d.submit("x", body(1000)))
+        await settle()
+        ta = asyncio.create_task(d.submit("a", body(1000)))
+        ty = asyncio.create_task(d.submit("y", body(10)))
+        await settle()
+        assert d.stats()["flows"]["a"]["held"] == 1 and core.suspended("a") and len(small.calls) == 1
+        small.fail(0, BackendUnavailable("gone", backend="small"))
+        large.fail(0, BackendUnavailable("gone", backend="large"))
+        for t in (tx, ty):
+            with pytest.raises(BackendUnavailable):
+                await t
+        with pytest.raises(NoHealthyBackend):
+            await ta
+        s = d.stats()["flows"]["a"]
+        assert s["held"] == 0 and s["unavailable"] == 1 and s["charged_cost"] == 0.0 and s["dispatched"] == 0
+        assert not core.suspended("a") and core.pending("a") == 0 and core.in_flight == 0
