@@ -327,6 +327,25 @@ class CostEstimator:
             raise OverflowError(f"estimated cost {cost!r} of this request exceeds the largest cost {MAX_COST:.0f}")
         return Estimate(model, cost, prompt, exact, chars, cap, ratio, expected, copies)
 
+    def reestimate(self, estimate: Estimate, flow: Hashable = None) -> Estimate:
+        """``estimate(body, flow)`` again for the request ``estimate`` was made for, with the
+        calibration as it is now, without reading the body again (its prompt and its cap are
+        the same; the characters per token and the output ratio are read afresh)."""
+        model = estimate.model
+        if estimate.prompt_exact:
+            prompt = estimate.prompt_tokens
+        else:
+            prompt = estimate.prompt_chars / self.chars_per_token_of(model)
+        ratio = self.ratio(model, flow)
+        expected = estimate.max_tokens * ratio
+        cost = self.input_weight * prompt + self.output_weight * expected
+        if cost < self.min_cost:
+            cost = self.min_cost
+        elif cost > MAX_COST:
+            raise OverflowError(f"estimated cost {cost!r} of this request exceeds the largest cost {MAX_COST:.0f}")
+        return Estimate(model, cost, prompt, estimate.prompt_exact, estimate.prompt_chars, estimate.max_tokens, ratio,
+                        expected, estimate.copies)
+
     def observe(self, estimate: Estimate, usage: Mapping[str, Any] | None, flow: Hashable = None) -> bool:
         """Feed one completed request's ``usage`` (OpenAI: ``prompt_tokens``, ``completion_tokens``)
         into the calibration. Returns False (and counts it in ``ignored``) when ``usage`` is missing

@@ -175,3 +175,28 @@ def test_unserializable_flow_id_is_named():
     est.observe(est.estimate({"prompt": "p", "max_tokens": 2}, flow), {"completion_tokens": 1}, flow)
     with pytest.raises(TypeError, match="frozenset"):
         est.state()
+
+
+def test_reestimate_is_estimate_with_the_calibration_of_now():
+    """The dispatcher re-estimates at dispatch without reading the body again: the same result
+    as ``estimate`` on the body, before and after the calibration moved."""
+    bodies = [
+        {"model": "m", "prompt": "hello there, how are you", "max_tokens": 40},
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "more"}]},
+        {"model": "m", "prompt": [1, 2, 3], "max_tokens": 8, "n": 3},
+        {"model": "m", "prompt": ["a b c", "d e"], "max_tokens": 16},
+        {"model": "other", "prompt": "x" * 400, "max_completion_tokens": 100},
+    ]
+    for tok in (None, lambda text: text.split()):
+        e = CostEstimator(1.0, 2.0, min_flow_samples=1, tokenizer=tok)
+        olds = [(e.estimate(b, "f"), b) for b in bodies]
+        for old, b in olds:
+            again = e.reestimate(old, "f")
+            assert (again.cost, again.prompt_tokens, again.ratio) == (old.cost, old.prompt_tokens, old.ratio)
+        e.observe(olds[0][0], {"prompt_tokens": 9, "completion_tokens": 10}, "f")
+        e.observe(olds[4][0], {"prompt_tokens": 50, "completion_tokens": 7}, "g")
+        for old, b in olds:
+            fresh, again = e.estimate(b, "f"), e.reestimate(old, "f")
+            assert again.cost == fresh.cost and again.prompt_tokens == fresh.prompt_tokens, b
+            assert again.ratio == fresh.ratio and again.max_tokens == fresh.max_tokens, b
+        assert e.reestimate(olds[0][0], "f").cost != olds[0][0].cost  # the calibration did move it

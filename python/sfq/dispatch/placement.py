@@ -164,10 +164,14 @@ class Placement(DispatcherBase):
         have moved since admission); for a stream in ``served`` mode only its prompt, the output
         being charged as it is delivered."""
         est = self.estimator
+        if job.est is None:
+            return job.cost
         try:
-            e = est.estimate(job.body, job.flow)
-        except Exception:  # validated at admission: keep that estimate
-            return job.est.cost if job.est is not None else job.cost
+            e = est.reestimate(job.est, job.flow)
+        except Exception:  # (an estimator subclass's own failure) keep the admission's estimate
+            log.exception("sfq: estimating a request of flow %r at dispatch failed; charged its estimate at admission",
+                          job.flow)
+            return job.est.cost
         job.est = e
         if self._served and job.stream:
             c = est.input_weight * e.prompt_tokens
