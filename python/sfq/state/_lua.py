@@ -15,6 +15,10 @@ Keys (``P`` = the prefix):
 * ``P vt:<pool>``, ``P fmax:<pool>``, ``P fin:<pool>`` (hash flow -> finish tag): the SFQ
   virtual time and the flows' meters.
 * ``P queue:<pool>:<class>`` sorted set: the class's waiting requests (max_queue_length).
+* ``P rb:first|retry:<flow>`` sorted sets: the flow's first attempts and retries over the
+  last minute; ``P rb:out:<flow>``: its retries waiting or running (leases): the retry budget.
+* ``P seq``: the order of arrival of strict classes' candidates; ``P wake``: the pub/sub
+  channel that tells the other gateways to look again (a slot freed, a turn passed).
 * ``P policy``: the hash of the policy in force (expires unless a gateway renews it).
 """
 
