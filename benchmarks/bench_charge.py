@@ -1,7 +1,8 @@
 """The dispatcher's charge modes on one loopback workload: delivered-token drift and shares.
 
 Not a test: a measurement, bounded (``--seconds`` per mode, 15 by default, so about a minute
-for the three). Run: ``python benchmarks/bench_charge.py [--seconds S] [--json PATH]``.
+for the three). Run: ``python benchmarks/bench_charge.py [--seconds S] [--json PATH]``
+(``test_bench_charge_smoke`` runs half a second of each mode in CI's benchmark smoke run).
 
 The workload
 ------------
@@ -172,6 +173,14 @@ def main() -> None:
     if args.json is not None:
         args.json.write_text(json.dumps({"flows": {f: list(v) for f, v in FLOWS.items()}, "slots": SLOTS,
                                          "clients_per_flow": CLIENTS_PER_FLOW, "results": results}, indent=1))
+
+
+def test_bench_charge_smoke() -> None:
+    """Half a second of each mode (CI's benchmark smoke run): every flow was served; nothing is timed."""
+    for mode in ("seed", "settle", "served"):
+        r = asyncio.run(run_mode(mode, 0.5, 0))
+        assert all(r["requests"][f] > 0 and r["delivered"][f] > 0 for f in FLOWS), r
+        assert abs(sum(r["shares"].values()) - 1.0) < 1e-3, r
 
 
 if __name__ == "__main__":
