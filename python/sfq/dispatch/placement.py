@@ -93,52 +93,46 @@ class Placement(DispatcherBase):
                     if pool.stalled is not None:
                         return  # stall: the head waits, uncharged, first in line
                     continue
-            if self.hooks is None:
-                job.working = True
-                sched.work_started(None if self._seed else job.flow)  # before dispatch: the busy period stays open
-                d = sched.dispatch()
-            else:
-                d = self._select(pool, job)
-                if d is None:
-                    return
-                if d.item is not job:  # the hook chose another request: it must fit too
-                    job = d.item
-                    self._dispatched(pool, job, d)
-                    fit = self._fit(pool, job)
-                    if fit is None:
-                        job.state = TAKEN
-                        job.fs.held += 1
-                        pool.taken.append(job)
-                        continue
-                    self._send(job, fit)
-                    continue
+            flow = None if self._seed else job.flow
+            sched.work_started(flow)  # before dispatch: taking the last waiting request keeps the busy period open
+            d = sched.dispatch() if self.hooks is None else self._select(pool)
+            if d is None:  # the hook dispatches nothing now
+                sched.work_done(flow)
+                return
+            got: Job = d.item
+            if got is not job:  # a hook's own choice (or a scheduler whose peek() differs): it must fit too
+                if not self._seed:  # the work is the chosen request's flow's
+                    sched.work_started(got.flow)
+                    sched.work_done(flow)
+                got.working = True
+                self._dispatched(pool, got, d)
+                fit = self._fit(pool, got)
+                if fit is None:
+                    got.state = TAKEN
+                    got.fs.held += 1
+                    pool.taken.append(got)
+                else:
+                    self._send(got, fit)
+                continue
+            job.working = True
             self._dispatched(pool, job, d)
             self._send(job, bs)
 
-    def _select(self, pool: Pool, job: Job) -> Any:
-        """Ask the hooks to dispatch; ``job`` is the request ``peek()`` names, which fits."""
-        sched = pool.sched
-        flow = None if self._seed else job.flow
-        sched.work_started(flow)  # reported first: the dispatch must not close the busy period
+    def _select(self, pool: Pool) -> Any:
+        """Ask the hooks to dispatch (the request ``peek()`` names fits a backend with room)."""
         try:
-            d = self.hooks.select(pool.model, sched)  # type: ignore[union-attr]
+            return self.hooks.select(pool.model, pool.sched)  # type: ignore[union-attr]
         except Exception:
             log.exception("sfq: DispatchHooks.select raised; nothing dispatched from pool %r for now", pool.model)
-            d = None
-        if d is None:
-            sched.work_done(flow)
             return None
-        got: Job = d.item
-        if got is not job and not self._seed:  # the work is the chosen request's flow's
-            sched.work_started(got.flow)
-            sched.work_done(flow)
-        got.working = True
-        return d
 
     def _dispatched(self, pool: Pool, job: Job, d: Any) -> None:
         """``job`` left the scheduler (``d``): estimate its cost now and charge it."""
         del pool.waiting[job.ticket]
         fs = job.fs
+        if job.state == HELD:  # a hook resumed a flow held aside and dispatched its head
+            self._unhold(job)
+            fs.waiting += 1
         fs.waiting -= 1
         fs.dispatched += 1
         job.start = d.start
