@@ -253,6 +253,7 @@ class CostEstimator:
         self.observed = 0  # completions observed
         self.ignored = 0  # completions without a usable usage report
         self.clamped = 0  # usage fields clamped to what the request could have produced
+        self.epoch = 0  # bumps whenever the calibration changes: an estimate of an older epoch may be stale
 
     # ---------------------------------------------------------------- calibration
     def ratio(self, model: str, flow: Hashable = None) -> float:
@@ -360,6 +361,7 @@ class CostEstimator:
             comp = estimate.max_tokens
             self.clamped += 1
         self.observed += 1
+        self.epoch += 1
         model = estimate.model
         m = self._models.get(model)
         if m is None:
@@ -475,6 +477,7 @@ class CostEstimator:
                              f"clamped={clamped!r}")
         self._models, self._flows = models, flows
         self.observed, self.ignored, self.clamped = observed, ignored, clamped
+        self.epoch += 1
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the calibration to ``path`` as JSON (atomically: a temporary file, then a rename)."""

@@ -200,3 +200,13 @@ def test_reestimate_is_estimate_with_the_calibration_of_now():
             assert again.cost == fresh.cost and again.prompt_tokens == fresh.prompt_tokens, b
             assert again.ratio == fresh.ratio and again.max_tokens == fresh.max_tokens, b
         assert e.reestimate(olds[0][0], "f").cost != olds[0][0].cost  # the calibration did move it
+
+
+def test_the_epoch_moves_with_the_calibration():
+    e = CostEstimator()
+    est = e.estimate({"model": "m", "prompt": "hi", "max_tokens": 4})
+    start = e.epoch
+    assert not e.observe(est, None) and e.epoch == start  # ignored: nothing changed
+    assert e.observe(est, {"prompt_tokens": 1, "completion_tokens": 2}) and e.epoch == start + 1
+    e.restore(e.state())
+    assert e.epoch == start + 2

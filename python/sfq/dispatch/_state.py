@@ -137,7 +137,7 @@ class Job:
 
     __slots__ = ("flow", "body", "endpoint", "est", "cost", "pool", "ticket", "t_enq", "t_loop", "state", "bs",
                  "fut", "need", "start", "finish", "fs", "record", "idempotent", "fixed", "charged", "working",
-                 "tokens", "stream")
+                 "tokens", "stream", "epoch")
 
     def __init__(self, flow: Hashable, body: dict[str, Any], endpoint: str, est: Estimate | None, cost: float,
                  pool: Pool, t_enq: float, need: float) -> None:
@@ -156,6 +156,7 @@ class Job:
         self.working = False  # reported to the scheduler with work_started() and not yet work_done()
         self.tokens = 0.0  # output tokens counted so far (charge="served", streams)
         self.stream = False
+        self.epoch = -1  # the estimator's calibration epoch of ``est``
         self.fs: FlowStats = None  # type: ignore[assignment]  # set once enqueued
         self.ticket = 0
         self.state = WAITING

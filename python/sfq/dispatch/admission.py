@@ -81,16 +81,21 @@ class Admission(DispatcherBase):
         if cost is None:
             # the charge is estimated at dispatch (the calibration may learn in between): enqueued at
             # a lower bound, the prompt's cost; SFQ selects by the flows' meters, not by their heads'
-            # costs, so this changes no order, and the dispatch corrects the meter at once
+            # costs, so this changes no order, and the dispatch corrects the meter at once. When
+            # nothing waits it is (almost always) dispatched at once: enqueued at what it will be
+            # charged, so that no correction is needed (one would be exact either way)
             e = self.estimator
             c = e.input_weight * est.prompt_tokens
             if c < e.min_cost:
                 c = e.min_cost
+            if not pool.waiting and not (streaming and self._served):
+                c = est.cost
         else:
             c = cost
         job = Job(flow, body, endpoint, est, c, pool, self.clock(), need)
         job.fixed = cost is not None
         job.stream = streaming
+        job.epoch = self.estimator.epoch
         if pool.down_since is not None:  # arrives during an outage: its own unavailable_timeout
             job.t_loop = asyncio.get_running_loop().time()
         ticket = pool.sched.enqueue(flow, c, job)  # checks the cost; nothing changed if it raises

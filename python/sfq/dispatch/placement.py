@@ -158,15 +158,16 @@ class Placement(DispatcherBase):
         have moved since admission); for a stream in ``served`` mode only its prompt, the output
         being charged as it is delivered."""
         est = self.estimator
-        if job.est is None:
+        e = job.est
+        if e is None:
             return job.cost
-        try:
-            e = est.reestimate(job.est, job.flow)
-        except Exception:  # (an estimator subclass's own failure) keep the admission's estimate
-            log.exception("sfq: estimating a request of flow %r at dispatch failed; charged its estimate at admission",
-                          job.flow)
-            return job.est.cost
-        job.est = e
+        if est.epoch != job.epoch:  # the calibration moved since admission
+            try:
+                e = job.est = est.reestimate(e, job.flow)
+            except Exception:  # (an estimator subclass's own failure) keep the admission's estimate
+                log.exception("sfq: estimating a request of flow %r at dispatch failed; charged its estimate at "
+                              "admission", job.flow)
+                return e.cost
         if self._served and job.stream:
             c = est.input_weight * e.prompt_tokens
             return c if c > est.min_cost else est.min_cost
