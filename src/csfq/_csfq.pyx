@@ -101,7 +101,6 @@ cdef object _check_weight = _common.check_weight
 cdef object _check_delta = _common.check_delta
 cdef object _check_count = _common.check_count
 cdef object _check_batch = _common.check_batch
-cdef object _adjustment = _common.adjustment
 cdef object _lead_overflow = _common.lead_overflow
 cdef object _unhashable = _common.unhashable_flow
 cdef object _DispatchBatch = _common.DispatchBatch
@@ -196,6 +195,104 @@ cdef inline uint64_t _mix(uint64_t h) noexcept nogil:
     return h ^ (h >> 31)
 
 
+# An open-addressing table of int64 keys to int32 values (linear probing, load <= 1/2,
+# backward-shift deletion, so no tombstones). Two of them: tickets -> slot (a key is unique),
+# and flow-id hashes -> slot (equal hashes may repeat; the caller compares the ids).
+ctypedef struct Table:
+    int64_t* key        # the key of each cell
+    int32_t* val        # its value; -1 marks an empty cell
+    uint64_t mask       # cells - 1 (cells a power of two)
+    Py_ssize_t count    # cells in use
+
+
+cdef int _tab_init(Table* t, uint64_t size) except -1:
+    cdef uint64_t i
+    t.key = <int64_t*>PyMem_Malloc(size * sizeof(int64_t))
+    t.val = <int32_t*>PyMem_Malloc(size * sizeof(int32_t))
+    if t.key == NULL or t.val == NULL:
+        raise MemoryError()
+    t.mask = size - 1
+    t.count = 0
+    for i in range(size):
+        t.val[i] = -1
+    return 0
+
+
+cdef void _tab_free(Table* t) noexcept:
+    PyMem_Free(t.key)
+    PyMem_Free(t.val)
+
+
+cdef void _tab_clear(Table* t) noexcept nogil:
+    cdef uint64_t i
+    for i in range(t.mask + 1):
+        t.val[i] = -1
+    t.count = 0
+
+
+cdef inline int _tab_reserve(Table* t, Py_ssize_t extra) except -1:
+    if <uint64_t>(t.count + extra) * 2 <= t.mask + 1:
+        return 0
+    return _tab_grow(t, extra)
+
+
+cdef int _tab_grow(Table* t, Py_ssize_t extra) except -1:
+    cdef uint64_t oldsize = t.mask + 1, newsize = oldsize, i, j, mask
+    cdef int64_t* nk
+    cdef int32_t* nv
+    while <uint64_t>(t.count + extra) * 2 > newsize:
+        newsize *= 2
+    nk = <int64_t*>PyMem_Malloc(newsize * sizeof(int64_t))
+    nv = <int32_t*>PyMem_Malloc(newsize * sizeof(int32_t))
+    if nk == NULL or nv == NULL:
+        PyMem_Free(nk)
+        PyMem_Free(nv)
+        raise MemoryError()
+    mask = newsize - 1
+    for i in range(newsize):
+        nv[i] = -1
+    for i in range(oldsize):
+        if t.val[i] >= 0:
+            j = _mix(<uint64_t>t.key[i]) & mask
+            while nv[j] >= 0:
+                j = (j + 1) & mask
+            nk[j] = t.key[i]
+            nv[j] = t.val[i]
+    PyMem_Free(t.key)
+    PyMem_Free(t.val)
+    t.key = nk
+    t.val = nv
+    t.mask = mask
+    return 0
+
+
+cdef inline void _tab_put(Table* t, int64_t key, int32_t val) noexcept nogil:
+    # room reserved by the caller; the key is known to be absent (or allowed to repeat)
+    cdef uint64_t j = _mix(<uint64_t>key) & t.mask
+    while t.val[j] >= 0:
+        j = (j + 1) & t.mask
+    t.key[j] = key
+    t.val[j] = val
+    t.count += 1
+
+
+cdef inline void _tab_del_at(Table* t, uint64_t j) noexcept nogil:
+    cdef uint64_t mask = t.mask
+    cdef uint64_t k = j, home
+    while True:
+        k = (k + 1) & mask
+        if t.val[k] < 0:
+            break
+        home = _mix(<uint64_t>t.key[k]) & mask
+        # move cell k back to j if its home does not lie cyclically in (j, k]
+        if (j <= k and (home <= j or home > k)) or (j > k and (home <= j and home > k)):
+            t.key[j] = t.key[k]
+            t.val[j] = t.val[k]
+            j = k
+    t.val[j] = -1
+    t.count -= 1
+
+
 @cython.final
 @cython.freelist(64)
 cdef class Dispatch:
@@ -237,14 +334,8 @@ cdef class Scheduler:
     cdef int32_t _slotcap       # slots allocated
     cdef Heap _wait             # competing flows, keyed (S, head ticket)
     cdef Heap _idle             # idle flows, keyed (S, 0)
-    cdef int64_t* _tkey         # open-addressing table: ticket of a waiting request (0 = empty)
-    cdef int32_t* _tval         # ... and its flow's slot
-    cdef uint64_t _tmask        # ticket table size - 1 (size a power of two)
-    cdef Py_ssize_t _tcount     # tickets in the table = waiting requests
-    cdef Py_hash_t* _fhash      # open-addressing table of flow ids: the id's hash...
-    cdef int32_t* _fslot        # ... and its slot (-1 = empty cell)
-    cdef uint64_t _fmask        # flow table size - 1 (size a power of two)
-    cdef Py_ssize_t _fcount     # flows in the table = known flows
+    cdef Table _tick            # ticket of each waiting request -> its flow's slot (count = waiting requests)
+    cdef Table _ftab            # hash of each known flow id -> its slot (count = known flows)
     cdef Py_ssize_t _ready      # waiting requests of competing (not suspended) flows
     cdef Py_ssize_t _in_flight  # work the caller reported started and not yet done
     cdef int64_t _v             # virtual time, sub-units relative to _base
@@ -273,19 +364,11 @@ cdef class Scheduler:
         self._wait.cap = 16
         self._idle.a = <Entry*>PyMem_Malloc(16 * sizeof(Entry))
         self._idle.cap = 16
-        self._tkey = <int64_t*>PyMem_Malloc(32 * sizeof(int64_t))
-        self._tval = <int32_t*>PyMem_Malloc(32 * sizeof(int32_t))
-        self._tmask = 31
-        self._fhash = <Py_hash_t*>PyMem_Malloc(32 * sizeof(Py_hash_t))
-        self._fslot = <int32_t*>PyMem_Malloc(32 * sizeof(int32_t))
-        self._fmask = 31
         if (self._flows == NULL or self._pos == NULL or self._free == NULL or self._wait.a == NULL
-                or self._idle.a == NULL or self._tkey == NULL or self._tval == NULL
-                or self._fhash == NULL or self._fslot == NULL):
+                or self._idle.a == NULL):
             raise MemoryError()
-        for i in range(32):
-            self._tkey[i] = 0
-            self._fslot[i] = -1
+        _tab_init(&self._tick, 32)
+        _tab_init(&self._ftab, 32)
 
     def __init__(self):
         pass
@@ -297,10 +380,8 @@ cdef class Scheduler:
         PyMem_Free(self._free)
         PyMem_Free(self._wait.a)
         PyMem_Free(self._idle.a)
-        PyMem_Free(self._tkey)
-        PyMem_Free(self._tval)
-        PyMem_Free(self._fhash)
-        PyMem_Free(self._fslot)
+        _tab_free(&self._tick)
+        _tab_free(&self._ftab)
         PyMem_Free(self._grave)
 
     cdef void _release_all(self) noexcept:
@@ -331,12 +412,10 @@ cdef class Scheduler:
         self._nfree = 0
         self._wait.n = 0
         self._idle.n = 0
-        for i in range(<Py_ssize_t>(self._tmask + 1)):
-            self._tkey[i] = 0
-        self._tcount = 0
-        for i in range(<Py_ssize_t>(self._fmask + 1)):
-            self._fslot[i] = -1
-        self._fcount = 0
+        if self._tick.val != NULL:
+            _tab_clear(&self._tick)
+        if self._ftab.val != NULL:
+            _tab_clear(&self._ftab)
         self._ready = 0
         self._in_flight = 0
         self._ckey = NULL
@@ -439,168 +518,45 @@ cdef class Scheduler:
             sfq_sift_down(h.a, self._pos, h.n, i, e)
 
     # =================================================================== ticket table
-    cdef inline int _treserve(self, Py_ssize_t extra) except -1:
-        # keep the load factor <= 1/2
-        if <uint64_t>(self._tcount + extra) * 2 <= self._tmask + 1:
-            return 0
-        return self._tgrow(extra)
-
-    cdef int _tgrow(self, Py_ssize_t extra) except -1:
-        cdef uint64_t oldsize = self._tmask + 1, newsize = oldsize, i, j, mask
-        cdef int64_t* ok = self._tkey
-        cdef int32_t* ov = self._tval
-        cdef int64_t* nk
-        cdef int32_t* nv
-        while <uint64_t>(self._tcount + extra) * 2 > newsize:
-            newsize *= 2
-        nk = <int64_t*>PyMem_Malloc(newsize * sizeof(int64_t))
-        nv = <int32_t*>PyMem_Malloc(newsize * sizeof(int32_t))
-        if nk == NULL or nv == NULL:
-            PyMem_Free(nk)
-            PyMem_Free(nv)
-            raise MemoryError()
-        mask = newsize - 1
-        for i in range(newsize):
-            nk[i] = 0
-        for i in range(oldsize):
-            if ok[i] != 0:
-                j = _mix(<uint64_t>ok[i]) & mask
-                while nk[j] != 0:
-                    j = (j + 1) & mask
-                nk[j] = ok[i]
-                nv[j] = ov[i]
-        self._tkey = nk
-        self._tval = nv
-        self._tmask = mask
-        PyMem_Free(ok)
-        PyMem_Free(ov)
-        return 0
-
-    cdef inline void _tput(self, int64_t t, int32_t slot) noexcept nogil:
-        # room reserved by the caller
-        cdef uint64_t mask = self._tmask
-        cdef uint64_t j = _mix(<uint64_t>t) & mask
-        while self._tkey[j] != 0:
-            j = (j + 1) & mask
-        self._tkey[j] = t
-        self._tval[j] = slot
-        self._tcount += 1
-
     cdef inline int64_t _tfind(self, int64_t t) noexcept nogil:
-        cdef uint64_t mask = self._tmask
-        cdef uint64_t j = _mix(<uint64_t>t) & mask
-        while self._tkey[j] != 0:
-            if self._tkey[j] == t:
+        cdef Table* tab = &self._tick
+        cdef uint64_t j = _mix(<uint64_t>t) & tab.mask
+        while tab.val[j] >= 0:
+            if tab.key[j] == t:
                 return <int64_t>j
-            j = (j + 1) & mask
+            j = (j + 1) & tab.mask
         return -1
-
-    cdef inline void _tdel_at(self, uint64_t j) noexcept nogil:
-        # linear probing, backward-shift deletion (no tombstones in the table)
-        cdef uint64_t mask = self._tmask
-        cdef uint64_t k = j, home
-        while True:
-            k = (k + 1) & mask
-            if self._tkey[k] == 0:
-                break
-            home = _mix(<uint64_t>self._tkey[k]) & mask
-            # move entry k back to j if its home does not lie cyclically in (j, k]
-            if (j <= k and (home <= j or home > k)) or (j > k and (home <= j and home > k)):
-                self._tkey[j] = self._tkey[k]
-                self._tval[j] = self._tval[k]
-                j = k
-        self._tkey[j] = 0
-        self._tcount -= 1
 
     cdef inline void _tdel(self, int64_t t) noexcept nogil:
         cdef int64_t j = self._tfind(t)
         if j >= 0:
-            self._tdel_at(<uint64_t>j)
+            _tab_del_at(&self._tick, <uint64_t>j)
 
     # =================================================================== flow table
-    cdef inline int _freserve(self, Py_ssize_t extra) except -1:
-        # keep the load factor <= 1/2
-        if <uint64_t>(self._fcount + extra) * 2 <= self._fmask + 1:
-            return 0
-        return self._fgrow(extra)
-
-    cdef int _fgrow(self, Py_ssize_t extra) except -1:
-        cdef uint64_t oldsize = self._fmask + 1, newsize = oldsize, i, j, mask
-        cdef Py_hash_t* oh = self._fhash
-        cdef int32_t* os = self._fslot
-        cdef Py_hash_t* nh
-        cdef int32_t* ns
-        while <uint64_t>(self._fcount + extra) * 2 > newsize:
-            newsize *= 2
-        nh = <Py_hash_t*>PyMem_Malloc(newsize * sizeof(Py_hash_t))
-        ns = <int32_t*>PyMem_Malloc(newsize * sizeof(int32_t))
-        if nh == NULL or ns == NULL:
-            PyMem_Free(nh)
-            PyMem_Free(ns)
-            raise MemoryError()
-        mask = newsize - 1
-        for i in range(newsize):
-            ns[i] = -1
-        for i in range(oldsize):
-            if os[i] >= 0:
-                j = _mix(<uint64_t>oh[i]) & mask
-                while ns[j] >= 0:
-                    j = (j + 1) & mask
-                nh[j] = oh[i]
-                ns[j] = os[i]
-        self._fhash = nh
-        self._fslot = ns
-        self._fmask = mask
-        PyMem_Free(oh)
-        PyMem_Free(os)
-        return 0
-
     cdef int32_t _ffind(self, object flow, Py_hash_t h) except -2:
         """The slot of ``flow`` (hash ``h``), -1 if unknown. Runs the ids' __eq__ (the guard
         is up: nothing can change the table meanwhile)."""
-        cdef uint64_t mask = self._fmask
-        cdef uint64_t j = _mix(<uint64_t>h) & mask
+        cdef Table* tab = &self._ftab
+        cdef uint64_t j = _mix(<uint64_t>h) & tab.mask
         cdef int32_t s
         cdef PyObject* k
         while True:
-            s = self._fslot[j]
+            s = tab.val[j]
             if s < 0:
                 return -1
-            if self._fhash[j] == h:
+            if tab.key[j] == h:
                 k = self._flows[s].key
                 if k == <PyObject*>flow or PyObject_RichCompareBool(k, <PyObject*>flow, Py_EQ):
                     return s
-            j = (j + 1) & mask
-
-    cdef inline void _fput(self, Py_hash_t h, int32_t slot) noexcept nogil:
-        # room reserved by the caller; the id is known to be absent
-        cdef uint64_t mask = self._fmask
-        cdef uint64_t j = _mix(<uint64_t>h) & mask
-        while self._fslot[j] >= 0:
-            j = (j + 1) & mask
-        self._fhash[j] = h
-        self._fslot[j] = slot
-        self._fcount += 1
+            j = (j + 1) & tab.mask
 
     cdef void _fdel(self, int32_t slot) noexcept nogil:
         """Remove ``slot``'s id from the table by its stored hash: no Python code runs."""
-        cdef uint64_t mask = self._fmask
-        cdef uint64_t j = _mix(<uint64_t>self._flows[slot].hash) & mask
-        cdef uint64_t k, home
-        while self._fslot[j] != slot:
-            j = (j + 1) & mask
-        k = j
-        while True:  # backward-shift deletion, as in the ticket table
-            k = (k + 1) & mask
-            if self._fslot[k] < 0:
-                break
-            home = _mix(<uint64_t>self._fhash[k]) & mask
-            if (j <= k and (home <= j or home > k)) or (j > k and (home <= j and home > k)):
-                self._fhash[j] = self._fhash[k]
-                self._fslot[j] = self._fslot[k]
-                j = k
-        self._fslot[j] = -1
-        self._fcount -= 1
+        cdef Table* tab = &self._ftab
+        cdef uint64_t j = _mix(<uint64_t>self._flows[slot].hash) & tab.mask
+        while tab.val[j] != slot:
+            j = (j + 1) & tab.mask
+        _tab_del_at(tab, j)
 
     cdef inline int32_t _lookup(self, object flow, Py_hash_t* hout) except -2:
         """The flow's slot, -1 if unknown (then ``*hout`` is its hash); TypeError naming an
@@ -668,7 +624,7 @@ cdef class Scheduler:
                 raise MemoryError()
             self._free = <int32_t*>p
             self._slotcap = newcap
-        self._freserve(extra)
+        _tab_reserve(&self._ftab, extra)
         return 0
 
     cdef int32_t _new_slot(self, object key, Py_hash_t h) noexcept:
@@ -697,7 +653,7 @@ cdef class Scheduler:
         Py_INCREF(key)
         f.key = <PyObject*>key
         self._pos[slot] = -1
-        self._fput(h, slot)
+        _tab_put(&self._ftab, h, slot)
         return slot
 
     cdef void _forget(self, int32_t slot) noexcept:
@@ -796,7 +752,7 @@ cdef class Scheduler:
 
     # =================================================================== queries
     def __len__(self):
-        return self._tcount
+        return self._tick.count
 
     @property
     def waiting_flows(self):
@@ -806,7 +762,7 @@ cdef class Scheduler:
     @property
     def known_flows(self):
         """Flows the scheduler holds state for (waiting, or idle with information)."""
-        return self._fcount
+        return self._ftab.count
 
     @property
     def in_flight(self):
@@ -882,8 +838,8 @@ cdef class Scheduler:
             self._leave_method()
 
     def __repr__(self):
-        return (f"<sfq.Scheduler compiled: {self._tcount} waiting in {self._wait.n} competing flows, "
-                f"{self._fcount} known, v={self.virtual_time!r}>")
+        return (f"<sfq.Scheduler compiled: {self._tick.count} waiting in {self._wait.n} competing flows, "
+                f"{self._ftab.count} known, v={self.virtual_time!r}>")
 
     # =================================================================== events
     cdef inline double _cost(self, object cost) except -1.0:
@@ -914,7 +870,7 @@ cdef class Scheduler:
         r.item = item
         f.count += 1
         f.live += 1
-        self._tput(ticket, slot)
+        _tab_put(&self._tick, ticket, slot)
         if f.state == WAITING:
             self._ready += 1
         elif f.state != SUSPENDED:  # (re)join: S = max(S, v), unless work of it is in flight
@@ -938,7 +894,7 @@ cdef class Scheduler:
             slot = self._lookup(flow, &h)
             c = self._cost(cost)
             # every allocation before the first change
-            self._treserve(1)
+            _tab_reserve(&self._tick, 1)
             self._heap_reserve(&self._wait, 1)
             if slot < 0:
                 self._slot_reserve(1)
@@ -1008,11 +964,11 @@ cdef class Scheduler:
         record and its ticket's table cell, the next ticket's cell) while the caller's
         Python runs in between: on a large scheduler these are cache misses otherwise."""
         cdef Entry* top
-        sfq_prefetch(&self._tkey[_mix(<uint64_t>self._next_ticket) & self._tmask])
+        sfq_prefetch(&self._tick.key[_mix(<uint64_t>self._next_ticket) & self._tick.mask])
         if self._wait.n:
             top = &self._wait.a[0]
             sfq_prefetch(&self._flows[top.slot])
-            sfq_prefetch(&self._tkey[_mix(<uint64_t>top.ticket) & self._tmask])
+            sfq_prefetch(&self._tick.key[_mix(<uint64_t>top.ticket) & self._tick.mask])
 
     def dispatch(self):
         """Dispatch the head request of the competing flow with the smallest meter, or None."""
@@ -1082,8 +1038,8 @@ cdef class Scheduler:
             if j < 0:
                 return False
             self._heap_reserve(&self._idle, 1)  # before any change
-            slot = self._tval[j]
-            self._tdel_at(<uint64_t>j)
+            slot = self._tick.val[j]
+            _tab_del_at(&self._tick, <uint64_t>j)
             f = &self._flows[slot]
             mask = f.cap - 1
             lo = 0
@@ -1197,16 +1153,24 @@ cdef class Scheduler:
         its weight like a charge. A competing flow is re-keyed and never falls below ``v``."""
         cdef Py_hash_t h = 0
         cdef int32_t slot
-        cdef double d
+        cdef double d, w
         cdef int64_t sub, base, new
         cdef Flow* f
         self._enter()
         try:
             slot = self._lookup(flow, &h)
-            d = _check_delta(delta)
+            if type(delta) is float and -MAX_COST_D <= PyFloat_AS_DOUBLE(delta) <= MAX_COST_D:
+                d = PyFloat_AS_DOUBLE(delta)  # the common case, checked here (NaN fails the test)
+            else:
+                d = _check_delta(delta)  # everything else, with the twin's messages
             if d == 0.0:
                 return
-            sub = _adjustment(d, 1.0 if slot < 0 else self._flows[slot].weight)
+            w = 1.0 if slot < 0 else self._flows[slot].weight
+            # as _common.adjustment(): |delta| / weight rounded up, with delta's sign
+            if d > 0.0:
+                sub = <int64_t>ceil(d * SCALE_D / w)
+            else:
+                sub = -<int64_t>ceil(-d * SCALE_D / w)
             if slot >= 0 and self._flows[slot].running:
                 # work in flight: the flow never left, its meter (lag included) is its own;
                 # a refund may take it below v, never more than MAX_LEAD below
@@ -1343,7 +1307,7 @@ cdef class Scheduler:
                         slot = -2 - <Py_ssize_t>o
                 slots[i] = slot
             # pass 2, no Python code: reserve everything, making the new flows' slots
-            self._treserve(n)
+            _tab_reserve(&self._tick, n)
             self._slot_reserve(nnew)
             for i in range(n):
                 if slots[i] == -2 - i:
