@@ -143,8 +143,8 @@ class DispatchBatch(NamedTuple):
     ``finishes`` (float64, cost units) are numpy arrays.
     """
 
-    flows: list
-    items: list
+    flows: list[Any]
+    items: list[Any]
     tickets: Any
     costs: Any
     starts: Any
@@ -156,7 +156,7 @@ class DispatchBatch(NamedTuple):
 
 def check_batch(
     flows: Any, costs: Any, items: Any, check_flows: bool = True
-) -> tuple[list, Any, list | None]:
+) -> tuple[list[Any], Any, list[Any] | None]:
     """Validate ``enqueue_many``'s arguments as a whole, before anything is enqueued.
 
     Returns ``(flows as a list, costs as a float64 array, items as a list or None)``.
@@ -165,7 +165,7 @@ def check_batch(
 
     if hasattr(flows, "tolist"):
         flows = flows.tolist()  # numpy arrays: plain Python ints/strs as flow ids
-    flows = list(flows)  # type: ignore[call-overload]
+    flows = list(flows)
     n = len(flows)
     arr = np.asarray(costs)
     if arr.ndim != 1 or arr.shape[0] != n:
@@ -178,10 +178,10 @@ def check_batch(
     if bad.any():
         check_cost(arr[int(np.argmax(bad))].item())  # raises, naming the first bad cost
     if items is not None:
-        items = list(items)  # type: ignore[call-overload]
+        items = list(items)
         if len(items) != n:
             raise ValueError(f"items must have one entry per flow ({n}), got {len(items)}")
     if check_flows:  # the compiled core hashes them itself, in C
         for f in flows:
             check_flow(f)
-    return flows, arr, items  # type: ignore[return-value]
+    return flows, arr, items
