@@ -337,15 +337,30 @@ class CostEstimator:
             prompt = estimate.prompt_tokens
         else:
             prompt = estimate.prompt_chars / self.chars_per_token_of(model)
+        return self._priced(model, prompt, estimate.prompt_exact, estimate.prompt_chars, estimate.max_tokens,
+                            estimate.copies, flow)
+
+    def estimate_tokens(self, prompt_tokens: int, max_tokens: int, *, model: str = "",
+                        flow: Hashable = None) -> Estimate:
+        """The estimate for a request whose prompt is known to have ``prompt_tokens`` tokens and
+        which may generate up to ``max_tokens`` (the simulator's entry; a caller that counted
+        the tokens itself): exactly what :meth:`estimate` gives for a body with that prompt."""
+        if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int) or prompt_tokens < 0:
+            raise ValueError(f"prompt_tokens must be an integer >= 0, got {prompt_tokens!r}")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+        return self._priced(model, float(prompt_tokens), True, 0, max_tokens, 1, flow)
+
+    def _priced(self, model: str, prompt: float, exact: bool, chars: int, cap: int, copies: int,
+                flow: Hashable) -> Estimate:
         ratio = self.ratio(model, flow)
-        expected = estimate.max_tokens * ratio
+        expected = cap * ratio
         cost = self.input_weight * prompt + self.output_weight * expected
         if cost < self.min_cost:
             cost = self.min_cost
         elif cost > MAX_COST:
             raise OverflowError(f"estimated cost {cost!r} of this request exceeds the largest cost {MAX_COST:.0f}")
-        return Estimate(model, cost, prompt, estimate.prompt_exact, estimate.prompt_chars, estimate.max_tokens, ratio,
-                        expected, estimate.copies)
+        return Estimate(model, cost, prompt, exact, chars, cap, ratio, expected, copies)
 
     def observe(self, estimate: Estimate, usage: Mapping[str, Any] | None, flow: Hashable = None) -> bool:
         """Feed one completed request's ``usage`` (OpenAI: ``prompt_tokens``, ``completion_tokens``)

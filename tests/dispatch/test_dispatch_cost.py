@@ -210,3 +210,21 @@ def test_the_epoch_moves_with_the_calibration():
     assert e.observe(est, {"prompt_tokens": 1, "completion_tokens": 2}) and e.epoch == start + 1
     e.restore(e.state())
     assert e.epoch == start + 2
+
+
+def test_the_token_count_entry_prices_like_a_body():
+    """``estimate_tokens`` (the simulator's entry) gives what ``estimate`` gives for a body
+    whose prompt has that many tokens, and checks its arguments."""
+    import pytest as _pytest
+
+    from sfq.cost import CostEstimator
+
+    est = CostEstimator(input_weight=1.0, output_weight=2.0, prior_ratio=0.5, tokenizer=len)
+    a = est.estimate({"model": "m", "prompt": "x" * 37, "max_tokens": 64}, "f")
+    b = est.estimate_tokens(37, 64, model="m", flow="f")
+    assert (a.cost, a.prompt_tokens, a.max_tokens, a.ratio) == (b.cost, b.prompt_tokens, b.max_tokens, b.ratio)
+    for bad in (-1, 1.5, True, "3"):
+        with _pytest.raises(ValueError, match="prompt_tokens must be an integer"):
+            est.estimate_tokens(bad, 64)  # type: ignore[arg-type]
+    with _pytest.raises(ValueError, match="max_tokens must be an integer >= 1, got 0"):
+        est.estimate_tokens(1, 0)

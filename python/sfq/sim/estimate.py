@@ -7,11 +7,10 @@ The estimate is stamped on a request when it reaches the balancer and never corr
 weighted tokens, the same units as the service ``W``.
 
 :func:`make_estimator` uses the project's own :class:`sfq.cost.CostEstimator` (calibrated
-per model and, after enough completions, per flow), fed the simulated request as an
-OpenAI body whose prompt has exactly ``prompt`` tokens (one character per token, counted
-by ``len``): the estimator takes request bodies, not token counts, so the body is built
-(``"x" * prompt``, linear in the prompt's length). :class:`RatioEstimator` is the small
-stand-alone form the engine uses when a run is given no estimator.
+per model and, after enough completions, per flow) through its token-count entry,
+``estimate_tokens(prompt_tokens, max_tokens)``: one estimator for the library and the
+simulator. :class:`RatioEstimator` is the small stand-alone form the engine uses when a run
+is given no estimator.
 """
 
 from __future__ import annotations
@@ -78,13 +77,12 @@ class ProjectEstimator:
             input_weight=input_weight,
             output_weight=output_weight,
             prior_ratio=prior,
-            tokenizer=len,  # the simulated prompt is `prompt` characters, one token each
             min_flow_samples=min_flow_samples,
         )
         self._pending: dict[int, Any] = {}  # rid -> Estimate, until the request completes
 
     def estimate(self, r: Any) -> float:
-        e = self.inner.estimate({"model": self.MODEL, "prompt": "x" * r.prompt, "max_tokens": r.max_tokens}, r.flow)
+        e = self.inner.estimate_tokens(r.prompt, r.max_tokens, model=self.MODEL, flow=r.flow)
         self._pending[r.rid] = e
         return float(e.cost)
 
