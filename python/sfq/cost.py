@@ -319,14 +319,7 @@ class CostEstimator:
         else:
             chars = len(text)
             prompt, exact = chars / self.chars_per_token_of(model), False
-        ratio = self.ratio(model, flow)
-        expected = cap * ratio
-        cost = self.input_weight * prompt + self.output_weight * expected
-        if cost < self.min_cost:
-            cost = self.min_cost
-        elif cost > MAX_COST:
-            raise OverflowError(f"estimated cost {cost!r} of this request exceeds the largest cost {MAX_COST:.0f}")
-        return Estimate(model, cost, prompt, exact, chars, cap, ratio, expected, copies)
+        return self._priced(model, prompt, exact, chars, cap, copies, flow)
 
     def reestimate(self, estimate: Estimate, flow: Hashable = None) -> Estimate:
         """``estimate(body, flow)`` again for the request ``estimate`` was made for, with the
