@@ -793,49 +793,35 @@ cdef class Scheduler:
             self._leave_method()
         return _units(self._base, S)
 
-    def pending(self, flow):
-        """Waiting requests of ``flow``."""
+    cdef int32_t _query(self, object flow) except -2:
+        """The slot of ``flow`` for a read-only query (-1 if unknown), found under the guard. A
+        query buries nothing, so no Python code runs between this and the caller's read."""
         cdef Py_hash_t h
-        cdef int32_t slot
         self._enter()
         try:
-            slot = self._lookup(flow, &h)
-            return 0 if slot < 0 else self._flows[slot].live
+            return self._lookup(flow, &h)
         finally:
             self._leave_method()
+
+    def pending(self, flow):
+        """Waiting requests of ``flow``."""
+        cdef int32_t slot = self._query(flow)
+        return 0 if slot < 0 else self._flows[slot].live
 
     def weight(self, flow):
         """The flow's weight (1.0 unless set)."""
-        cdef Py_hash_t h
-        cdef int32_t slot
-        self._enter()
-        try:
-            slot = self._lookup(flow, &h)
-            return 1.0 if slot < 0 else self._flows[slot].weight
-        finally:
-            self._leave_method()
+        cdef int32_t slot = self._query(flow)
+        return 1.0 if slot < 0 else self._flows[slot].weight
 
     def running(self, flow):
         """Work of ``flow`` reported by ``work_started(flow)`` and not yet done."""
-        cdef Py_hash_t h
-        cdef int32_t slot
-        self._enter()
-        try:
-            slot = self._lookup(flow, &h)
-            return 0 if slot < 0 else self._flows[slot].running
-        finally:
-            self._leave_method()
+        cdef int32_t slot = self._query(flow)
+        return 0 if slot < 0 else self._flows[slot].running
 
     def suspended(self, flow):
         """Whether ``flow`` is suspended (out of the competition)."""
-        cdef Py_hash_t h
-        cdef int32_t slot
-        self._enter()
-        try:
-            slot = self._lookup(flow, &h)
-            return slot >= 0 and self._flows[slot].state == SUSPENDED
-        finally:
-            self._leave_method()
+        cdef int32_t slot = self._query(flow)
+        return slot >= 0 and self._flows[slot].state == SUSPENDED
 
     def __repr__(self):
         return (f"<sfq.Scheduler compiled: {self._tick.count} waiting in {self._wait.n} competing flows, "
