@@ -366,6 +366,23 @@ class PolicyDispatcher:
             self.engine.cancel(r, work_tokens=work_tokens)
             self._pump()
 
+    async def _retried(self, r: Request, exc: BaseException, *, retryable: bool = True) -> bool:
+        """A backend error ended this attempt of ``r``: ``True`` once it is back in its flow
+        after its backoff (the caller tries again), ``False`` when the caller should raise."""
+        self._health_dirty = True
+        decision = self.engine.fail(r, exc, retryable=retryable)
+        self._pump()
+        if not decision.retry or not await self._retry_allowed(r):
+            return False
+        await self._backoff(r, decision.delay)
+        return True
+
+    def _failed_otherwise(self, r: Request, exc: BaseException) -> None:
+        """Any other error while ``r`` ran: it ends as failed, never retried."""
+        if r.state == RUNNING:
+            self.engine.fail(r, exc, retryable=False)
+            self._pump()
+
     async def _backoff(self, r: Request, delay: float) -> None:
         """Wait out a retry's delay, then put the request back into its flow. ``close()`` (or a
         reload that ends the request) ends the wait at once through its waiter."""
@@ -460,17 +477,11 @@ class PolicyDispatcher:
                     raise DeadlineExceeded("the request's deadline ran out while it was running; the backend "
                                            "call was aborted") from None
                 except (BackendError, NoHealthyBackend) as exc:
-                    self._health_dirty = True
-                    decision = self.engine.fail(r, exc)
-                    self._pump()
-                    if not decision.retry or not await self._retry_allowed(r):
+                    if not await self._retried(r, exc):
                         raise
-                    await self._backoff(r, decision.delay)
                     continue
                 except Exception as exc:
-                    if r.state == RUNNING:
-                        self.engine.fail(r, exc, retryable=False)
-                        self._pump()
+                    self._failed_otherwise(r, exc)
                     raise
                 self.engine.complete(r, reply.get("usage") if isinstance(reply, dict) else None)
                 self._pump()
@@ -533,17 +544,11 @@ class PolicyDispatcher:
                     raise DeadlineExceeded("the request's deadline ran out while it was streaming; the backend "
                                            "call was aborted") from None
                 except (BackendError, NoHealthyBackend) as exc:
-                    self._health_dirty = True
-                    decision = self.engine.fail(r, exc, retryable=chunks == 0)
-                    self._pump()
-                    if not decision.retry or not await self._retry_allowed(r):
+                    if not await self._retried(r, exc, retryable=chunks == 0):
                         raise
-                    await self._backoff(r, decision.delay)
                     continue
                 except Exception as exc:
-                    if r.state == RUNNING:
-                        self.engine.fail(r, exc, retryable=False)
-                        self._pump()
+                    self._failed_otherwise(r, exc)
                     raise
                 finally:
                     with contextlib.suppress(Exception):
