@@ -44,7 +44,8 @@ except ImportError:  # a checkout without an install: use python/
 from aiohttp import web  # noqa: E402
 
 from sfq.errors import SFQError  # noqa: E402
-from sfq.policy import PolicyDispatcher, parse_policy  # noqa: E402
+from sfq.dispatch import PolicyDispatcher
+from sfq.policy import parse_policy  # noqa: E402
 
 PREFILL = 0.00005  # seconds per prompt token
 PER_TOKEN = 0.001  # seconds per output token

@@ -35,7 +35,9 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers (tests/tes
     from .backends import Backend, OpenAIBackend, ProbeReading, SaturationProbe
     from .cost import CostEstimator, Estimate
     from .dispatch import Dispatcher, DispatchRecord
-    from .policy import Policy, PolicyDispatcher, PolicyEngine, load_policy, parse_policy
+    from .dispatch import PolicyDispatcher
+    from .engine import PolicyEngine
+    from .policy import Policy, load_policy, parse_policy
     from ._scheduler_py import ReferenceDispatch, ReferenceScheduler
 
 _LAZY = {
@@ -50,8 +52,8 @@ _LAZY = {
     "Dispatcher": ".dispatch",
     "DispatchRecord": ".dispatch",
     "Policy": ".policy",
-    "PolicyDispatcher": ".policy",
-    "PolicyEngine": ".policy",
+    "PolicyDispatcher": ".dispatch",
+    "PolicyEngine": ".engine",
     "load_policy": ".policy",
     "parse_policy": ".policy",
 }

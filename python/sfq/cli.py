@@ -151,7 +151,7 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ._optional import MissingExtra, require
 
     if args.config is not None:  # a policy file in the teams scenario (plain tables, no rich needed)
-        from .policy.simulate import main_teams_config
+        from .sim.teams_config import main_teams_config
 
         return main_teams_config(args, parser)
 

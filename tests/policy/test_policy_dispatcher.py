@@ -12,7 +12,8 @@ from fake_openai import FakeOpenAI
 from prometheus_client import generate_latest
 
 from sfq.errors import BackendHTTPError, DeadlineExceeded, Refused
-from sfq.policy import PolicyDispatcher, parse_policy
+from sfq.dispatch import PolicyDispatcher
+from sfq.policy import parse_policy
 
 BODY = {"model": "m", "prompt": "hello there", "max_tokens": 4}
 

@@ -13,8 +13,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import sfq
 from sfq.errors import BackendHTTPError, BackendUnavailable, Refused
-from sfq.policy import OUTCOMES, Flow, PolicyEngine, Request, parse_policy
-from sfq.policy.queue import BACKOFF, RUNNING, WAITING
+from sfq.engine import PolicyEngine, Request
+from sfq.policy import OUTCOMES, Flow, parse_policy
+from sfq.engine import BACKOFF, RUNNING, WAITING
 
 POLICY = parse_policy("""
 pools:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from sfq.policy import Flow, PolicyDispatcher, parse_policy
+from sfq.dispatch import PolicyDispatcher
+from sfq.policy import Flow, parse_policy
 
 HERE = Path(__file__).resolve().parent
 _DISPATCH = HERE.parent / "dispatch"

@@ -9,7 +9,8 @@ import pytest
 from policy_helpers import Clock, policy
 
 from sfq.errors import BackendHTTPError, Refused
-from sfq.policy import Flow, Policy, PolicyEngine, Request
+from sfq.engine import PolicyEngine, Request
+from sfq.policy import Flow, Policy
 
 ONE_SLOT = """
   p:

@@ -10,7 +10,8 @@ import pytest
 from policy_helpers import Clock
 
 from sfq.errors import PolicyError, Refused
-from sfq.policy import Flow, PolicyEngine, parse_policy
+from sfq.engine import PolicyEngine
+from sfq.policy import Flow, parse_policy
 
 BASE = """
 pools:

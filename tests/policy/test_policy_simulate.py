@@ -10,7 +10,7 @@ import pytest
 
 from sfq.cli import main
 from sfq.policy import load_policy, parse_policy
-from sfq.policy.simulate import STEPS_PER_SECOND, PolicySim, run_teams_config, teams_flows
+from sfq.sim.teams_config import STEPS_PER_SECOND, PolicySim, run_teams_config, teams_flows
 
 TEAMS = Path(__file__).resolve().parents[2] / "docs" / "policy-teams.yaml"
 

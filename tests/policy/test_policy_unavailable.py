@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 from policy_helpers import Clock, policy
 
-from sfq.policy import Flow, PolicyEngine
+from sfq.engine import PolicyEngine
+from sfq.policy import Flow
 
 POOL = """
   p:
@@ -64,7 +65,8 @@ async def test_a_pool_whose_only_backend_is_dead_answers_within_the_bound() -> N
     import socket
 
     from sfq.errors import BackendError, NoHealthyBackend
-    from sfq.policy import PolicyDispatcher, parse_policy
+    from sfq.dispatch import PolicyDispatcher
+    from sfq.policy import parse_policy
 
     with socket.socket() as s:  # a loopback port with nobody listening
         s.bind(("127.0.0.1", 0))

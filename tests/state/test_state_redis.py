@@ -14,8 +14,8 @@ from state_helpers import LIMIT, RedisServer, Upstream, free_port
 
 from sfq.errors import PolicyError, Refused
 from sfq.policy import Flow, parse_policy
-from sfq.policy.dispatcher import PolicyDispatcher
-from sfq.policy.queue import Request
+from sfq.dispatch import PolicyDispatcher
+from sfq.engine import Request
 from sfq.state import InMemoryState, RedisState, state_for
 
 

@@ -85,8 +85,23 @@ back into the flow): the dispatcher never retries a request by itself.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from ._state import DispatchRecord
 from .dispatcher import Dispatcher
 from .hooks import DispatchHooks
 
-__all__ = ["Dispatcher", "DispatchHooks", "DispatchRecord"]
+if TYPE_CHECKING:
+    from .policy_dispatcher import PolicyDispatcher
+
+
+def __getattr__(name: str) -> Any:
+    # the policy's driver (prometheus-client, the shared state) loads on first use
+    if name == "PolicyDispatcher":
+        from .policy_dispatcher import PolicyDispatcher
+
+        return PolicyDispatcher
+    raise AttributeError(f"module 'sfq.dispatch' has no attribute {name!r}")
+
+
+__all__ = ["Dispatcher", "DispatchHooks", "DispatchRecord", "PolicyDispatcher"]

@@ -34,8 +34,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..errors import PolicyError, Refused, SFQError
 from ..policy import Policy, load_policy
-from ..policy.dispatcher import PolicyDispatcher
-from ..policy.queue import Request
+from ..dispatch.policy_dispatcher import PolicyDispatcher
+from ..engine import Request
 from .errors import HTTPError, error_body, http_error_of, sse_error
 
 __all__ = ["Gateway", "ACCESS_LOGGER"]

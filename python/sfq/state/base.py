@@ -22,7 +22,7 @@ from typing import Any
 
 from ..policy.classify import Flow
 from ..policy.config import Policy
-from ..policy.queue import Request
+from ..engine.pool import Request
 
 __all__ = ["SharedState", "InMemoryState", "Ticket", "local_policy"]
 

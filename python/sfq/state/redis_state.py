@@ -41,7 +41,7 @@ from typing import Any
 from ..errors import PolicyError, Refused
 from ..policy.classify import Flow
 from ..policy.config import Policy, StateSpec
-from ..policy.queue import Request
+from ..engine.pool import Request
 from . import _lua
 from .base import SharedState, Ticket
 

@@ -3,7 +3,7 @@
 The request's path is one-way: **policy** (classification, admission, org/class/pool limits,
 rate buckets, strict classes, size buckets, deadlines, retries) -> **estimator**
 (``sfq.CostEstimator``) -> **scheduler** (the SFQ core inside each pool's
-:class:`~sfq.policy.queue.PolicyQueue`) -> **dispatcher** -> **backend**. The policy decides
+:class:`~sfq.engine.PolicyQueue`) -> **dispatcher** -> **backend**. The policy decides
 who goes next and on which backend; each backend is driven by its own one-backend
 ``sfq.Dispatcher``, which does the calls, streaming, health checks and the cancellation of
 aborted calls. A request reaches a dispatcher only when the policy has started it, so that
@@ -42,13 +42,13 @@ from prometheus_client import CollectorRegistry
 
 from ..backends import Backend, OpenAIBackend
 from ..cost import CostEstimator
-from ..dispatch import Dispatcher
+from .dispatcher import Dispatcher
 from ..errors import BackendError, DeadlineExceeded, NoHealthyBackend, PolicyError, Refused
-from .classify import Flow
-from .config import Policy, load_policy
-from .engine import PolicyEngine
-from .queue import RUNNING, Request
-from .retry import IdempotencyIndex
+from ..policy.classify import Flow
+from ..policy.config import Policy, load_policy
+from ..engine import PolicyEngine
+from ..engine.pool import RUNNING, Request
+from ..policy.retry import IdempotencyIndex
 from ..state import SharedState, local_policy, state_for
 
 __all__ = ["PolicyDispatcher"]

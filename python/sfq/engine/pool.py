@@ -38,9 +38,9 @@ from typing import Any
 
 from .._core import Scheduler
 from ..errors import Refused
-from .classify import Flow
-from .config import ClassSpec, Policy, PoolSpec
-from .limits import Slots, TokenBucket
+from ..policy.classify import Flow
+from ..policy.config import ClassSpec, Policy, PoolSpec
+from ..policy.limits import Slots, TokenBucket
 
 __all__ = ["PolicyQueue", "Request", "SharedLimits", "WAITING", "RUNNING", "BACKOFF", "ENDED"]
 

@@ -1,7 +1,7 @@
 """The policy as one synchronous state machine over every pool (no asyncio, injected clock).
 
 :class:`PolicyEngine` ties the pieces together: classification, org admission rate limits,
-one :class:`~sfq.policy.queue.PolicyQueue` per pool (with the limits shared between pools),
+one :class:`~sfq.engine.PolicyQueue` per pool (with the limits shared between pools),
 the retry planner and outcome accounting. An event loop (``sfq.policy.PolicyDispatcher``),
 the simulator or a test drives it with four calls::
 
@@ -26,12 +26,12 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from ..errors import BackendHTTPError, BackendTimeout, Refused
-from .classify import Classifier, Flow
-from .config import Policy
-from .limits import TokenBucket
-from .metrics import PolicyMetrics
-from .queue import BACKOFF, ENDED, RUNNING, WAITING, PolicyQueue, Request, SharedLimits
-from .retry import RetryDecision, RetryPlanner, retry_after_of, retry_safe
+from ..policy.classify import Classifier, Flow
+from ..policy.config import Policy
+from ..policy.limits import TokenBucket
+from ..policy.metrics import PolicyMetrics
+from .pool import BACKOFF, ENDED, RUNNING, WAITING, PolicyQueue, Request, SharedLimits
+from ..policy.retry import RetryDecision, RetryPlanner, retry_after_of, retry_safe
 
 __all__ = ["PolicyEngine", "UNKNOWN"]
 

@@ -1,7 +1,7 @@
 """A policy file in the simulator: ``sfq simulate teams --config FILE``.
 
 :class:`PolicySim` is a simulator policy (the ``sfq.sim.Policy`` protocol) that runs the
-same :class:`~sfq.policy.engine.PolicyEngine` as ``PolicyDispatcher``: classification is the
+same :class:`~sfq.engine.PolicyEngine` as ``PolicyDispatcher``: classification is the
 simulator's flow names (``org/class``), ordering, limits, queue ages and size buckets are the
 policy's. The simulated fleet places the requests (its servers, KV budgets and batch slots
 stand for the pool's backends), so the pool's backend list is replaced by one unlimited
@@ -25,10 +25,10 @@ from types import MappingProxyType
 from typing import Any
 
 from ..errors import Refused
-from .classify import Flow
-from .config import BackendSpec, Policy
-from .engine import PolicyEngine
-from .queue import Request
+from ..policy.classify import Flow
+from ..policy.config import BackendSpec, Policy
+from ..engine import PolicyEngine
+from ..engine.pool import Request
 
 __all__ = ["PolicySim", "STEPS_PER_SECOND", "run_teams_config", "sim_policy"]
 
@@ -141,8 +141,8 @@ def run_teams_config(policy: Policy, *, seed: int = 0, steps: int | None = None,
                      prior: float = 0.5, compare: Sequence[str] = ("fifo", "prio", "sfq")) -> dict[str, Any]:
     """Run the teams workload under the policy file and, for comparison, the simulator's
     ``compare`` policies, on the same fleet; one JSON-able document."""
-    from ..sim import Fleet, Simulation, make_estimator, make_policy, wait_quantiles
-    from ..sim.scenarios import teams_workload
+    from . import Fleet, Simulation, make_estimator, make_policy, wait_quantiles
+    from .scenarios import teams_workload
 
     steps = steps or 12_000
     fleet = Fleet(servers=servers or 8, kv_budget=kv_budget or 8192, max_batch=slots or 1)
@@ -199,7 +199,7 @@ def main_teams_config(args: Any, parser: Any) -> int:
     import sys
 
     from ..errors import PolicyError
-    from .config import load_policy
+    from ..policy.config import load_policy
 
     if args.scenario != "teams":
         parser.error("--config runs a policy file in the teams scenario: sfq simulate teams --config FILE")
