@@ -13,6 +13,7 @@ from ..backends.base import Backend
 from ..backends.probe import ProbeReading
 from ..cost import CostEstimator, Estimate
 from ..errors import BackendError
+from ..policy.charge import CHARGE_MODES
 
 if TYPE_CHECKING:
     from .hooks import DispatchHooks
@@ -24,8 +25,6 @@ log = logging.getLogger("sfq.dispatch")
 # aside with its flow suspended so that others may overtake); TAKEN: selected by a hook that
 # dispatched another request than ``peek()`` named, charged, waiting for a backend that fits
 WAITING, HELD, PLACED, DONE, CANCELLED, REJECTED, EXPIRED, TAKEN = range(8)
-#: charge modes (``Dispatcher(charge=...)``)
-CHARGE_MODES = ("served", "settle", "seed")
 # outcomes of a placed job
 OK, FAILED, ABORTED = range(3)
 #: outcome codes as the hooks see them

@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from ..errors import PolicyError
+from .charge import CHARGE_MODES
 
 __all__ = [
     "BackendSpec",
@@ -123,6 +124,8 @@ class CostSpec:
     output_weight: float = 2.0
     default_max_tokens: int = 1024
     prior_ratio: float = 1.0
+    #: what a request is charged (``sfq.engine.CHARGE_MODES``): ``served`` (default), ``settle`` or ``seed``
+    charge: str = "served"
 
 
 @dataclass(frozen=True)
@@ -167,10 +170,24 @@ class Policy:
                 return p
         return None
 
+    def org(self, name: str) -> OrgSpec | None:
+        """The org called ``name`` (``None``: the policy does not know it). Every rule that
+        needs an org's spec asks here, so an org the file does not list can be given one."""
+        return self.orgs.get(name)
+
+    def allows(self, flow: tuple[str, str, str]) -> bool:
+        """Whether ``flow`` ``(org, class, pool)`` is one the policy allows."""
+        org, cls, pool = flow
+        o = self.org(org)
+        return o is not None and cls in o.classes and pool in self.pools
+
     def flow_weight(self, org: str, cls: str) -> float:
         """A flow's weight: the org's weight times the class's (strict classes: the org's)."""
         c = self.classes[cls]
-        return self.orgs[org].weight * (1.0 if c.strict else c.weight)
+        o = self.org(org)
+        if o is None:
+            raise KeyError(org)
+        return o.weight * (1.0 if c.strict else c.weight)
 
     def flows(self, pool: str | None = None) -> list[tuple[str, str, str]]:
         """Every flow ``(org, class, pool)`` the file allows, in file order."""
@@ -443,14 +460,17 @@ def _org(name: str, v: object, path: str, classes: Mapping[str, ClassSpec]) -> t
 
 
 def _cost(v: object, path: str) -> CostSpec:
-    d = _section(v, path, ("input_weight", "output_weight", "default_max_tokens", "prior_ratio"))
+    d = _section(v, path, ("input_weight", "output_weight", "default_max_tokens", "prior_ratio", "charge"))
     iw = _number(d["input_weight"], f"{path}.input_weight", strict_min=False) if "input_weight" in d else 1.0
     ow = _number(d["output_weight"], f"{path}.output_weight", strict_min=False) if "output_weight" in d else 2.0
     if iw == 0 and ow == 0:
         raise PolicyError(path, "input_weight and output_weight cannot both be 0")
     dm = _integer(d["default_max_tokens"], f"{path}.default_max_tokens") if "default_max_tokens" in d else 1024
     pr = _number(d["prior_ratio"], f"{path}.prior_ratio", maximum=1.0) if "prior_ratio" in d else 1.0
-    return CostSpec(iw, ow, dm, pr)
+    charge = d.get("charge", "served")
+    if charge not in CHARGE_MODES:
+        raise PolicyError(f"{path}.charge", f"must be one of {', '.join(CHARGE_MODES)}, got {_desc(charge)}")
+    return CostSpec(iw, ow, dm, pr, charge)
 
 
 def _retry(v: object, path: str) -> RetrySpec:

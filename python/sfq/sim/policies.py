@@ -37,6 +37,7 @@ import math
 from collections import deque
 from typing import Any, Callable
 
+from ..policy.charge import CHARGE_MODES, DEFAULT_CHARGE
 from .model import Request
 
 __all__ = [
@@ -371,10 +372,6 @@ class SeedSFQ(Policy):
         self.staged = None
 
 
-#: how the ``sfq`` policy charges a request (see :class:`SFQ`)
-CHARGE_MODES = ("seed", "settle", "served")
-#: the library's default, chosen by measurement (README, simulator section)
-DEFAULT_CHARGE = "served"
 
 
 class SFQ(Policy):
