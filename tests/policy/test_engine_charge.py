@@ -193,3 +193,32 @@ def test_bad_delivered_counts_change_nothing(clock: Clock, core) -> None:
             e.delivered(r, bad)  # type: ignore[arg-type]
     assert e.queues["p"].meter(A) == m
     assert e.delivered(r, 10**9) == 10  # capped at max_tokens
+
+
+CONTEXT = """
+  p:
+    models: [m]
+    backends:
+      - {url: "http://127.0.0.1:9", max_in_flight: 1, name: small, max_context: 100}
+      - {url: "http://127.0.0.1:10", max_in_flight: 1, name: big}
+"""
+
+
+@pytest.mark.parametrize("overtake", [0, 1])
+def test_a_head_that_fits_nothing_waits_uncharged_or_is_overtaken(overtake: int, clock: Clock, core) -> None:
+    e = make("seed", clock, core, pools=CONTEXT)
+    q = e.queues["p"]
+    q.overtake = overtake
+    big_b = submit(e, B, 400)  # takes the big backend; b is charged
+    assert e.poll() == [big_b] and big_b.backend == "big"
+    clock.advance(1)
+    too_big = submit(e, A, 400)  # a is next in line but fits only the big one, which is busy
+    small_b = submit(e, B, 10)
+    started = e.poll()
+    # never charged while it waits (set aside, its meter is at most v: it rejoins at max(S, v))
+    assert too_big.state != RUNNING and too_big.charged == 0 and q.meter(A) <= q.sched.virtual_time
+    assert started == ([] if overtake == 0 else [small_b])
+    e.complete(big_b, {"prompt_tokens": 10, "completion_tokens": 400})
+    assert too_big in e.poll()  # the big backend freed: it goes, and its flow competes again
+    assert not q.aside
+

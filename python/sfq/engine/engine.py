@@ -36,11 +36,51 @@ from ..policy.metrics import PolicyMetrics
 from ..policy.retry import RetryDecision, RetryPlanner, retry_after_of, retry_safe
 from .pool import BACKOFF, ENDED, RUNNING, WAITING, Fits, PolicyQueue, Request, SharedLimits
 
-__all__ = ["PolicyEngine", "UNKNOWN"]
+__all__ = ["NO_METRICS", "NoMetrics", "PolicyEngine", "UNKNOWN"]
 
 #: label value for what a refused request's flow did not get as far as (e.g. an unknown key)
 UNKNOWN = ""
 log = logging.getLogger("sfq.engine")
+
+
+class NoMetrics:
+    """Metrics that count nothing: for a driver that keeps its own statistics and may see any
+    number of flows (``sfq.Dispatcher``: flow ids are the caller's, unbounded), where a
+    Prometheus series per flow would grow without end."""
+
+    registry = None
+
+    def _get(self, key: Any) -> None:
+        return None
+
+    def queued(self, key: Any, n: int = 1) -> None:
+        pass
+
+    def started(self, key: Any, wait: float, cost: float, retry: bool) -> None:
+        pass
+
+    def attempt_ended(self, key: Any, *, served_cost: float | None = None, upstream_429: bool = False,
+                      timeout: bool = False) -> None:
+        pass
+
+    def left_queue(self, key: Any) -> None:
+        pass
+
+    def timeout(self, key: Any) -> None:
+        pass
+
+    def cancelled_work_tokens(self, key: Any, tokens: float) -> None:
+        pass
+
+    def ended(self, key: Any, outcome: str, reason: str | None = None) -> None:
+        pass
+
+    def snapshot(self) -> dict[Any, dict[str, Any]]:
+        return {}
+
+
+#: the one :class:`NoMetrics` (``PolicyEngine(..., metrics=NO_METRICS)``)
+NO_METRICS = NoMetrics()
 
 
 class PolicyEngine:
@@ -50,7 +90,7 @@ class PolicyEngine:
 
     def __init__(self, policy: Policy, *, clock: Callable[[], float] = time.monotonic,
                  scheduler: Callable[[], Any] | None = None, rng: random.Random | None = None,
-                 registry: CollectorRegistry | None = None, metrics: PolicyMetrics | None = None,
+                 registry: CollectorRegistry | None = None, metrics: PolicyMetrics | NoMetrics | None = None,
                  estimator: CostEstimator | None = None, max_pause: float = 60.0) -> None:
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be an sfq.policy.Policy, got {policy!r}")
@@ -83,7 +123,7 @@ class PolicyEngine:
         self.retry = RetryPlanner(policy.retry, rng)
         if metrics is None:
             metrics = PolicyMetrics(registry, policy.flows())
-        else:  # a reload: the series go on; the new file's flows show from the start
+        elif isinstance(metrics, PolicyMetrics):  # a reload: the series go on; the new file's flows show from the start
             for k in policy.flows():
                 metrics._get(k)
         self.metrics = metrics

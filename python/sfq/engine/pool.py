@@ -63,7 +63,7 @@ class Request:
     __slots__ = ("id", "flow", "cost", "tokens", "need", "arrival", "queued_at", "deadline", "drop_at",
                  "drop_reason", "item", "state", "backend", "started_at", "tries", "idempotency_key",
                  "outcome", "reason", "small", "retrying", "est", "epoch", "streaming", "charged", "delivered",
-                 "work_flow", "working", "in_core", "avoid")
+                 "work_flow", "working", "in_core", "avoid", "start_tag")
 
     def __init__(self, flow: Flow, cost: float, tokens: float, arrival: float, *, deadline: float | None = None,
                  item: Any = None, need: float = 0.0, idempotency_key: str | None = None,
@@ -97,6 +97,7 @@ class Request:
         self.working = False  # its work in flight is reported to the core (work_started, not yet done)
         self.in_core = False  # the current attempt was dispatched by the SFQ core (a weighted class)
         self.avoid: str | None = None  # a backend a retry should avoid when another can take it
+        self.start_tag = 0.0  # cost units: its flow's meter when the core dispatched it (= v then)
 
     def __repr__(self) -> str:
         return (f"Request(#{self.id} {self.flow.org}/{self.flow.cls}/{self.flow.pool} cost={self.cost:g} "
@@ -161,7 +162,7 @@ class _FlowQ:
     """A weighted flow's waiting requests in two size buckets (both FIFO), and its entry in
     the core (``token``: the core's ticket, ``None`` when it has none)."""
 
-    __slots__ = ("flow", "spec", "small", "large", "n", "run", "token", "token_cost", "groups")
+    __slots__ = ("flow", "spec", "small", "large", "n", "run", "token", "token_cost", "groups", "aside", "named")
 
     def __init__(self, flow: Flow, spec: ClassSpec, groups: tuple[tuple[str, str], ...]) -> None:
         self.flow = flow
@@ -173,6 +174,8 @@ class _FlowQ:
         self.token: int | None = None
         self.token_cost = 0.0
         self.groups = groups
+        self.aside = False  # its head fits no backend with room: suspended so that others overtake
+        self.named = True  # its org is named in the policy file (else it is forgotten when empty)
 
     @staticmethod
     def _head(d: deque[Request]) -> Request | None:
@@ -273,6 +276,10 @@ class PolicyQueue:
         self.down_since: float | None = None  # when the pool lost its last backend in rotation
         self._starts: dict[str, deque[float]] = {c: deque() for c in policy.classes}  # last minute's starts
         self.blocked_until = -_INF  # when a bucket or a paused backend next allows a start
+        #: how many flows whose head fits no backend with room may be set aside (suspended,
+        #: uncharged) so that later ones go out; 0: everything waits behind such a head
+        self.overtake = 0
+        self.aside: list[_FlowQ] = []  # the flows set aside, oldest first
 
     def _flow_queue(self, f: Flow) -> _FlowQ:
         """The weighted flow's queue, made on first use (a flow of an org the file does not
@@ -282,6 +289,7 @@ class PolicyQueue:
             return fq
         spec = self.policy.classes[f.cls]
         fq = self.flows[f] = _FlowQ(f, spec, self.shared.groups(f))
+        fq.named = f.org in self.policy.orgs
         self.sched.set_weight(f, self.policy.flow_weight(f.org, f.cls))
         for g in fq.groups:
             self._group_members.setdefault(g, []).append(fq)
@@ -388,6 +396,7 @@ class PolicyQueue:
         if fq.n == 0 and fq.token is not None:
             self.sched.cancel(fq.token)
             fq.token = None
+            self._emptied(fq)
             fq.small.clear()
             fq.large.clear()
 
@@ -455,8 +464,31 @@ class PolicyQueue:
     def _group_free(self, g: tuple[str, str]) -> None:
         slots = self.shared.slots
         for fq in self._group_members.get(g, ()):
-            if not any(slots[h].full for h in fq.groups):
+            if not fq.aside and not any(slots[h].full for h in fq.groups):
                 self.sched.resume(fq.flow)
+
+    def _emptied(self, fq: _FlowQ) -> None:
+        """``fq`` has no waiting request left: it leaves the aside; a flow of an org the file
+        does not name is forgotten (its meter lives on in the core, which forgets it once
+        ``v`` passes it), so that memory follows the flows with work, not every id ever seen."""
+        if fq.aside:
+            self._unaside(fq)
+        if not fq.named and not fq.groups:
+            del self.flows[fq.flow]
+
+    def _unaside(self, fq: _FlowQ) -> None:
+        fq.aside = False
+        self.aside.remove(fq)
+        slots = self.shared.slots
+        if not any(slots[h].full for h in fq.groups):
+            self.sched.resume(fq.flow)
+
+    def _release_aside(self, now: float, fits: Fits | None) -> None:
+        """Put back in the competition the flows set aside whose head now fits a backend."""
+        for fq in list(self.aside):
+            head = fq.preferred()
+            if head is not None and self._backend_for(head, now, fits) is not None:
+                self._unaside(fq)
 
     def pause_backend(self, name: str, seconds: float) -> None:
         """An upstream 429: send nothing to backend ``name`` for ``seconds`` (its Retry-After)."""
@@ -549,17 +581,25 @@ class PolicyQueue:
                 self._strict_n[cls] -= 1
                 return self._start(r, b, now)
         sched = self.sched
-        peek = sched.peek()
-        if peek is None:
-            return None
-        fq: _FlowQ = peek.item
-        head = fq.preferred()
-        assert head is not None, "a flow in the core has a waiting request"
-        if not self._tokens_ok(head, now):
-            return None
-        b = self._backend_for(head, now, fits)
-        if b is None:
-            return None
+        if self.aside:
+            self._release_aside(now, fits)
+        while True:
+            peek = sched.peek()
+            if peek is None:
+                return None
+            fq: _FlowQ = peek.item
+            head = fq.preferred()
+            assert head is not None, "a flow in the core has a waiting request"
+            if not self._tokens_ok(head, now):
+                return None
+            b = self._backend_for(head, now, fits)
+            if b is not None:
+                break
+            if len(self.aside) >= self.overtake:
+                return None  # it waits first in line, uncharged (look before you pop)
+            fq.aside = True  # set aside, uncharged: later selections may go out
+            self.aside.append(fq)
+            sched.suspend(fq.flow)
         r = head
         # the work starts with the dispatch: reported first, so that taking the last waiting
         # request does not close the busy period it opens; in the delivered-service modes it is
@@ -572,6 +612,7 @@ class PolicyQueue:
         fq.take(r)
         fq.token = None
         r.in_core = True
+        r.start_tag = disp.start
         r.charged = fq.token_cost
         r.delivered = 0.0
         self._adjust(r, self._dispatch_charge(r) - fq.token_cost)
@@ -580,6 +621,7 @@ class PolicyQueue:
         else:
             fq.small.clear()
             fq.large.clear()
+            self._emptied(fq)
         return self._start(r, b, now, core=True)
 
     # ------------------------------------------------------------ the charge
