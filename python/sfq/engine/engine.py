@@ -180,7 +180,8 @@ class PolicyEngine:
         ``estimate``: the request's estimate (``CostEstimator.estimate``); with it the request
         is re-estimated at dispatch and its charge corrected from what it delivered, as the
         charge mode says, and ``cost``, ``tokens`` and ``need`` default to its figures.
-        Without it, ``cost`` (cost units, > 0) is a fixed charge, never corrected.
+        Without it, or given with it, ``cost`` (cost units, > 0) is a fixed charge, never
+        re-estimated or corrected (the estimate then only bounds the usage it learns from).
         ``tokens``: the estimate debited from the pool's ``tokens_per_minute``; ``need``:
         prompt + max_tokens of one sequence (backends' ``max_context``); ``deadline``: absolute
         clock time; ``streaming``: the reply is a stream (``served`` charges its output as it
@@ -198,6 +199,7 @@ class PolicyEngine:
         q = self.queues.get(flow.pool)
         if q is None or not self.policy.allows(flow):
             raise ValueError(f"flow {tuple(flow)!r} is not allowed by the policy")
+        fixed = cost is not None
         if estimate is not None:
             if not isinstance(estimate, Estimate):
                 raise TypeError(f"estimate must be an sfq.cost.Estimate, got {estimate!r}")
@@ -251,6 +253,7 @@ class PolicyEngine:
         r = Request(flow, float(cost), float(tokens), now, deadline=deadline, item=item, need=float(need),
                     idempotency_key=idempotency_key, est=estimate,
                     epoch=self.estimator.epoch if estimate is not None else -1, streaming=bool(streaming))
+        r.fixed = fixed
         q.push(r, check_length=False)
         self.submitted += 1
         self.live[r.id] = r

@@ -63,7 +63,7 @@ class Request:
     __slots__ = ("id", "flow", "cost", "tokens", "need", "arrival", "queued_at", "deadline", "drop_at",
                  "drop_reason", "item", "state", "backend", "started_at", "tries", "idempotency_key",
                  "outcome", "reason", "small", "retrying", "est", "epoch", "streaming", "charged", "delivered",
-                 "work_flow", "working", "in_core", "avoid", "start_tag")
+                 "work_flow", "working", "in_core", "avoid", "start_tag", "fixed")
 
     def __init__(self, flow: Flow, cost: float, tokens: float, arrival: float, *, deadline: float | None = None,
                  item: Any = None, need: float = 0.0, idempotency_key: str | None = None,
@@ -98,6 +98,7 @@ class Request:
         self.in_core = False  # the current attempt was dispatched by the SFQ core (a weighted class)
         self.avoid: str | None = None  # a backend a retry should avoid when another can take it
         self.start_tag = 0.0  # cost units: its flow's meter when the core dispatched it (= v then)
+        self.fixed = est is None  # ``cost`` is charged as given, never re-estimated or corrected
 
     def __repr__(self) -> str:
         return (f"Request(#{self.id} {self.flow.org}/{self.flow.cls}/{self.flow.pool} cost={self.cost:g} "
@@ -280,6 +281,9 @@ class PolicyQueue:
         #: uncharged) so that later ones go out; 0: everything waits behind such a head
         self.overtake = 0
         self.aside: list[_FlowQ] = []  # the flows set aside, oldest first
+        #: the request first in line that fits no backend with room, as the last pop() found it
+        #: (everything waits behind it, uncharged); None when there is none
+        self.stalled: Request | None = None
 
     def _flow_queue(self, f: Flow) -> _FlowQ:
         """The weighted flow's queue, made on first use (a flow of an org the file does not
@@ -560,6 +564,7 @@ class PolicyQueue:
         now = self.clock()
         self._drop_expired(now)
         self.blocked_until = -_INF
+        self.stalled = None
         if not self._pool_room(now):
             return None
         shared = self.shared
@@ -576,6 +581,7 @@ class PolicyQueue:
                     return None  # the pool's token bucket holds everyone, in order
                 b = self._backend_for(r, now, fits)
                 if b is None:
+                    self.stalled = r
                     return None  # no backend with room fits it: it waits first in line
                 d.remove(r)
                 self._strict_n[cls] -= 1
@@ -596,6 +602,7 @@ class PolicyQueue:
             if b is not None:
                 break
             if len(self.aside) >= self.overtake:
+                self.stalled = head
                 return None  # it waits first in line, uncharged (look before you pop)
             fq.aside = True  # set aside, uncharged: later selections may go out
             self.aside.append(fq)
@@ -630,7 +637,7 @@ class PolicyQueue:
         (the calibration may have learned since it arrived); a stream in ``served`` mode only
         its prompt (its output is charged as it is delivered); a fixed cost as given."""
         e = r.est
-        if e is None:
+        if e is None or r.fixed:
             return r.cost
         est = self.estimator
         if est.epoch != r.epoch:
@@ -676,14 +683,14 @@ class PolicyQueue:
         if not n:
             return 0.0
         r.delivered += n
-        if self.served and r.in_core and r.streaming and e is not None:
+        if self.served and r.in_core and r.streaming and not r.fixed:
             self._adjust(r, self.estimator.output_weight * n)
         return n
 
     def settle(self, r: Request, actual_cost: float) -> None:
         """Correct the charge of the running request ``r`` to ``actual_cost`` (cost units: what
         it really cost, clamped by the caller); nothing in ``seed`` mode or for a fixed cost."""
-        if r.in_core and r.est is not None and self.charge is not ChargeMode.SEED:
+        if r.in_core and not r.fixed and self.charge is not ChargeMode.SEED:
             self._adjust(r, actual_cost - r.charged)
 
     def _start(self, r: Request, b: _Backend, now: float, core: bool = False) -> Request:
@@ -774,6 +781,13 @@ class PolicyQueue:
         t = self.next_drop()
         cands = [x for x in (t, self.blocked_until if self.blocked_until > -_INF else None) if x is not None]
         return min(cands) if cands else None
+
+    def held(self, flow: Flow) -> int:
+        """Requests of ``flow`` first in line that fit no backend with room (stalled or set aside)."""
+        fq = self.flows.get(flow)
+        n = 1 if fq is not None and fq.aside else 0
+        st = self.stalled
+        return n + (st is not None and st.state == WAITING and st.flow == flow and not n)
 
     def waiting(self, flow: Flow) -> int:
         if flow.cls in self.strict:
