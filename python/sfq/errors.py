@@ -15,6 +15,7 @@ __all__ = [
     "DispatcherClosed",
     "UnknownModel",
     "RequestTooLarge",
+    "BadRequest",
     "PolicyError",
     "Refused",
     "DeadlineExceeded",
@@ -127,6 +128,11 @@ class RequestTooLarge(SFQError, ValueError):
 
 
 # ---------------------------------------------------------------- policy layer
+class BadRequest(SFQError, ValueError):
+    """The request's body is malformed or asks for something no backend can do; nothing was
+    queued. Also a ``ValueError``."""
+
+
 class PolicyError(SFQError, ValueError):
     """A policy file (or mapping) is invalid. ``path`` is the dotted path of the bad field
     (``classes.batch.weight``); the message starts with it."""

@@ -1,5 +1,5 @@
 """The calls: ``submit`` (one JSON reply) and ``stream`` (server-sent events), each from
-admission through the backend call to exactly one outcome."""
+admission through the backend call (and its retries) to exactly one outcome."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator, Hashable, Mapping
 from typing import Any
 
-from ..errors import BackendError
+from ..errors import BackendError, NoHealthyBackend
 from ._state import ABORTED, FAILED, OK, PLACED, DispatcherBase, Job
 
 
@@ -20,8 +20,30 @@ class _Slot:
         self.job: Job | None = None
 
 
+def text_chars(reply: Any) -> int | None:
+    """The length of the text a JSON reply returned (its choices' ``text`` or message content),
+    for settling a charge when the reply carries no ``usage``; ``None`` when it has none."""
+    if not isinstance(reply, dict):
+        return None
+    choices = reply.get("choices")
+    if not isinstance(choices, list):
+        return None
+    n = 0
+    for ch in choices:
+        if not isinstance(ch, dict):
+            continue
+        t = ch.get("text")
+        if t is None:
+            m = ch.get("message")
+            t = m.get("content") if isinstance(m, dict) else None
+        if isinstance(t, str):
+            n += len(t)
+    return n
+
+
 class EventStream:
-    """What ``Dispatcher.stream()`` returns: an async iterator over the backend's events.
+    """The events of one streamed request: an async iterator over the backend's events (JSON
+    objects), returned by ``Dispatcher.stream()``; also an async context manager.
 
     The request is queued when iteration starts. Leaving early frees its slot and aborts the
     backend call: ``break`` out of ``async for d.stream(...)`` (the stream object is dropped
@@ -73,38 +95,49 @@ class Calls(DispatcherBase):
         """Queue a non-streaming request of ``flow`` and return the backend's JSON reply.
 
         ``body`` is an OpenAI ``/v1/completions`` (``prompt``) or ``/v1/chat/completions``
-        (``messages``) request; ``cost`` overrides the estimator's cost (cost units).
+        (``messages``) request; ``cost`` overrides the estimator's cost (cost units, a fixed
+        charge). A failure before the reply (a connection error, an upstream 408, 409, 429 or
+        5xx) is retried in the request's own flow, preferably on another backend, within
+        ``max_attempts`` and the retry budget (``docs/policy.md``, retries).
         ``idempotent=True`` is the caller's promise that the server running the request twice
-        is harmless: the backend may then resend it after a lost connection (otherwise only a
-        request that provably never reached the server is resent).
-        Raises ``BackendError`` subclasses for backend failures, ``NoHealthyBackend``,
-        ``DispatcherClosed``, ``UnknownModel``, ``RequestTooLarge``, or ``ValueError``/``TypeError``
-        for bad input (nothing queued then).
+        is harmless: then every backend failure may be retried, and the backend may resend it
+        after a lost connection.
+        Raises ``BackendError`` subclasses for backend failures (after the retries),
+        ``NoHealthyBackend``, ``DispatcherClosed``, ``UnknownModel``, ``RequestTooLarge``,
+        ``BadRequest`` (also a ``ValueError``) or ``ValueError``/``TypeError`` for bad input
+        (nothing queued then).
         """
         if not self._started:
             await self.start()
-        job = self._admit(flow, body, cost, False)
-        if job.state != PLACED:
-            await self._wait_placed(job)
-        bs = job.bs
-        assert bs is not None
-        try:
-            if idempotent:
-                reply = await bs.backend.complete(job.endpoint, job.body, idempotent=True)  # type: ignore[call-arg]
-            else:
-                reply = await bs.backend.complete(job.endpoint, job.body)
-        except asyncio.CancelledError:
-            self._finish(job, ABORTED)
-            raise
-        except BackendError as exc:
-            self._finish(job, FAILED, exc)
-            raise
-        except Exception as exc:
-            err = BackendError(f"backend {bs.name!r} raised {type(exc).__name__}: {exc}", backend=bs.name)
-            self._finish(job, FAILED, err)
-            raise err from exc
-        self._finish(job, OK, None, reply.get("usage") if isinstance(reply, dict) else None)
-        return reply
+        job = self._admit(flow, body, cost, False, idempotent)
+        while True:
+            if job.state != PLACED:
+                await self._wait_placed(job)
+            bs = job.bs
+            assert bs is not None
+            try:
+                if idempotent:
+                    reply = await bs.backend.complete(job.endpoint, job.body, idempotent=True)  # type: ignore[call-arg]
+                else:
+                    reply = await bs.backend.complete(job.endpoint, job.body)
+            except asyncio.CancelledError:
+                self._finish(job, ABORTED)
+                raise
+            except BackendError as exc:
+                delay = self._finish(job, FAILED, exc)
+                if delay is None:
+                    raise
+                try:
+                    await self._retry(job, delay)
+                except NoHealthyBackend:  # no backend to retry on: the failure stands
+                    raise exc from None
+                continue
+            except Exception as exc:
+                err = BackendError(f"backend {bs.name!r} raised {type(exc).__name__}: {exc}", backend=bs.name)
+                self._finish(job, FAILED, err, retryable=False)
+                raise err from exc
+            self._finish(job, OK, None, reply.get("usage") if isinstance(reply, dict) else None, text_chars(reply))
+            return reply
 
     def stream(self, flow: Hashable, body: Mapping[str, Any], *, cost: float | None = None,
                idempotent: bool = False) -> EventStream:
@@ -112,8 +145,9 @@ class Calls(DispatcherBase):
         (JSON objects). See ``EventStream`` for stopping early (``break`` frees the slot).
 
         Usage is always asked of the backend; the usage-only final chunk is passed on only
-        when the body asked for it (``stream_options.include_usage``). ``idempotent``: as in
-        ``submit``.
+        when the body asked for it (``stream_options.include_usage``). A failure before the
+        first event is retried as in ``submit``; once an event has been passed on, never.
+        ``idempotent``: as in ``submit``.
         """
         slot = _Slot()
         return EventStream(self, self._stream(flow, body, cost, idempotent, slot), slot)
@@ -122,47 +156,62 @@ class Calls(DispatcherBase):
                       slot: _Slot) -> AsyncIterator[dict[str, Any]]:
         if not self._started:
             await self.start()
-        job = self._admit(flow, body, cost, True)
+        job = self._admit(flow, body, cost, True, idempotent)
         slot.job = job
-        if job.state != PLACED:
-            await self._wait_placed(job)
-        bs = job.bs
-        assert bs is not None
         so = job.body.get("stream_options")
         wants_usage = isinstance(so, Mapping) and bool(so.get("include_usage"))
-        usage = None
-        outcome, err = ABORTED, None
-        agen = None
-        count = self._served and not job.fixed  # charge the output as it is delivered
-        try:
-            # may raise before returning an iterator
-            if idempotent:
-                agen = bs.backend.stream(job.endpoint, job.body, idempotent=True)  # type: ignore[call-arg]
-            else:
-                agen = bs.backend.stream(job.endpoint, job.body)
-            async for event in agen:
-                if count:
-                    self._served_tokens(job, event)
-                u = event.get("usage")
-                if u:
-                    usage = u
-                    if not wants_usage and not event.get("choices"):
-                        continue
-                yield event
-            outcome = OK
-        except BackendError as exc:
-            outcome, err = FAILED, exc
-            raise
-        except (asyncio.CancelledError, GeneratorExit):
-            raise
-        except Exception as exc:
-            outcome = FAILED
-            err = BackendError(f"backend {bs.name!r} raised {type(exc).__name__}: {exc}", backend=bs.name)
-            raise err from exc
-        finally:
-            aclose = getattr(agen, "aclose", None)
+        e = self._engine
+        r = job.req
+        events = 0
+        while True:
+            if job.state != PLACED:
+                await self._wait_placed(job)
+            bs = job.bs
+            assert bs is not None
+            usage = None
+            outcome, err = ABORTED, None
+            agen = None
+            wrapped = False  # not a backend error: never retried
             try:
-                if aclose is not None:
-                    await aclose()
+                # may raise before returning an iterator
+                if idempotent:
+                    agen = bs.backend.stream(job.endpoint, job.body, idempotent=True)  # type: ignore[call-arg]
+                else:
+                    agen = bs.backend.stream(job.endpoint, job.body)
+                async for event in agen:
+                    n = e.event_tokens(r, event)
+                    if n:
+                        e.delivered(r, n)  # served: the output is charged as it passes
+                    u = event.get("usage")
+                    if u:
+                        usage = u
+                        if not wants_usage and not event.get("choices"):
+                            continue
+                    events += 1
+                    yield event
+                outcome = OK
+            except BackendError as exc:
+                outcome, err = FAILED, exc
+            except (asyncio.CancelledError, GeneratorExit):
+                raise
+            except Exception as exc:
+                outcome = FAILED
+                err = BackendError(f"backend {bs.name!r} raised {type(exc).__name__}: {exc}", backend=bs.name)
+                err.__cause__ = exc
+                wrapped = True
             finally:
-                self._finish(job, outcome, err, usage)
+                aclose = getattr(agen, "aclose", None)
+                try:
+                    if aclose is not None:
+                        await aclose()
+                finally:
+                    delay = self._finish(job, outcome, err, usage, retryable=events == 0 and not wrapped)
+            if outcome == OK:
+                return
+            assert err is not None
+            if delay is None:
+                raise err
+            try:
+                await self._retry(job, delay)
+            except NoHealthyBackend:  # no backend to retry on: the failure stands
+                raise err from None

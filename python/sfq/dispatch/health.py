@@ -11,12 +11,15 @@ leaves the rotation when
   backend down by themselves), and at least half the threshold's count of them.
 
 A 4xx, an error event inside a stream, a stream past its own total deadline, or an isolated
-5xx count against that request only (and reach the policy through ``DispatchHooks.ended``).
-A 429 pauses that backend (nothing new is sent there) for its ``Retry-After``, at most
-``max_pause`` seconds. A backend out of rotation is health-checked with backoff (``backoff``
-doubling to ``max_backoff``) until a check passes; then its window is cleared. Requests
-that wait in a pool with no healthy backend are removed with ``NoHealthyBackend`` after
-``unavailable_timeout`` seconds (uncharged, unless a hook had dispatched them). Saturation probes hold a saturated backend out of placement.
+5xx count against that request only. A 429 pauses that backend (nothing new is sent there)
+for its ``Retry-After``, at most ``max_pause`` seconds. A backend out of rotation is
+health-checked with backoff (``backoff`` doubling to ``max_backoff``) until a check passes;
+then its window is cleared. Saturation probes hold a saturated backend out of placement.
+
+Every verdict is reported to the request engine (``backend_down``/``backend_up``/
+``backend_paused``/``backend_saturated``), which decides placement: requests that wait in a
+pool with no healthy backend are ended by it (``NoHealthyBackend``) after
+``unavailable_timeout`` seconds, uncharged.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ import math
 from collections.abc import Hashable
 
 from ..backends.probe import ProbeReading
-from ..errors import BackendError, BackendHTTPError, BackendRateLimited, NoHealthyBackend
-from ._state import EXPIRED, HELD, BState, DispatcherBase, Job, Pool, log
+from ..errors import BackendError, BackendHTTPError, BackendRateLimited
+from ._state import BState, DispatcherBase, log
 
 #: pause after a 429 without a (parsable) Retry-After, seconds
 DEFAULT_PAUSE = 1.0
@@ -99,6 +102,7 @@ class Health(DispatcherBase):
         if bs.pause_handle is not None:
             bs.pause_handle.cancel()
         bs.paused = True
+        self._engine.backend_paused(bs.pool.name, bs.name, delay)
         bs.pause_handle = asyncio.get_running_loop().call_later(delay, self._unpause, bs)
         log.info("sfq: backend %r answered 429; nothing new is sent there for %.3g s", bs.name, delay)
 
@@ -106,7 +110,7 @@ class Health(DispatcherBase):
         bs.paused = False
         bs.pause_handle = None
         if not self._closed:
-            self._pump(bs.pool)
+            self._pump()
 
     # ---------------------------------------------------------------- down and back
     def _mark_unhealthy(self, bs: BState, reason: str | None = None) -> None:
@@ -122,11 +126,8 @@ class Health(DispatcherBase):
         loop = asyncio.get_running_loop()
         if bs.recover_task is None:
             bs.recover_task = loop.create_task(self._recover(bs, delay), name=f"sfq-recover-{bs.name}")
-        pool = bs.pool
-        if pool.down_since is None and not any(b.healthy for b in pool.backends):
-            pool.down_since = loop.time()
-            if self.unavailable_timeout is not None:
-                pool.down_timer = loop.call_later(self.unavailable_timeout, self._expire_unavailable, pool)
+        self._engine.backend_down(bs.pool.name, bs.name, bs.down_reason)
+        self._pump()  # the engine may end what waits in a pool left with no backend
 
     async def _recover(self, bs: BState, delay: float) -> None:
         """Health-check an unhealthy backend with capped exponential backoff until it passes."""
@@ -152,56 +153,10 @@ class Health(DispatcherBase):
         bs.replies.clear()
         bs.reply_errors = 0
         bs.transport_failures = 0
-        pool = bs.pool
-        pool.down_since = None
-        if pool.down_timer is not None:
-            pool.down_timer.cancel()
-            pool.down_timer = None
+        self._engine.backend_up(bs.pool.name, bs.name)
         log.info("sfq: backend %r passed its health check; back in rotation", bs.name)
         if not self._closed:
-            self._pump(pool)
-
-    def _expire_unavailable(self, pool: Pool) -> None:
-        """Remove the requests that have waited ``unavailable_timeout`` with no healthy backend."""
-        pool.down_timer = None
-        timeout = self.unavailable_timeout
-        if pool.down_since is None or timeout is None or self._closed:
-            return
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        since = pool.down_since
-        next_due = None
-        for ticket, job in list(pool.waiting.items()):  # admission order: the due times only grow
-            due = max(job.t_loop, since) + timeout
-            if due > now:
-                next_due = due
-                break
-            pool.sched.cancel(ticket)  # never dispatched: uncharged
-            del pool.waiting[ticket]
-            if job.state == HELD:
-                self._unhold(job)
-            else:
-                job.fs.waiting -= 1
-            self._expire(job, timeout)
-        for job in list(pool.taken):  # dispatched by a hook's own choice and charged, never sent
-            due = max(job.t_loop, since) + timeout
-            if due > now:
-                next_due = due if next_due is None else min(next_due, due)
-                continue
-            pool.taken.remove(job)
-            job.fs.held -= 1
-            self._work_over(job)
-            self._expire(job, timeout)
-        if next_due is not None:
-            pool.down_timer = loop.call_later(max(0.0, next_due - now), self._expire_unavailable, pool)
-
-    def _expire(self, job: Job, timeout: float) -> None:
-        job.state = EXPIRED
-        job.fs.unavailable += 1
-        self._maybe_idle(job.fs)
-        if job.fut is not None and not job.fut.done():
-            job.fut.set_exception(NoHealthyBackend(
-                f"no backend of pool {job.pool.model!r} was healthy for {timeout:g} s while this request waited"))
+            self._pump()
 
     # ---------------------------------------------------------------- saturation
     async def _probe_loop(self, bs: BState) -> None:
@@ -219,6 +174,8 @@ class Health(DispatcherBase):
             bs.reading = reading
             was = bs.saturated
             bs.saturated = reading is not None and reading.saturated
-            if was and not bs.saturated and not self._closed:
-                self._pump(bs.pool)
+            if was != bs.saturated and not self._closed:
+                self._engine.backend_saturated(bs.pool.name, bs.name, bs.saturated)
+                if was:
+                    self._pump()
             await asyncio.sleep(probe.interval)

@@ -26,7 +26,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from ..cost import MAX_COST, MAX_PROMPT_SURPRISE, PRIOR_CHARS, CostEstimator, Estimate
+from .._common import MAX_COST, check_cost
+from ..cost import MAX_PROMPT_SURPRISE, PRIOR_CHARS, CostEstimator, Estimate
 from ..errors import BackendHTTPError, BackendTimeout, NoHealthyBackend, Refused
 from ..policy.charge import ChargeMode
 from ..policy.classify import Classifier, Flow
@@ -41,6 +42,18 @@ __all__ = ["NO_METRICS", "NoMetrics", "PolicyEngine", "UNKNOWN"]
 #: label value for what a refused request's flow did not get as far as (e.g. an unknown key)
 UNKNOWN = ""
 log = logging.getLogger("sfq.engine")
+
+
+def _count(x: object) -> float | None:
+    """A token count from a usage report as a float (``inf`` for one too large for a float),
+    or ``None`` when it is not a number >= 0."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    try:
+        v = float(x)
+    except OverflowError:
+        return math.inf
+    return v if v >= 0 else None  # (NaN fails too)
 
 
 class NoMetrics:
@@ -213,10 +226,10 @@ class PolicyEngine:
             raise TypeError("submit() needs cost= or estimate=")
         tokens = 0.0 if tokens is None else tokens
         need = 0.0 if need is None else need
-        for what, v in (("cost", cost), ("tokens", tokens), ("need", need)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (
-                    what == "cost" and v == 0):
-                raise ValueError(f"{what} must be a finite number {'> 0' if what == 'cost' else '>= 0'}, got {v!r}")
+        cost = check_cost(cost)  # the core's own check and message (TypeError, ValueError, OverflowError)
+        for what, v in (("tokens", tokens), ("need", need)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{what} must be a finite number >= 0, got {v!r}")
         if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
                                      or math.isnan(deadline)):
             raise ValueError(f"deadline must be a clock time (a number) or None, got {deadline!r}")
@@ -241,9 +254,9 @@ class PolicyEngine:
         if not q.available and q.unavailable_timeout <= 0:
             self.submitted += 1
             self.metrics.ended(key, "refused", "unavailable")  # type: ignore[arg-type]
-            exc = NoHealthyBackend(f"no backend of pool {flow.pool!r} is in rotation")
-            exc.retry_after = self.unavailable_retry_after
-            raise exc
+            down = NoHealthyBackend(f"no backend of pool {flow.pool!r} is in rotation")
+            down.retry_after = self.unavailable_retry_after  # type: ignore[attr-defined]
+            raise down
         bucket = self._org_bucket(flow.org, now)
         if bucket is not None and not bucket.take(1, now):
             self.submitted += 1
@@ -403,11 +416,8 @@ class PolicyEngine:
         p: float | None = None
         c: float | None = None
         if isinstance(usage, Mapping):
-            pt, ct = usage.get("prompt_tokens"), usage.get("completion_tokens")
-            if isinstance(ct, (int, float)) and not isinstance(ct, bool) and math.isfinite(ct) and ct >= 0:
-                c = float(ct)
-            if isinstance(pt, (int, float)) and not isinstance(pt, bool) and math.isfinite(pt) and pt >= 0:
-                p = float(pt)
+            c = _count(usage.get("completion_tokens"))
+            p = _count(usage.get("prompt_tokens"))
         e = r.est
         if c is None:
             if r.delivered > 0:
@@ -423,8 +433,9 @@ class PolicyEngine:
             hi = e.prompt_tokens * MAX_PROMPT_SURPRISE + PRIOR_CHARS
             p = e.prompt_tokens if p is None else lo if p < lo else hi if p > hi else p
         else:  # a fixed cost: the tokens are bounded by the request's own token estimate
-            p = 0.0 if p is None else p
             limit = max(r.tokens, 1.0) * MAX_PROMPT_SURPRISE + PRIOR_CHARS
+            p = 0.0 if p is None else min(p, limit)
+            c = min(c, limit)
             if p + c > limit:
                 scale = limit / (p + c)
                 p, c = p * scale, c * scale

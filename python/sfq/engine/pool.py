@@ -381,10 +381,22 @@ class PolicyQueue:
             heapq.heappush(self._drops, (r.drop_at, r.id, r))
 
     def _enter(self, fq: _FlowQ) -> None:
+        """Give the flow its entry in the core (its next turn), at a lower bound of its head's
+        charge: the prompt's cost (the charge is estimated at dispatch, when the calibration may
+        have learned more; SFQ selects by the flows' meters, not by their heads' costs, so this
+        changes no order, and the dispatch corrects the meter at once). A fixed cost as given."""
         head = fq.preferred()
         assert head is not None
-        fq.token_cost = head.cost
-        fq.token = self.sched.enqueue(fq.flow, head.cost, fq)
+        e = head.est
+        if e is None or head.fixed:
+            c = head.cost
+        else:
+            est = self.estimator
+            c = est.input_weight * e.prompt_tokens
+            if c < est.min_cost:
+                c = est.min_cost
+        fq.token_cost = c
+        fq.token = self.sched.enqueue(fq.flow, c, fq)
 
     def _unqueue(self, r: Request) -> None:
         """Bookkeeping for a waiting request that leaves without starting."""
@@ -787,7 +799,7 @@ class PolicyQueue:
         fq = self.flows.get(flow)
         n = 1 if fq is not None and fq.aside else 0
         st = self.stalled
-        return n + (st is not None and st.state == WAITING and st.flow == flow and not n)
+        return n + int(st is not None and st.state == WAITING and st.flow == flow and not n)
 
     def waiting(self, flow: Flow) -> int:
         if flow.cls in self.strict:

@@ -73,7 +73,8 @@ def retry_safe(error: BaseException, idempotency_key: str | None = None) -> bool
     if idempotency_key:
         return True
     if isinstance(error, BackendHTTPError):
-        return error.status in RETRYABLE_STATUS or 500 <= error.status <= 599
+        st = error.status
+        return st is not None and (st in RETRYABLE_STATUS or 500 <= st <= 599)
     if error.never_sent:  # the transport knows it never reached the server
         return True
     return isinstance(error, BackendUnavailable)  # a connection error

@@ -199,7 +199,9 @@ class Gateway:
         return _json(503 if self.draining else 200, body)
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        resp = web.Response(body=generate_latest(self.pd.registry))
+        registry = self.pd.registry
+        assert registry is not None  # (a policy engine always has one)
+        resp = web.Response(body=generate_latest(registry))
         resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return resp
 
