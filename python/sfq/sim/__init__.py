@@ -28,7 +28,8 @@ from .estimate import RatioEstimator, make_estimator
 from .metrics import (drift_curve, drift_set, flow_summary, jain_index, max_drift, max_drift_from_start,
                       max_interval_drift, service_at, throughput, wait_quantiles, waits)
 from .model import ClosedLoop, FlowSpec, Request, Workload, load_trace, read_trace_lines, save_trace
-from .policies import (CHARGE_MODES, DEFAULT_CHARGE, DRR, FIFO, POLICIES, SFQ, VTC, WFQ, Policy, RoundRobin,
+from .adapter import EngineDiscipline
+from .policies import (CHARGE_MODES, DEFAULT_CHARGE, DRR, FIFO, POLICIES, VTC, WFQ, Discipline, RoundRobin,
                        RPMLimitedFIFO, SeedSFQ, StrictPriority, make_policy)
 from .scenarios import SCENARIOS, Options, ScenarioResult, run_headline, run_scenario
 from .workloads import (Batch, Bursts, FlowLoad, Mix, OnOff, Periodic, Phases, Poisson, Sizes, Uniform, build_workload,
@@ -37,9 +38,9 @@ from .workloads import (Batch, Bursts, FlowLoad, Mix, OnOff, Periodic, Phases, P
 __all__ = [
     "CHARGE_MODES", "ClosedLoop", "DEFAULT_CHARGE", "SeedSFQ", "Uniform", "drift_curve", "drift_set",
     "max_drift_from_start", "max_interval_drift",
-    "Batch", "Bursts", "DRR", "FIFO", "Fleet", "FlowLoad", "FlowSpec", "Mix", "OnOff", "Options", "POLICIES",
-    "Periodic", "Phases", "Poisson", "Policy", "RPMLimitedFIFO", "RatioEstimator", "Request", "RoundRobin",
-    "RunResult", "SCENARIOS", "SFQ", "ScenarioResult", "Simulation", "Sizes", "StrictPriority", "VTC", "WFQ",
+    "Batch", "Bursts", "DRR", "Discipline", "EngineDiscipline", "FIFO", "Fleet", "FlowLoad", "FlowSpec", "Mix", "OnOff", "Options", "POLICIES",
+    "Periodic", "Phases", "Poisson", "RPMLimitedFIFO", "RatioEstimator", "Request", "RoundRobin",
+    "RunResult", "SCENARIOS", "ScenarioResult", "Simulation", "Sizes", "StrictPriority", "VTC", "WFQ",
     "Workload", "build_workload", "capacity", "flow_summary", "jain_index", "load_trace", "make_estimator",
     "make_policy", "max_drift", "read_trace_lines", "run_headline", "run_scenario", "save_trace", "service_at",
     "simulate", "throughput", "wait_quantiles", "waits",
