@@ -1,14 +1,15 @@
 """A deterministic discrete-event simulator of an LLM-serving fleet.
 
 The fleet is a set of continuous-batching engines with a KV budget each (``engine``);
-policies decide whose request starts next (``policies``: fifo, prio, rr, drr, wfq, sfq,
-sfq-seed, lcf, vtc, vtc-h; ``sfq`` is the project's own core as the dispatcher drives it,
-in one of three charge modes, ``sfq-seed`` the core under the plain rule of docs/design.md); workloads are
+scheduling disciplines decide whose request starts next (``policies``: fifo, prio, rr, drr,
+wfq, sfq, sfq-seed, lcf, vtc, vtc-h; ``sfq`` is the project's request engine, the one
+``sfq serve`` runs, in one of its three charge modes (``adapter``), ``sfq-seed`` the bare
+core under the plain rule of docs/design.md); workloads are
 seeded generators or JSONL traces, with closed-loop clients (``workloads``, ``model``);
 ``metrics`` measures service, drift (over the intervals in which two flows both wait at the
 balancer, the gap Sheng et al., OSDI 2024, bound), Jain's index,
 waits and throughput; ``scenarios`` holds the experiments of ``sfq simulate``; ``goals``
-measures issue 12's goals over several seeds.
+measures the README's fairness goals over several seeds.
 
 Quick use::
 

@@ -109,16 +109,22 @@ class EngineDiscipline(Discipline):
     estimate_at_arrival = False  # the engine prices a request itself, and again at dispatch
     calibrates = True  # engine.complete() feeds the estimator: the run must not feed it twice
 
-    def __init__(self, policy: Policy, flows: Sequence[Flow], *, scheduler: Callable[[], Any] | None = None,
-                 estimator: CostEstimator | None = None, label: str | None = None) -> None:
-        self.policy = sim_policy(policy)
+    def __init__(self, policy: Policy | None, flows: Sequence[Flow] = (), *,
+                 scheduler: Callable[[], Any] | None = None, estimator: CostEstimator | None = None,
+                 label: str | None = None, charge: str | None = None, run_estimator: bool = False) -> None:
+        self._charge = DEFAULT_CHARGE if charge is None else str(charge)
+        if self._charge not in CHARGE_MODES:
+            raise ValueError(f"unknown charge mode {self._charge!r}; choose from {', '.join(CHARGE_MODES)}")
+        # None: the degenerate policy of the run's flows (flow_policy), made by bind()
+        self.policy: Policy | None = None if policy is None else sim_policy(policy)
         self.flow_of = list(flows)
-        for f in self.flow_of:
-            if not self.policy.allows(f):
-                raise ValueError(f"flow {tuple(f)!r} is not allowed by the policy")
+        if self.policy is not None:
+            for f in self.flow_of:
+                if not self.policy.allows(f):
+                    raise ValueError(f"flow {tuple(f)!r} is not allowed by the policy")
         self.scheduler = scheduler
         self._estimator = estimator
-        self._run_estimator = False
+        self._run_estimator = run_estimator
         self._label = label
         self.t = 0
         self.refused: dict[str, int] = {}
@@ -127,24 +133,12 @@ class EngineDiscipline(Discipline):
     @classmethod
     def sfq(cls, core: Callable[[], Any] | None = None, charge: str | None = None) -> EngineDiscipline:
         """The simulator's ``sfq`` policy: the engine under :func:`flow_policy` (built when
-        it is bound to a run, from the run's flows and service weights), pricing with the
-        run's estimator when it is the project's :class:`~sfq.CostEstimator`
-        (:func:`sfq.sim.make_estimator`), else with one of the run's weights and prior."""
+        it is bound to a run, from the run's flows and service weights) in charge mode
+        ``charge`` (default ``served``), pricing with the run's estimator when it is the
+        project's :class:`~sfq.CostEstimator` (:func:`sfq.sim.make_estimator`), else with one
+        of the run's weights and prior."""
         charge = DEFAULT_CHARGE if charge is None else str(charge)
-        if charge not in CHARGE_MODES:
-            raise ValueError(f"unknown charge mode {charge!r}; choose from {', '.join(CHARGE_MODES)}")
-        self = cls.__new__(cls)
-        self.policy = None  # type: ignore[assignment]  # made by bind()
-        self.flow_of = []
-        self.scheduler = core
-        self._estimator = None
-        self._run_estimator = True
-        self._label = f"sfq charge={charge}"
-        self._charge = charge
-        self.t = 0
-        self.refused = {}
-        self.dropped = {}
-        return self
+        return cls(None, scheduler=core, charge=charge, label=f"sfq charge={charge}", run_estimator=True)
 
     @property
     def label(self) -> str:
@@ -152,8 +146,9 @@ class EngineDiscipline(Discipline):
 
     @property
     def charge(self) -> str:
-        """The charge mode in force (the policy's ``cost.charge``)."""
-        return str(self.engine.charge) if hasattr(self, "engine") else getattr(self, "_charge", "")
+        """The charge mode: the policy's ``cost.charge`` (the one asked for, until the
+        degenerate policy is made)."""
+        return str(self.policy.cost.charge) if self.policy is not None else self._charge
 
     def _clock(self) -> float:
         return self.t / STEPS_PER_SECOND
@@ -171,10 +166,11 @@ class EngineDiscipline(Discipline):
         if len(self.flow_of) != self.nflows:
             raise ValueError(f"{len(self.flow_of)} policy flows for {self.nflows} simulated flows")
         estimator = self._estimator if self._estimator is not None else run_est if self._run_estimator else None
-        self.engine = PolicyEngine(self.policy, clock=self._clock, scheduler=self.scheduler, estimator=estimator)
+        policy = self.policy
+        self.engine = PolicyEngine(policy, clock=self._clock, scheduler=self.scheduler, estimator=estimator)
         self.estimator = self.engine.estimator
-        pool = self.flow_of[0].pool if self.flow_of else next(iter(self.policy.pools))
-        models = self.policy.pools[pool].models
+        pool = self.flow_of[0].pool if self.flow_of else next(iter(policy.pools))
+        models = policy.pools[pool].models
         self.model = models[0] if models else SIM_MODEL
         self.served = self.engine.charge == "served"
         self.queue = self.engine.queues[pool]
@@ -187,7 +183,7 @@ class EngineDiscipline(Discipline):
         self.heap: list[tuple[float, int, int]] = []
         self.ver = [0] * self.nflows
         self.hot: set[int] = set()
-        self.simple = (len(self.policy.pools) == 1 and not self.policy.strict_classes
+        self.simple = (len(policy.pools) == 1 and not policy.strict_classes
                        and not self.engine.shared.slots)  # no strict class, no org or class limit
 
     def _place(self, f: int, running: bool) -> None:

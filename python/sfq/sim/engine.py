@@ -6,10 +6,11 @@ The model (the setting of VTC, Sheng et al., OSDI 2024, extended to a fleet)
   ``max_batch`` running requests (``None``: limited by KV only).
 * One **step** is one decode iteration. At the start of step ``t``: requests finished by
   ``t`` leave; requests arriving at ``t`` join the balancer's queue; then, while some
-  server has room (a free slot and free KV), the policy names the next request
-  (``peek``), the balancer places it on the server with the most free KV, and the policy
-  is told it started (``admit``). When the named request does not fit there, admission
-  stops until something leaves (the balancer stalls, docs/design.md §5). Then every running
+  server has room (a free slot and free KV), the discipline starts the next request if it
+  fits the server with the most free KV (``start(t, fits)``: the baselines name it with
+  ``peek`` and are told with ``admit``; the request engine looks before it pops itself),
+  and the balancer places it there. When the named request does not fit, admission stops
+  until something leaves (the balancer stalls, docs/design.md §5). Then every running
   request generates one token.
 * A request admitted with prompt ``p`` occupies ``p + generated`` tokens; it is admitted
   when ``occupancy + p <= kv_budget`` (as in VTC's setting: decode growth is not reserved, no
@@ -24,12 +25,12 @@ The model (the setting of VTC, Sheng et al., OSDI 2024, extended to a fleet)
 
 Event-driven, exactly
 ---------------------
-Between two events (an arrival, a completion, a closed-loop top-up, a policy wake-up, a
-mark) free KV only shrinks and the queue does not change, so the request a policy names
-can start only at an event, *provided the policy's choice cannot change between events*.
-That holds for the balancer-side policies whose order moves only when something is
-admitted or completes. It does not hold for policies whose counters move with decode
-(lcf, vtc, and sfq charging service as it is delivered): there the stalled policy's
+Between two events (an arrival, a completion, a closed-loop top-up, a discipline's
+wake-up, a mark) free KV only shrinks and the queue does not change, so the request a
+discipline names can start only at an event, *provided its choice cannot change between
+events*. That holds for the balancer-side disciplines whose order moves only when
+something is admitted or completes. It does not hold for those whose counters move with
+decode (lcf, vtc, and sfq charging service as it is delivered): there the stalled one's
 ``wakeup`` returns the first step at which another waiting flow could overtake the one it
 names (a lower bound; vtc-h: the next step), so the loop re-asks exactly then. The loop
 jumps from event to event and advances decode in bulk; per flow it keeps the number of
