@@ -85,7 +85,7 @@ def test_it_looks_before_it_pops_and_estimates_at_dispatch(charge, core):
     a = run.arrive(0, prompt=100, output=50)  # estimated 150
     assert run.start(fits=False) is None  # named, does not fit: not dispatched, not charged
     assert run.meter(0) == 0.0 and len(run.core) == 1 and run.core.in_flight == 0
-    assert run.p.stalled
+    assert run.p.queue.stalled.item is a
     assert run.start() is a
     assert a.est == 150.0  # the estimate it was dispatched on, for the report
     assert run.meter(0) == (100.0 if charge == "served" else 150.0)  # served: the prompt at dispatch

@@ -25,8 +25,8 @@ Translation:
   charges them as they pass); a finished request completes with its usage
   (``engine.complete(r, usage)``), which settles its charge and calibrates the estimator.
 * **Wake-ups** (simulator time-stepping, not a scheduling rule): while the balancer stalls
-  on the request the engine names, meters of flows with running requests move with decode
-  in ``served`` mode; :meth:`EngineDiscipline.wakeup` returns the first step at which
+  on the request the engine names (``PolicyQueue.stalled``), meters of flows with running
+  requests move with decode in ``served`` mode; :meth:`EngineDiscipline.wakeup` returns the first step at which
   another waiting flow could overtake the named one, or the engine's own ``wake_at()``
   (a bucket refills, a queue age runs out).
 
@@ -46,6 +46,7 @@ from typing import Any
 
 from ..cost import CostEstimator
 from ..engine import PolicyEngine
+from ..engine.engine import NO_METRICS
 from ..engine.pool import Request as EngineRequest
 from ..errors import Refused
 from ..policy.charge import CHARGE_MODES, DEFAULT_CHARGE
@@ -167,7 +168,8 @@ class EngineDiscipline(Discipline):
             raise ValueError(f"{len(self.flow_of)} policy flows for {self.nflows} simulated flows")
         estimator = self._estimator if self._estimator is not None else run_est if self._run_estimator else None
         policy = self.policy
-        self.engine = PolicyEngine(policy, clock=self._clock, scheduler=self.scheduler, estimator=estimator)
+        self.engine = PolicyEngine(policy, clock=self._clock, scheduler=self.scheduler, estimator=estimator,
+                                   metrics=NO_METRICS)  # the run keeps its own record
         self.estimator = self.engine.estimator
         pool = self.flow_of[0].pool if self.flow_of else next(iter(policy.pools))
         models = policy.pools[pool].models
@@ -177,14 +179,12 @@ class EngineDiscipline(Discipline):
         self._req: dict[int, EngineRequest] = {}  # simulator rid -> the engine's request, while it runs
         self.waiting = [0] * self.nflows  # requests of each flow waiting in the engine
         self.active: set[int] = set()  # flows with a request waiting
-        self.stalled = False  # the last start() found requests waiting and started none
         # served: waiting flows with nothing running keep their meter, so for wakeup() they
         # sit in a heap on it; those with running requests (at most the batch) are scanned
         self.heap: list[tuple[float, int, int]] = []
         self.ver = [0] * self.nflows
         self.hot: set[int] = set()
-        self.simple = (len(policy.pools) == 1 and not policy.strict_classes
-                       and not self.engine.shared.slots)  # no strict class, no org or class limit
+        self.index = {f: k for k, f in enumerate(self.flow_of)}  # engine flow -> simulated flow
 
     def _place(self, f: int, running: bool) -> None:
         """Keep flow ``f`` where :meth:`wakeup` looks for it (``served`` only)."""
@@ -249,9 +249,7 @@ class EngineDiscipline(Discipline):
         pr = self.engine.next_start(lambda p, _backend: fits(p.item))
         self._count_drops()
         if pr is None:
-            self.stalled = bool(self.active)
             return None
-        self.stalled = False
         r: Request = pr.item
         r.est = pr.est.cost if pr.est is not None else pr.cost  # the estimate it was dispatched on
         self._req[r.rid] = pr
@@ -286,29 +284,27 @@ class EngineDiscipline(Discipline):
     def wakeup(self, t: int) -> int | None:
         at = self.engine.wake_at()
         w = None if at is None else max(t + 1, math.ceil(at * STEPS_PER_SECOND - 1e-9))
-        o = self._overtake(t) if self.served and self.stalled and len(self.active) >= 2 else None
+        o = self._overtake(t) if self.served and len(self.active) >= 2 else None
         if o is not None and (w is None or o < w):
             w = o
         return w
 
     def _overtake(self, t: int) -> int | None:
-        """While the balancer stalls: the first step at which the waiting flow with the
-        lowest meter (the one the engine names; ties go to a flow whose meter moves) could be
-        overtaken by another waiting flow, meters of flows with running requests growing by
-        ``w_q`` per running request per step (weight-normalised)."""
-        if not self.simple:
-            return t + 1 if self.hot else None  # strict classes or limits: re-ask every step while meters move
-        meter, flow_of = self.queue.meter, self.flow_of
-        top = self._cold_top()
-        named, low = top, (meter(flow_of[top]) if top is not None else math.inf)
-        for g in self.hot:
-            m = meter(flow_of[g])
-            if m <= low:
-                named, low = g, m
+        """While the balancer stalls on the request the engine names (``PolicyQueue.stalled``):
+        the first step at which another waiting flow could overtake its flow, meters of flows
+        with running requests growing by ``w_q`` per running request per step
+        (weight-normalised). A lower bound: counting a flow that could not overtake (a strict
+        class's, one at its limit) only wakes the run earlier."""
+        st = self.queue.stalled
+        if st is None or self.policy is None or self.policy.classes[st.flow.cls].strict:
+            return None  # nothing named, or a strict class's request: meters do not order it
+        named = self.index.get(st.flow)
         if named is None or named not in self.hot:
             return None  # its meter stands still: no waiting flow can pass it
         others = list(self.hot)
+        top = self._cold_top()
         if top is not None:
             others.append(top)  # of the flows whose meters stand still, the lowest
+        meter, flow_of = self.queue.meter, self.flow_of
         n_f, w_q, weights = self.sim.running, self.w_q, self.weights
         return _first_overtake(t, named, lambda g: w_q * n_f[g] / weights[g], lambda g: meter(flow_of[g]), others)
