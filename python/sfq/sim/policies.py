@@ -357,6 +357,11 @@ class SeedSFQ(Discipline):
     it can be placed (the core charged it at dispatch; the balancer stalls,
     docs/design.md §5); the busy period ends when the core's queue empties (its idle rule). ``core``
     picks the scheduler class (default ``sfq.Scheduler``, the compiled core when built).
+
+    A baseline on the bare core, not the request engine (the ``sfq`` policy is the engine,
+    :mod:`sfq.sim.adapter`): it shows what the plain rule does without the engine's driving
+    (look before you pop, the estimate at dispatch, the charge modes), so it uses the core's
+    ``enqueue`` and ``dispatch`` only.
     """
 
     name = "sfq-seed"
