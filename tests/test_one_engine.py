@@ -19,12 +19,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "python" / "sfq"
 CHARGING = {"adjust", "work_started", "work_done", "peek"}
 #: where the rules live, and the core's twin that defines them
 OWNERS = {"engine", "_scheduler_py.py"}
-#: modules still driving the core themselves, to be ported onto the engine (each with why)
-KNOWN = {
-    # the library's sfq.Dispatcher: its placement pump still looks before it pops and charges
-    # itself; it becomes a driver of the engine (the degenerate one-pool policy) when ported
-    "dispatch/placement.py",
-}
+#: modules still driving the core themselves, to be ported onto the engine (each with why): none
+KNOWN: set[str] = set()
 
 
 def charging_calls(path: Path) -> list[str]:
