@@ -1,14 +1,19 @@
-"""The policy as one synchronous state machine over every pool (no asyncio, injected clock).
+"""The request engine: the policy as one synchronous state machine over every pool (no
+asyncio, no sockets, an injected clock), in the style of h11: it is told what happened and
+answers what to do next.
 
 :class:`PolicyEngine` ties the pieces together: classification, org admission rate limits,
-one :class:`~sfq.engine.PolicyQueue` per pool (with the limits shared between pools),
-the retry planner and outcome accounting. An event loop (``sfq.policy.PolicyDispatcher``),
-the simulator or a test drives it with four calls::
+one :class:`~sfq.engine.PolicyQueue` per pool (with the limits shared between pools), the
+estimator, the charge mode, the retry planner and outcome accounting. Its drivers
+(``sfq.PolicyDispatcher`` under ``sfq serve``, ``sfq.Dispatcher``, the simulator's ``sfq``
+discipline) call it like this::
 
-    r = engine.submit(flow, cost=..., tokens=...)   # accepted (or Refused, recorded)
-    for r in engine.poll(): ...                     # start these now, on r.backend
+    r = engine.submit(flow, estimate=est, streaming=True)  # accepted (or refused, recorded)
+    for r in engine.poll(): ...                            # start these now, on r.backend
+    engine.delivered(r, engine.event_tokens(r, event))     # a stream's event passed to its client
     engine.complete(r, usage) / engine.fail(r, error) / engine.cancel(r)
-    engine.wake_at()                                 # call poll() again at this time at the latest
+    engine.backend_down(pool, name) / backend_up / backend_paused / backend_saturated
+    engine.wake_at()                                       # poll() again at this time at the latest
 
 Every accepted request ends as exactly one outcome (completed, failed,
 cancelled_before_start, cancelled_during_execution, refused) and the engine refuses to end

@@ -1,9 +1,21 @@
-"""One pool's queue under a policy: strict FIFOs, the SFQ core, limits and deadlines.
+"""One pool's queue under a policy: strict FIFOs, the SFQ core, limits, deadlines, the charge.
 
-A :class:`PolicyQueue` answers two questions, synchronously and on an injected clock:
-"which request may start now, and on which backend?" (:meth:`PolicyQueue.pop`) and "this
-request ended" (:meth:`PolicyQueue.finish`). It is the same code under the asyncio
-dispatcher, the simulator and the tests.
+A :class:`PolicyQueue` answers, synchronously and on an injected clock: "which request may
+start now, and on which backend?" (:meth:`PolicyQueue.pop`), "it delivered this much"
+(:meth:`PolicyQueue.delivered`, :meth:`PolicyQueue.settle`) and "this attempt ended"
+(:meth:`PolicyQueue.finish`). The gateway's driver, the library's ``Dispatcher`` and the
+simulator all run this code; none of them drives the SFQ core itself.
+
+The request's charge (``sfq.policy.charge``): a flow's entry in the core is enqueued at a lower
+bound of its head's cost (the prompt's); the request is estimated again and charged when it
+is dispatched (the calibration may have learned meanwhile), and only once a backend takes it:
+the pool *looks before it pops* (``peek``), so a request that fits no backend with room
+waits uncharged, first in line (or, with ``overtake``, set aside while later ones go). In
+``settle`` and ``served`` its work is reported as its flow's (``work_started(flow)``) until
+its attempt ends, so the busy period stays open while the fleet works and a flow whose
+request runs keeps its meter (its lag) when its next request arrives; ``served`` charges a
+stream's output tokens as they are delivered; both settle to the clamped usage at the end
+(docs/design.md §4-§5).
 
 Order within a pool:
 
