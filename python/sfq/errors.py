@@ -18,6 +18,7 @@ __all__ = [
     "BadRequest",
     "PolicyError",
     "Refused",
+    "BadRequest",
     "DeadlineExceeded",
 ]
 
@@ -109,8 +110,11 @@ class StreamInterrupted(BackendError):
 
 
 class NoHealthyBackend(SFQError):
-    """The request waited the dispatcher's ``unavailable_timeout`` while no backend of its pool
-    was healthy; it was removed from the queue (uncharged unless it had been selected)."""
+    """No backend of the request's pool was in rotation: it was refused, or removed from the
+    queue (uncharged unless it had been selected). ``retry_after``: seconds after which trying
+    again may help, or ``None``."""
+
+    retry_after: float | None = None
 
 
 class DispatcherClosed(SFQError):
@@ -157,6 +161,15 @@ class Refused(SFQError):
         super().__init__(message)
         self.reason = reason
         self.retry_after = retry_after
+
+
+class BadRequest(Refused, ValueError):
+    """A request body that cannot be served as it is (a field of the wrong type or out of
+    range; the message names it): ``Refused`` with reason ``bad_request``, and a
+    ``ValueError``. Nothing was queued or sent."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("bad_request", message)
 
 
 class DeadlineExceeded(SFQError):

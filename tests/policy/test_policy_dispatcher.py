@@ -11,6 +11,7 @@ import pytest
 from fake_openai import FakeOpenAI
 from prometheus_client import generate_latest
 
+from sfq.backends.health import HealthOptions
 from sfq.errors import BackendHTTPError, DeadlineExceeded, Refused
 from sfq.dispatch import PolicyDispatcher
 from sfq.policy import parse_policy
@@ -50,7 +51,7 @@ async def server() -> AsyncIterator[FakeOpenAI]:
 @contextlib.asynccontextmanager
 async def policy_dispatcher(text: str, **kw: object) -> AsyncIterator[PolicyDispatcher]:
     pd = PolicyDispatcher(parse_policy(text), rng=random.Random(1),
-                          dispatcher_options={"backoff": 0.05, "max_backoff": 0.1}, **kw)  # type: ignore[arg-type]
+                          health=HealthOptions(backoff=0.05, max_backoff=0.1), **kw)  # type: ignore[arg-type]
     async with pd:
         yield pd
 
@@ -208,7 +209,7 @@ async def test_idempotency_key_joins_a_running_request(server: FakeOpenAI) -> No
 async def test_close_refuses_waiting(server: FakeOpenAI) -> None:
     server.release = asyncio.Event()
     pd = PolicyDispatcher(parse_policy(make_policy([server.url], slots=1)),
-                          dispatcher_options={"close_grace": 0.2})
+                          close_grace=0.2)
     await pd.start()
     running = asyncio.create_task(pd.submit("kb", BODY))
     waiting = asyncio.create_task(pd.submit("kb", BODY))

@@ -33,6 +33,7 @@ __all__ = [
     "PoolSpec",
     "RetrySpec",
     "StateSpec",
+    "UpstreamTimeouts",
     "BACKOFFS",
     "load_policy",
     "parse_policy",
@@ -71,13 +72,30 @@ class PoolLimits:
 
 
 @dataclass(frozen=True)
+class UpstreamTimeouts:
+    """How long a pool's backends may take, in seconds (``None``: no limit). ``connect``: to
+    open a connection; ``first_byte``: from sending a request to its first event (a stream)
+    or its reply (a plain request, which engines send whole when the generation ends);
+    ``between_events``: the longest silence between two events of a stream; ``total``: one
+    attempt, start to end. A request past one of them fails as a backend timeout (retried by
+    the retry rules while nothing reached its client)."""
+
+    connect: float | None = 5.0
+    first_byte: float | None = 300.0
+    between_events: float | None = 60.0
+    total: float | None = 1800.0
+
+
+@dataclass(frozen=True)
 class PoolSpec:
-    """A resource pool: the models it serves, its backends, its limits; its own queue."""
+    """A resource pool: the models it serves, its backends, its limits, its upstream
+    timeouts; its own queue."""
 
     name: str
     models: tuple[str, ...]
     backends: tuple[BackendSpec, ...]
     limits: PoolLimits = PoolLimits()
+    timeouts: UpstreamTimeouts = UpstreamTimeouts()
 
 
 @dataclass(frozen=True)
@@ -389,7 +407,7 @@ def _class(name: str, v: object, path: str) -> ClassSpec:
 
 
 def _pool(name: str, v: object, path: str) -> PoolSpec:
-    d = _section(v, path, ("models", "backends", "limits"))
+    d = _section(v, path, ("models", "backends", "limits", "timeouts"))
     for need in ("models", "backends"):
         if need not in d:
             raise PolicyError(f"{path}.{need}", "is required")
@@ -424,7 +442,15 @@ def _pool(name: str, v: object, path: str) -> PoolSpec:
             if _opt(ld, "tokens_per_minute") is not None else None,
             _integer(ld["max_in_flight"], f"{lp}.max_in_flight") if _opt(ld, "max_in_flight") is not None else None,
         )
-    return PoolSpec(name, models, tuple(backends), limits)
+    timeouts = UpstreamTimeouts()
+    if d.get("timeouts") is not None:
+        tp = f"{path}.timeouts"
+        fields = ("connect", "first_byte", "between_events", "total")
+        td = _section(d["timeouts"], tp, fields)
+        timeouts = UpstreamTimeouts(**{
+            k: (_number(td[k], f"{tp}.{k}") if td[k] is not None else None) if k in td else getattr(timeouts, k)
+            for k in fields})
+    return PoolSpec(name, models, tuple(backends), limits, timeouts)
 
 
 def _org(name: str, v: object, path: str, classes: Mapping[str, ClassSpec]) -> tuple[OrgSpec, list[str]]:

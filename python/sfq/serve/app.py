@@ -104,7 +104,8 @@ class Gateway:
     grace:
         seconds running requests get to finish at shutdown (each backend's ``close_grace``).
     backends, dispatcher_options:
-        passed to :class:`PolicyDispatcher` (tests and embedders).
+        passed to :class:`PolicyDispatcher` (``dispatcher_options``: its keyword arguments,
+        e.g. ``health``, ``max_pause``; tests and embedders).
     client_max_size:
         the largest request body accepted, bytes (larger: 413).
     """
@@ -118,7 +119,7 @@ class Gateway:
             self.path = Path(policy)
             policy = load_policy(self.path)
         opts = {"close_grace": float(grace), **(dispatcher_options or {})}
-        self.pd = PolicyDispatcher(policy, backends=backends, dispatcher_options=opts)
+        self.pd = PolicyDispatcher(policy, backends=backends, **opts)
         self.grace = float(grace)
         self.draining = False
         self.started = int(time.time())
@@ -278,7 +279,7 @@ class Gateway:
         if not wants_usage:  # ask for it anyway (the access log's actual tokens), pass it on only if asked
             body = {**body, "stream_options": {**(so if isinstance(so, dict) else {}), "include_usage": True}}
         agen = self.pd.stream(key, body, cls=cls, timeout=timeout, on_admit=e.admitted)
-        async with contextlib.aclosing(agen):  # type: ignore[type-var]
+        async with contextlib.aclosing(agen):
             try:
                 first: dict[str, Any] | None = await agen.__anext__()
             except StopAsyncIteration:

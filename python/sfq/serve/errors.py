@@ -81,7 +81,10 @@ def http_error_of(exc: BaseException) -> HTTPError:
     if isinstance(exc, BackendUnavailable):
         return HTTPError(503, "server_error", "upstream_unavailable",
                          f"no backend could be reached (after the retries allowed): {exc}")
-    if isinstance(exc, (NoHealthyBackend, DispatcherClosed)):
+    if isinstance(exc, NoHealthyBackend):
+        ra = None if exc.retry_after is None else _whole_seconds(exc.retry_after)
+        return HTTPError(503, "server_error", "upstream_unavailable", str(exc), ra)
+    if isinstance(exc, DispatcherClosed):
         return HTTPError(503, "server_error", "upstream_unavailable", str(exc))
     if isinstance(exc, BackendHTTPError) and exc.status == 503:
         ra = None if exc.retry_after is None else _whole_seconds(exc.retry_after)
