@@ -61,7 +61,8 @@ class HealthOptions:
     ``error_window``/``error_rate``: the 5xx rule; ``transport_failures``: transport losses in
     a row; ``backoff``/``max_backoff``: seconds before the first health check of a backend out
     of rotation, doubling to the maximum while checks fail; ``max_pause``: the longest pause a
-    429's ``Retry-After`` may ask for; ``default_pause``: the pause after a 429 without one.
+    429's ``Retry-After`` may ask for (0: a 429 pauses nothing); ``default_pause``: the pause
+    after a 429 without one.
     """
 
     error_window: int = 20
@@ -80,8 +81,9 @@ class HealthOptions:
         r = self.error_rate
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1:
             raise ValueError(f"error_rate must be a number in (0, 1], got {r!r}")
-        for what in ("backoff", "max_backoff", "max_pause"):
+        for what in ("backoff", "max_backoff"):
             _number(what, getattr(self, what))
+        _number("max_pause", self.max_pause, positive=False)
         _number("default_pause", self.default_pause, positive=False)
         if self.max_backoff < self.backoff:
             raise ValueError(f"max_backoff ({self.max_backoff!r}) must be >= backoff ({self.backoff!r})")

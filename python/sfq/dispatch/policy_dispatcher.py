@@ -242,9 +242,9 @@ class PolicyDispatcher:
     (default ``time.monotonic``, the event loop's clock); deadlines and queue ages are measured
     on it. ``estimator``: the ``CostEstimator`` (default: from the file's ``cost`` section).
     ``registry``: the Prometheus registry for the policy's metrics (default: a new one,
-    ``.registry``). ``health``: the thresholds of the backends' health (``HealthOptions``).
-    ``max_pause``: the longest an upstream's ``Retry-After`` may pause one of its backends, in
-    seconds (default 60). ``close_grace``: seconds :meth:`close` lets running requests finish.
+    ``.registry``). ``health``: the backends' health rules (``HealthOptions``: the 5xx and
+    transport thresholds, the health checks' backoff, and ``max_pause``, the longest an
+    upstream's ``Retry-After`` may pause one of its backends, default 60 s). ``close_grace``: seconds :meth:`close` lets running requests finish.
     ``rng``, ``scheduler``: the retry jitter's random source; the core factory (default
     ``sfq.Scheduler``). ``state``: where the policy's state lives (``sfq.state``): default,
     what the file's ``state:`` section asks for (Redis, shared with the other gateways of the
@@ -254,15 +254,15 @@ class PolicyDispatcher:
     def __init__(self, policy: Policy | str | Path, *, backends: Mapping[str, Backend] | None = None,
                  clock: Callable[[], float] = time.monotonic, estimator: CostEstimator | None = None,
                  registry: CollectorRegistry | None = None, health: HealthOptions | None = None,
-                 max_pause: float = 60.0, close_grace: float = 30.0, rng: random.Random | None = None,
+                 close_grace: float = 30.0, rng: random.Random | None = None,
                  scheduler: Callable[[], Any] | None = None, state: SharedState | None = None) -> None:
         if not isinstance(policy, Policy):
             policy = load_policy(policy)
-        for what, v in (("max_pause", max_pause), ("close_grace", close_grace)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0):
-                raise ValueError(f"{what} must be a finite number of seconds >= 0, got {v!r}")
+        if isinstance(close_grace, bool) or not isinstance(close_grace, (int, float)) or not (
+                math.isfinite(close_grace) and close_grace >= 0):
+            raise ValueError(f"close_grace must be a finite number of seconds >= 0, got {close_grace!r}")
         if health is None:
-            health = HealthOptions(max_pause=max_pause) if max_pause > 0 else HealthOptions()
+            health = HealthOptions()
         if not isinstance(health, HealthOptions):
             raise TypeError(f"health must be an sfq.backends.health.HealthOptions, got {health!r}")
         self.policy = policy
@@ -281,8 +281,11 @@ class PolicyDispatcher:
         # applies the limits and the order over every gateway
         self.engine = PolicyEngine(local_policy(policy) if self._shared else policy, clock=clock,
                                    scheduler=scheduler, rng=rng, registry=registry, estimator=self.estimator,
-                                   max_pause=max_pause)
-        self.registry = self.engine.metrics.registry
+                                   max_pause=health.max_pause)
+        reg = self.engine.metrics.registry
+        assert reg is not None  # a PolicyEngine built without NoMetrics keeps Prometheus series
+        #: the Prometheus registry of the policy's metrics
+        self.registry: CollectorRegistry = reg
         given = dict(backends or {})
         known = {b.name for p in policy.pools.values() for b in p.backends}
         extra = sorted(set(given) - known)
