@@ -45,12 +45,13 @@ class FakeEngine:
     """One OpenAI-compatible server (see the module docstring), on a loop run by :class:`Fleet`."""
 
     def __init__(self, name: str, speed: float, *, slots: int = 4, unit: float = 0.002, chunk: int = 8,
-                 log: list[tuple[float, str, float]]) -> None:
+                 log: list[tuple[float, str, float]], done: list[tuple[float, str, int]]) -> None:
         self.name = name
         self.speed = speed
         self.unit = unit
         self.chunk = chunk
         self.log = log  # (time, org, service units delivered), shared by the fleet
+        self.done = done  # (time, org, output tokens) of every request served to its end
         self.slots = asyncio.Semaphore(slots)
         self.running = 0
         self.max_running = 0
@@ -110,6 +111,7 @@ class FakeEngine:
                         await self._event(resp, chat, body, TOKEN * n)
                     self._deliver(org, 2 * n)
                 self.served += 1
+                self.done.append((time.monotonic(), org, out))
                 if resp is not None:
                     if (body.get("stream_options") or {}).get("include_usage"):
                         await resp.write(b"data: " + json.dumps({"id": "e", "object": "chunk", "choices": [],
@@ -140,13 +142,14 @@ class FakeEngine:
 
 class Fleet:
     """Fake engines of the given speeds on one event loop in a thread; ``log`` records every
-    org's service as delivered."""
+    org's service as delivered, ``done`` every request served to its end."""
 
     def __init__(self, speeds: Sequence[float], *, slots: int = 4, unit: float = 0.002, chunk: int = 8) -> None:
         self.log: list[tuple[float, str, float]] = []
+        self.done: list[tuple[float, str, int]] = []
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="fleet", daemon=True)
-        self.engines = [FakeEngine(f"e{i}", s, slots=slots, unit=unit, chunk=chunk, log=self.log)
+        self.engines = [FakeEngine(f"e{i}", s, slots=slots, unit=unit, chunk=chunk, log=self.log, done=self.done)
                         for i, s in enumerate(speeds)]
 
     def start(self) -> Fleet:

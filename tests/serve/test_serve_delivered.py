@@ -84,11 +84,11 @@ def test_an_estimate_trained_low_buys_no_extra_service(tmp_path: Path) -> None:
     orgs = trained_low_orgs(switch)
     # a faster engine: the window after the switch holds many requests' worth of service (an
     # estimate trained low may buy at most one request's worth per backend slot, 8 here)
-    res, _ = run_case(tmp_path, orgs, seconds, unit=0.001)
+    res, fleet = run_case(tmp_path, orgs, seconds, unit=0.001)
     assert all(not e for e in res.errors.values()), res.errors
     names = [o.name for o in orgs]
-    before = service(res.log, names, res.start + 1.0, res.start + switch)
-    assert shares(before)["D"] < 0.2  # using 10 of its 400 tokens, D used less than its share
+    small = [t for t, org, out in fleet.done if org == "D" and out == 10 and t < res.start + switch]
+    assert len(small) >= 20  # enough for the estimator to learn D's own ratio (min_flow_samples)
     svc = service(res.log, names, res.start + switch, res.start + seconds)
     for org, s in shares(svc).items():
         assert abs(s - 0.25) <= 0.05, f"{org} got {s:.1%} of the delivered service after D's switch ({_report(svc)})"

@@ -544,7 +544,6 @@ class PolicyDispatcher:
                 if r.outcome is not None:
                     raise self._ended_error(r)
                 fut = self._waiters[r.id] = asyncio.get_running_loop().create_future()
-                self._pump()  # (it may start right now: then the pump has woken it)
                 await fut  # bounded: the timer drops it when its queue age or deadline runs out
             if self._shared:
                 await self._granted(r)
@@ -726,7 +725,8 @@ class PolicyDispatcher:
 
     @contextlib.asynccontextmanager
     async def _acquire(self, flow: Flow, body: Mapping[str, Any], timeout: float | None) -> AsyncIterator[Grant]:
-        r = await self._admit(flow, body, timeout, None, streaming=bool(body.get("stream")))
+        r = await self._admit(flow, body, timeout, None,
+                              streaming=isinstance(body, Mapping) and bool(body.get("stream")))
         await self._turn(r)
         assert r.backend is not None
         grant = Grant(self, r, self._addresses[r.backend], _endpoint(body))
