@@ -10,11 +10,13 @@ import contextlib
 import random
 import socket
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest
 from fake_openai import FakeOpenAI
 
+from sfq.backends import Backend, SaturationProbe
 from sfq.backends.health import HealthOptions
 from sfq.dispatch import PolicyDispatcher
 from sfq.dispatch.policy_dispatcher import EventStream
@@ -415,3 +417,58 @@ async def test_close_lets_the_running_finish_and_refuses_the_rest(server: FakeOp
     assert not pd.engine.live
     with pytest.raises(Refused):
         await pd.submit_flow(FLOW, BODY)
+
+
+# ---------------------------------------------------------------- a transport of the embedder's own
+class Double(Backend):
+    """An in-process backend: plain replies without usage; saturated while ``full`` is set
+    (its probe reads a vLLM-style gauge)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name, max_in_flight=2, probe=SaturationProbe(interval=0.01, max_waiting=0))
+        self.full = False
+        self.calls = 0
+
+    async def complete(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.calls += 1
+        return {"choices": [{"index": 0, "text": "x" * 400}]}  # no usage: 100 tokens of text
+
+    async def stream(self, endpoint: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        self.calls += 1
+        yield {"choices": [{"index": 0, "text": "x" * 40}]}
+
+    async def fetch_metrics(self) -> str:
+        return f"vllm:num_requests_waiting {5 if self.full else 0}\n"
+
+
+async def test_a_reply_without_usage_settles_from_its_text_and_a_saturated_backend_holds_requests() -> None:
+    url = "http://127.0.0.1:9"
+    double = Double(url)
+    pd = PolicyDispatcher(parse_policy(make_policy([url]).replace("api_key_env: SFQ_DRIVER_TEST_KEY", "")),
+                          backends={url: double}, health=HealthOptions(backoff=0.05, max_backoff=0.1))
+    async with pd:
+        reply = await pd.submit_flow(FLOW, {**BODY, "max_tokens": 1000})
+        assert reply["choices"] and double.calls == 1
+        served = row(pd)["served_cost"]
+        prompt = len(BODY["prompt"]) / pd.estimator.chars_per_token_of("m")
+        assert served == pytest.approx(prompt + 2 * 400 / pd.estimator.chars_per_token_of("m"), rel=0.01)
+        double.full = True
+        await until(lambda: pd.stats()["backends"][url]["saturated"], "the probe to see it saturated")
+        held = asyncio.create_task(pd.submit_flow(FLOW, BODY))
+        await until(lambda: row(pd)["waiting"] == 1, "the request to wait")
+        await asyncio.sleep(0.05)
+        assert double.calls == 1 and pd.engine.pool_available("p")  # held, not refused: the pool is not down
+        double.full = False
+        assert (await asyncio.wait_for(held, LIMIT))["choices"] and double.calls == 2
+
+
+async def test_a_reload_keeps_the_monitors_word(server: FakeOpenAI) -> None:
+    text = make_policy([server.url])
+    async with dispatcher(text, health=HealthOptions(backoff=30, max_backoff=30)) as pd:
+        pd.monitor_of(server.url).mark_down("test: out of rotation")
+        assert not pd.engine.pool_available("p")
+        pd.reload(parse_policy(text.replace("interactive: {weight: 4}", "interactive: {weight: 2}")))
+        assert not pd.engine.pool_available("p")  # still out, under the new policy too
+        with pytest.raises(NoHealthyBackend):
+            await pd.submit_flow(FLOW, BODY)
+        assert server.requests == []
