@@ -120,6 +120,7 @@ class ReplyWindow:
         self.error_rate = error_rate
 
     def record(self, flow: Hashable, error: bool) -> None:
+        """Count one reply of ``flow`` (``error``: it was a 5xx)."""
         replies = self.replies
         if len(replies) == replies.maxlen and replies[0][1]:
             self.errors -= 1
@@ -128,6 +129,7 @@ class ReplyWindow:
             self.errors += 1
 
     def clear(self) -> None:
+        """Forget every reply (the backend is back in rotation)."""
         self.replies.clear()
         self.errors = 0
 
@@ -217,6 +219,7 @@ class BackendMonitor:
 
     @property
     def paused(self) -> bool:
+        """Whether a 429's pause is in force now."""
         return self.paused_until > self.clock()
 
     # ---------------------------------------------------------------- replies

@@ -116,6 +116,7 @@ class Grant:
 
     @property
     def deadline(self) -> float | None:
+        """The request's deadline on the dispatcher's clock (``None``: it has none)."""
         return self.request.deadline
 
     def delivered(self, tokens: float) -> float:

@@ -265,6 +265,7 @@ class PolicyDispatcher:
 
     @property
     def closed(self) -> bool:
+        """Whether :meth:`close` was called (new requests are refused)."""
         return self._closed
 
     async def __aenter__(self) -> PolicyDispatcher:
