@@ -181,7 +181,8 @@ class BackendMonitor:
         self.window = ReplyWindow(options.error_window, options.error_rate)
         self.healthy = True
         self.saturated = False
-        self.paused_until = -math.inf  # on ``clock``
+        self.paused = False  # a 429's pause is in force (until its timer ends it)
+        self.paused_until = -math.inf  # on ``clock``, for stats
         self.transport_failures = 0  # in a row, with no reply in between
         self.backoff = options.backoff  # before the first check of the next spell out of rotation
         self.completed = 0
@@ -212,15 +213,11 @@ class BackendMonitor:
         if self._pause is not None:
             self._pause.cancel()
             self._pause = None
+        self.paused = False
         tasks = [t for t in (self._recover, self._probe) if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-    @property
-    def paused(self) -> bool:
-        """Whether a 429's pause is in force now."""
-        return self.paused_until > self.clock()
 
     # ---------------------------------------------------------------- replies
     def replied(self, flow: Hashable, error: BaseException | None) -> None:
@@ -280,8 +277,9 @@ class BackendMonitor:
         if delay <= 0:
             return
         until = self.clock() + delay
-        if until <= self.paused_until:
+        if self.paused and until <= self.paused_until:
             return
+        self.paused = True
         self.paused_until = until
         if self._pause is not None:
             self._pause.cancel()
@@ -291,6 +289,7 @@ class BackendMonitor:
 
     def _unpause(self) -> None:
         self._pause = None
+        self.paused = False
         if not self._closed:
             self.listener.backend_unpaused(self.name)
 
@@ -359,13 +358,14 @@ class BackendMonitor:
 
     # ---------------------------------------------------------------- views
     def stats(self) -> dict[str, object]:
-        """``healthy``, ``saturated``, ``paused_for`` (seconds), ``completed``, ``errors``,
+        """``healthy``, ``saturated``, ``paused`` and ``paused_for`` (seconds), ``completed``, ``errors``,
         ``rate_limited`` (429s), ``recent_5xx`` (in the window), ``last_error``, ``down_reason``,
         ``unhealthy_spells``, ``check_interval`` (while out of rotation, else ``None``),
         ``probe`` (the last reading as a dict, or ``None``), ``probe_errors``."""
         return {
             "healthy": self.healthy, "saturated": self.saturated,
-            "paused_for": max(0.0, self.paused_until - self.clock()), "completed": self.completed,
+            "paused": self.paused, "paused_for": max(0.0, self.paused_until - self.clock()) if self.paused else 0.0,
+            "completed": self.completed,
             "errors": self.errors, "rate_limited": self.rate_limited, "recent_5xx": self.window.errors,
             "last_error": self.last_error, "down_reason": self.down_reason, "unhealthy_spells": self.unhealthy_spells,
             "check_interval": self.check_delay,
