@@ -18,7 +18,6 @@ __all__ = [
     "BadRequest",
     "PolicyError",
     "Refused",
-    "BadRequest",
     "DeadlineExceeded",
 ]
 
@@ -111,10 +110,8 @@ class StreamInterrupted(BackendError):
 
 class NoHealthyBackend(SFQError):
     """No backend of the request's pool was in rotation: it was refused, or removed from the
-    queue (uncharged unless it had been selected). ``retry_after``: seconds after which trying
-    again may help, or ``None``."""
-
-    retry_after: float | None = None
+    queue (uncharged unless it had been selected). The request engine sets ``retry_after``
+    (seconds after which trying again may help) on the ones it raises."""
 
 
 class DispatcherClosed(SFQError):
@@ -132,11 +129,6 @@ class RequestTooLarge(SFQError, ValueError):
 
 
 # ---------------------------------------------------------------- policy layer
-class BadRequest(SFQError, ValueError):
-    """The request's body is malformed or asks for something no backend can do; nothing was
-    queued. Also a ``ValueError``."""
-
-
 class PolicyError(SFQError, ValueError):
     """A policy file (or mapping) is invalid. ``path`` is the dotted path of the bad field
     (``classes.batch.weight``); the message starts with it."""
@@ -164,9 +156,9 @@ class Refused(SFQError):
 
 
 class BadRequest(Refused, ValueError):
-    """A request body that cannot be served as it is (a field of the wrong type or out of
-    range; the message names it): ``Refused`` with reason ``bad_request``, and a
-    ``ValueError``. Nothing was queued or sent."""
+    """The request's body is malformed or asks for something no backend can do (the message
+    names the field): ``Refused`` with reason ``bad_request``, and a ``ValueError``. Nothing
+    was queued or sent."""
 
     def __init__(self, message: str) -> None:
         super().__init__("bad_request", message)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..backends.base import Backend
-from ..backends.probe import ProbeReading
+from ..backends.health import BackendMonitor
 from ..cost import CostEstimator, Estimate
 from ..errors import BackendError
 from ..engine import PolicyEngine, Request
@@ -49,15 +49,13 @@ class DispatchRecord(NamedTuple):
 
 
 class BState:
-    """The dispatcher's view of one backend."""
+    """The dispatcher's view of one backend; its health is its ``monitor``'s
+    (``sfq.backends.health.BackendMonitor``, which reports to the request engine)."""
 
-    __slots__ = ("backend", "name", "pool", "index", "max_in_flight", "max_context", "in_flight", "healthy",
-                 "saturated", "dispatched", "completed", "errors", "aborted", "last_error", "backoff",
-                 "recover_task", "probe_task", "reading", "probe_errors", "unhealthy_spells", "replies",
-                 "reply_errors", "transport_failures", "paused", "pause_handle", "rate_limited", "down_reason",
-                 "check_delay")
+    __slots__ = ("backend", "name", "pool", "index", "max_in_flight", "max_context", "in_flight", "dispatched",
+                 "completed", "errors", "aborted", "last_error", "monitor")
 
-    def __init__(self, backend: Backend, pool: Pool, index: int, backoff: float, window: int) -> None:
+    def __init__(self, backend: Backend, pool: Pool, index: int, monitor: BackendMonitor) -> None:
         self.backend = backend
         self.name = backend.name
         self.pool = pool
@@ -65,27 +63,27 @@ class BState:
         self.max_in_flight = backend.max_in_flight
         self.max_context = backend.max_context
         self.in_flight = 0
-        self.healthy = True
-        self.saturated = False
         self.dispatched = 0
         self.completed = 0
         self.errors = 0
         self.aborted = 0
         self.last_error: str | None = None
-        self.backoff = backoff  # seconds before the next health probe when it next turns unhealthy
-        self.recover_task: asyncio.Task[None] | None = None
-        self.probe_task: asyncio.Task[None] | None = None
-        self.reading: ProbeReading | None = None
-        self.probe_errors = 0
-        self.unhealthy_spells = 0
-        self.replies: deque[tuple[Hashable, bool]] = deque(maxlen=window)  # the last replies: (flow, 5xx?)
-        self.reply_errors = 0  # 5xx among ``replies``
-        self.transport_failures = 0  # in a row, with no reply in between
-        self.paused = False  # after a 429, until its Retry-After
-        self.pause_handle: asyncio.TimerHandle | None = None
-        self.rate_limited = 0  # 429s received
-        self.down_reason: str | None = None
-        self.check_delay: float | None = None  # seconds to the next health check while out of rotation
+        self.monitor = monitor
+
+    @property
+    def healthy(self) -> bool:
+        """In rotation."""
+        return self.monitor.healthy
+
+    @property
+    def saturated(self) -> bool:
+        """Full by its saturation probe's reading."""
+        return self.monitor.saturated
+
+    @property
+    def paused(self) -> bool:
+        """After a 429, until its ``Retry-After`` (capped)."""
+        return self.monitor.paused
 
 
 class Pool:
@@ -212,9 +210,6 @@ class DispatcherBase:
 
     # health
     def _mark_unhealthy(self, bs: BState, reason: str | None = None) -> None:
-        raise NotImplementedError
-
-    async def _probe_loop(self, bs: BState) -> None:
         raise NotImplementedError
 
     def _note_reply(self, bs: BState, err: BackendError | None, flow: Hashable = None) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from .._core import Scheduler
 from ..backends.base import Backend
+from ..backends.health import BackendMonitor
 from ..backends.openai import OpenAIBackend
 from ..cost import CostEstimator
 from ..engine import NO_METRICS, PolicyEngine
@@ -22,7 +23,7 @@ from ..policy.classify import Flow
 from ..policy.config import BackendSpec, ClassSpec, CostSpec, OrgSpec, Policy, PoolSpec, RetrySpec
 from .admission import Admission
 from .calls import Calls
-from .health import Health
+from .health import BackendEvents, Health
 from .lifecycle import Lifecycle
 from .placement import Placement
 from ..policy.charge import CHARGE_MODES
@@ -192,11 +193,12 @@ class Dispatcher(Calls, Admission, Placement, Health, Statistics, Lifecycle):
         make = scheduler if scheduler is not None else Scheduler
         self._pools = {}
         self._bstates = []
+        events, options = BackendEvents(self), self._health_options()
         for i, b in enumerate(fleet):
             pool = self._pools.get(b.model)
             if pool is None:
                 pool = self._pools[b.model] = Pool(b.model)
-            bs = BState(b, pool, i, self.backoff, error_window)
+            bs = BState(b, pool, i, BackendMonitor(b, events, options))
             pool.backends.append(bs)
             self._bstates.append(bs)
         self._by_name = {bs.name: bs for bs in self._bstates}

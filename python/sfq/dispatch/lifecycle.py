@@ -19,8 +19,7 @@ class Lifecycle(DispatcherBase):
         self._started = True
         await asyncio.gather(*(bs.backend.start() for bs in self._bstates))
         for bs in self._bstates:
-            if bs.backend.probe is not None:
-                bs.probe_task = asyncio.create_task(self._probe_loop(bs), name=f"sfq-probe-{bs.name}")
+            bs.monitor.start()  # its saturation probe, when the backend has one
 
     async def close(self) -> None:
         """Stop accepting requests; reject those not yet sent (``DispatcherClosed``, uncharged);
@@ -32,10 +31,6 @@ class Lifecycle(DispatcherBase):
 
     async def _close(self) -> None:
         self._closed = True
-        for bs in self._bstates:
-            if bs.pause_handle is not None:
-                bs.pause_handle.cancel()
-                bs.pause_handle = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -50,10 +45,7 @@ class Lifecycle(DispatcherBase):
                 await asyncio.wait_for(self._drained.wait(), self.close_grace)
             except asyncio.TimeoutError:
                 pass
-        tasks = [t for bs in self._bstates for t in (bs.recover_task, bs.probe_task) if t is not None]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(bs.monitor.close() for bs in self._bstates), return_exceptions=True)
         await asyncio.gather(*(bs.backend.close() for bs in self._bstates), return_exceptions=True)
 
     def _reject(self, job: Job) -> None:

@@ -136,13 +136,8 @@ class Placement(DispatcherBase):
             job.state = DONE
             bs.completed += 1
             fs.completed += 1
-            bs.backoff = self.backoff
-            if not self._closed:  # a reply: the fast path of _note_reply(bs, None, flow)
-                bs.transport_failures = 0
-                replies = bs.replies
-                if len(replies) == replies.maxlen and replies[0][1]:
-                    bs.reply_errors -= 1
-                replies.append((job.flow, False))
+            if not self._closed:  # a reply
+                bs.monitor.replied(job.flow, None)
         elif outcome == FAILED:
             bs.errors += 1
             bs.last_error = str(err)

@@ -123,14 +123,15 @@ class Statistics(DispatcherBase):
         """
         backends = {}
         for bs in self._bstates:
+            m = bs.monitor
             backends[bs.name] = {
                 "model": bs.pool.model, "in_flight": bs.in_flight, "max_in_flight": bs.max_in_flight,
-                "healthy": bs.healthy, "saturated": bs.saturated, "paused": bs.paused,
+                "healthy": m.healthy, "saturated": m.saturated, "paused": m.paused,
                 "dispatched": bs.dispatched, "completed": bs.completed, "errors": bs.errors,
-                "aborted": bs.aborted, "rate_limited": bs.rate_limited, "recent_5xx": bs.reply_errors,
-                "last_error": bs.last_error, "down_reason": bs.down_reason, "unhealthy_spells": bs.unhealthy_spells,
-                "check_interval": bs.check_delay,
-                "probe": bs.reading._asdict() if bs.reading is not None else None, "probe_errors": bs.probe_errors,
+                "aborted": bs.aborted, "rate_limited": m.rate_limited, "recent_5xx": m.window.errors,
+                "last_error": bs.last_error, "down_reason": m.down_reason, "unhealthy_spells": m.unhealthy_spells,
+                "check_interval": m.check_delay,
+                "probe": m.reading._asdict() if m.reading is not None else None, "probe_errors": m.probe_errors,
             }
         e = self._engine
         pools = {}

@@ -82,7 +82,8 @@ def http_error_of(exc: BaseException) -> HTTPError:
         return HTTPError(503, "server_error", "upstream_unavailable",
                          f"no backend could be reached (after the retries allowed): {exc}")
     if isinstance(exc, NoHealthyBackend):
-        ra = None if exc.retry_after is None else _whole_seconds(exc.retry_after)
+        after: object = getattr(exc, "retry_after", None)  # set by the request engine
+        ra = _whole_seconds(float(after)) if isinstance(after, (int, float)) else None
         return HTTPError(503, "server_error", "upstream_unavailable", str(exc), ra)
     if isinstance(exc, DispatcherClosed):
         return HTTPError(503, "server_error", "upstream_unavailable", str(exc))
