@@ -102,10 +102,10 @@ class Gateway:
     policy:
         a policy file's path (what SIGHUP re-reads) or a :class:`Policy`.
     grace:
-        seconds running requests get to finish at shutdown (each backend's ``close_grace``).
+        seconds running requests get to finish at shutdown (the dispatcher's ``close_grace``).
     backends, dispatcher_options:
         passed to :class:`PolicyDispatcher` (``dispatcher_options``: its keyword arguments,
-        e.g. ``health``, ``max_pause``; tests and embedders).
+        e.g. ``health``; tests and embedders).
     client_max_size:
         the largest request body accepted, bytes (larger: 413).
     """
