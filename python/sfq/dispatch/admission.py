@@ -57,9 +57,10 @@ class Admission(DispatcherBase):
         s = body.get("stream")
         if streaming:
             if s is not None and s is not True:
-                raise BadRequest(f"stream() takes a streaming body: 'stream' must be true or absent, got {s!r}")
+                raise BadRequest(f"stream() takes a streaming body: 'stream' must be true or absent, got {s!r}",
+                                 param="stream")
         elif s is not None and s is not False:
-            raise BadRequest(f"submit() takes a non-streaming body ('stream' is {s!r}); use stream()")
+            raise BadRequest(f"submit() takes a non-streaming body ('stream' is {s!r}); use stream()", param="stream")
         try:
             hash(flow)
         except TypeError:

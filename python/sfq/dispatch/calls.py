@@ -102,10 +102,12 @@ class Calls(DispatcherBase):
         ``idempotent=True`` is the caller's promise that the server running the request twice
         is harmless: then every backend failure may be retried, and the backend may resend it
         after a lost connection.
-        Raises ``BackendError`` subclasses for backend failures (after the retries),
-        ``NoHealthyBackend``, ``DispatcherClosed``, ``UnknownModel``, ``RequestTooLarge``,
-        ``BadRequest`` (also a ``ValueError``) or ``ValueError``/``TypeError`` for bad input
-        (nothing queued then).
+        Every error is an ``sfq.SFQError`` (``http_status``, ``to_openai()``): ``BackendError``
+        subclasses for backend failures (after the retries), ``NoHealthyBackend``,
+        ``DispatcherClosed``, and, with nothing queued, ``sfq.errors.BadRequest`` (a
+        ``ValueError``) for a malformed body, ``UnknownModel``, ``RequestTooLarge``; ``TypeError``
+        for arguments of the wrong type (a body that is not a mapping, an unhashable flow, a
+        ``cost`` that is not a number).
         """
         if not self._started:
             await self.start()
