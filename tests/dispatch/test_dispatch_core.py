@@ -11,7 +11,7 @@ from conftest import GateBackend, settle
 
 from sfq.cost import CostEstimator
 from sfq.dispatch import Dispatcher, DispatchRecord
-from sfq.errors import BackendError, BackendUnavailable, DispatcherClosed, RequestTooLarge, UnknownModel
+from sfq.errors import BackendError, BackendUnavailable, BadRequest, DispatcherClosed, RequestTooLarge, UnknownModel
 
 
 def body(n: int = 4, **kw):
@@ -273,8 +273,9 @@ async def test_pools_per_model_and_default_pool(sched):
         ("f", body(), {"cost": -1.0}, ValueError, "cost"),
         ("f", body(), {"cost": float("nan")}, ValueError, "cost"),
         ("f", body(), {"cost": "3"}, TypeError, "cost"),
-        ("f", {"model": "m", "max_tokens": 3}, {}, ValueError, "neither 'prompt'"),
-        ("f", body(stream=True), {}, ValueError, "use stream"),
+        ("f", {"model": "m", "max_tokens": 3}, {}, BadRequest, "neither 'prompt'"),
+        ("f", body(stream=True), {}, BadRequest, "use stream"),
+        ("f", {"model": "m", "prompt": "p", "max_tokens": "abc"}, {}, BadRequest, "'max_tokens' must be an integer"),
         ("f", "not a body", {}, TypeError, "mapping"),
     ],
 )
@@ -289,9 +290,14 @@ async def test_bad_input_leaves_nothing_behind(sched, flow, b, kw, exc, match):
 async def test_stream_body_must_stream(sched):
     g = GateBackend("g")
     async with Dispatcher([g], scheduler=sched) as d:
-        with pytest.raises(ValueError, match="'stream' must be true"):
+        with pytest.raises(BadRequest, match="'stream' must be true") as info:
             async for _ in d.stream("f", body(stream=False)):
                 pass
+        assert info.value.http_status == 400 and info.value.param == "stream"
+        with pytest.raises(BadRequest, match="'max_tokens' must be an integer >= 1, got 'abc'"):
+            async for _ in d.stream("f", {"model": "m", "prompt": "p", "max_tokens": "abc", "stream": True}):
+                pass
+        assert g.calls == []
 
 
 async def test_stream_hides_the_usage_chunk_unless_asked(sched):
