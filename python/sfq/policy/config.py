@@ -13,7 +13,7 @@ import hashlib
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -120,7 +120,10 @@ class ClassSpec:
 class OrgSpec:
     """An organisation: its credentials, the classes it may use (the first is its default),
     its weight and its own limits. ``key_digests`` holds the SHA-256 (hex) of every key, the
-    plain ``keys`` hashed at load time plus ``key_sha256``; the plain keys are not kept."""
+    plain ``keys`` hashed at load time plus ``key_sha256``; the plain keys are not kept. An
+    org without keys is one an embedder classifies itself (``sfq.Flow(org, cls, pool)``):
+    ``sfq serve`` cannot authenticate it. Orgs made from the file's ``org_template`` have no
+    keys either."""
 
     name: str
     key_digests: tuple[str, ...]
@@ -170,7 +173,11 @@ class StateSpec:
 
 @dataclass(frozen=True)
 class Policy:
-    """A validated policy: build it with :func:`load_policy` or :func:`parse_policy`."""
+    """A validated policy: build it with :func:`load_policy` or :func:`parse_policy`.
+
+    ``orgs`` are the orgs the file names; ``org_template`` (``None`` without one) the spec of
+    every other org, which :meth:`org` makes on first use. Ask :meth:`org`, not ``orgs``, for
+    the org of a request."""
 
     pools: Mapping[str, PoolSpec]
     classes: Mapping[str, ClassSpec]
@@ -179,6 +186,9 @@ class Policy:
     retry: RetrySpec = RetrySpec()
     state: StateSpec | None = None
     source: str = field(default="<mapping>", compare=False)
+    #: the settings of an org the file does not name (its ``name`` is ``"*"``; no keys)
+    org_template: OrgSpec | None = None
+    _made: dict[str, OrgSpec] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     # ------------------------------------------------------------ derived facts
     def pool_of(self, model: str) -> PoolSpec | None:
@@ -189,9 +199,20 @@ class Policy:
         return None
 
     def org(self, name: str) -> OrgSpec | None:
-        """The org called ``name`` (``None``: the policy does not know it). Every rule that
-        needs an org's spec asks here, so an org the file does not list can be given one."""
-        return self.orgs.get(name)
+        """The org called ``name``: the file's entry, else one made from ``org_template`` (made
+        once, then kept: the same object every time), else ``None`` (the policy does not know
+        it). Every rule that needs an org's spec asks here."""
+        o = self.orgs.get(name)
+        if o is not None:
+            return o
+        o = self._made.get(name)
+        if o is None and self.org_template is not None and isinstance(name, str) and name:
+            o = self._made[name] = replace(self.org_template, name=name)
+        return o
+
+    def made_orgs(self) -> list[OrgSpec]:
+        """The orgs :meth:`org` has made from the template so far, in the order they were made."""
+        return list(self._made.values())
 
     def allows(self, flow: tuple[str, str, str]) -> bool:
         """Whether ``flow`` ``(org, class, pool)`` is one the policy allows."""
@@ -208,17 +229,21 @@ class Policy:
         return o.weight * (1.0 if c.strict else c.weight)
 
     def flows(self, pool: str | None = None) -> list[tuple[str, str, str]]:
-        """Every flow ``(org, class, pool)`` the file allows, in file order."""
+        """Every flow ``(org, class, pool)`` of the orgs the file names, in file order (an org
+        made from the template has flows too, once used; they are not listed here)."""
         pools = [pool] if pool is not None else list(self.pools)
         return [(o.name, c, p) for p in pools for o in self.orgs.values() for c in o.classes]
 
     def share(self, flow: tuple[str, str, str]) -> float | None:
-        """The flow's share of its pool's weighted capacity when every weighted flow of the
-        pool is backlogged (``None`` for a strict class's flow)."""
+        """The flow's share of its pool's weighted capacity when it and every weighted flow of
+        the orgs the file names are backlogged (``None`` for a strict class's flow)."""
         org, cls, pool = flow
         if self.classes[cls].strict:
             return None
-        total = sum(self.flow_weight(o, c) for o, c, _ in self.flows(pool) if not self.classes[c].strict)
+        flows = self.flows(pool)
+        if (org, cls, pool) not in flows:
+            flows.append((org, cls, pool))
+        total = sum(self.flow_weight(o, c) for o, c, _ in flows if not self.classes[c].strict)
         return self.flow_weight(org, cls) / total
 
     @property
@@ -340,10 +365,14 @@ def _opt(d: Mapping[str, Any], key: str) -> Any:
 # ===================================================================== sections
 def policy_from_mapping(data: object, *, source: str = "<mapping>") -> Policy:
     """Validate a policy given as plain data (what ``yaml.safe_load`` returns)."""
-    top = _section(data if data is not None else {}, "", ("pools", "classes", "orgs", "cost", "retry", "state"))
-    for need in ("pools", "classes", "orgs"):
+    top = _section(data if data is not None else {}, "",
+                   ("pools", "classes", "orgs", "org_template", "cost", "retry", "state"))
+    for need in ("pools", "classes"):
         if need not in top:
             raise PolicyError(need, "is required")
+    has_template = top.get("org_template") is not None
+    if "orgs" not in top and not has_template:
+        raise PolicyError("orgs", "is required (or an org_template for the orgs the file does not name)")
     classes = {name: _class(name, v, f"classes.{name}") for name, v in _named(top["classes"], "classes").items()}
     pools: dict[str, PoolSpec] = {}
     model_owner: dict[str, str] = {}
@@ -364,7 +393,9 @@ def policy_from_mapping(data: object, *, source: str = "<mapping>") -> Policy:
         pools[name] = p
     orgs: dict[str, OrgSpec] = {}
     key_owner: dict[str, str] = {}
-    for name, v in _named(top["orgs"], "orgs").items():
+    raw_orgs = top.get("orgs")
+    named = {} if has_template and (raw_orgs is None or raw_orgs == {}) else _named(raw_orgs, "orgs")
+    for name, v in named.items():
         o, where = _org(name, v, f"orgs.{name}", classes)
         for digest, at in zip(o.key_digests, where):
             if digest in key_owner:
@@ -374,8 +405,9 @@ def policy_from_mapping(data: object, *, source: str = "<mapping>") -> Policy:
     cost = _cost(top.get("cost"), "cost") if "cost" in top else CostSpec()
     retry = _retry(top.get("retry"), "retry") if "retry" in top else RetrySpec()
     state = _state(top.get("state"), "state") if "state" in top else None
+    template = _org_template(top["org_template"], "org_template", classes) if has_template else None
     return Policy(MappingProxyType(pools), MappingProxyType(classes), MappingProxyType(orgs), cost, retry, state,
-                  source)
+                  source, template)
 
 
 def _class(name: str, v: object, path: str) -> ClassSpec:
@@ -453,8 +485,11 @@ def _pool(name: str, v: object, path: str) -> PoolSpec:
     return PoolSpec(name, models, tuple(backends), limits, timeouts)
 
 
+_ORG_SETTINGS = ("classes", "weight", "max_in_flight", "requests_per_minute")
+
+
 def _org(name: str, v: object, path: str, classes: Mapping[str, ClassSpec]) -> tuple[OrgSpec, list[str]]:
-    d = _section(v, path, ("keys", "key_sha256", "classes", "weight", "max_in_flight", "requests_per_minute"))
+    d = _section(v, path, ("keys", "key_sha256", *_ORG_SETTINGS))
     digests: list[str] = []
     where: list[str] = []
     if "keys" in d:
@@ -467,11 +502,24 @@ def _org(name: str, v: object, path: str, classes: Mapping[str, ClassSpec]) -> t
                 raise PolicyError(f"{path}.key_sha256[{i}]", f"must be 64 hexadecimal digits (a SHA-256), got {h!r}")
             digests.append(h.lower())
             where.append(f"{path}.key_sha256[{i}]")
-    if not digests:
-        raise PolicyError(f"{path}.keys", "an org needs at least one key (keys or key_sha256)")
     for i, dg in enumerate(digests):
         if dg in digests[:i]:
             raise PolicyError(where[i], "this key is listed twice")
+    return _org_settings(name, d, path, classes, tuple(digests)), where
+
+
+def _org_template(v: object, path: str, classes: Mapping[str, ClassSpec]) -> OrgSpec:
+    if isinstance(v, dict):
+        for k in ("keys", "key_sha256"):
+            if k in v:
+                raise PolicyError(f"{path}.{k}", "a template has no keys: the orgs made from it are the embedder's "
+                                                 "own (sfq.Flow(org, cls, pool)); give an org keys under orgs")
+    d = _section(v, path, _ORG_SETTINGS)
+    return _org_settings("*", d, path, classes, ())
+
+
+def _org_settings(name: str, d: Mapping[str, Any], path: str, classes: Mapping[str, ClassSpec],
+                  digests: tuple[str, ...]) -> OrgSpec:
     if "classes" not in d:
         raise PolicyError(f"{path}.classes", "is required (the classes the org may use; the first is its default)")
     cls = _strings(d["classes"], f"{path}.classes")
@@ -482,7 +530,7 @@ def _org(name: str, v: object, path: str, classes: Mapping[str, ClassSpec]) -> t
     mif = _integer(d["max_in_flight"], f"{path}.max_in_flight") if _opt(d, "max_in_flight") is not None else None
     rpm = (_number(d["requests_per_minute"], f"{path}.requests_per_minute")
            if _opt(d, "requests_per_minute") is not None else None)
-    return OrgSpec(name, tuple(digests), tuple(cls), weight, mif, rpm), where
+    return OrgSpec(name, digests, tuple(cls), weight, mif, rpm)
 
 
 def _cost(v: object, path: str) -> CostSpec:

@@ -35,7 +35,7 @@ def teams_flows(policy: Policy, names: Sequence[str]) -> list[Flow]:
     out = []
     for name in names:
         org, _, cls = name.partition("/")
-        o = policy.orgs.get(org)
+        o = policy.org(org)
         if o is None or cls not in o.classes:
             raise ValueError(f"the teams scenario's flow {name!r} needs org {org!r} with class {cls!r} in the policy "
                              f"file (orgs: {', '.join(policy.orgs)}); see docs/policy-teams.yaml")
