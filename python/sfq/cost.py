@@ -199,7 +199,15 @@ def prompt_of(body: Mapping[str, Any]) -> tuple[str, int]:
 
 
 class CostEstimator:
-    """Estimates a request's cost in cost units and calibrates itself from completions.
+    """Prices a request before it runs, so a scheduler can charge its flow: cost =
+    ``input_weight`` x prompt tokens + ``output_weight`` x expected output tokens, learning
+    from completed requests how much of ``max_tokens`` each model (and flow) really uses.
+
+    The dispatchers estimate every request with one (``Dispatcher(estimator=...)``; a policy
+    file's ``cost`` section); use it alone to price requests for your own
+    :class:`sfq.Scheduler`: ``est.estimate(body).cost``, then ``est.observe(estimate, usage)``
+    when the reply's ``usage`` arrives. A malformed body raises
+    :class:`sfq.errors.BadRequest` naming the field.
 
     Parameters
     ----------

@@ -126,8 +126,12 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
 
 
 class OpenAIBackend(Backend):
-    """An OpenAI-compatible server at ``url`` (its root, e.g. ``http://10.0.0.5:8000``;
-    a trailing ``/v1`` is accepted).
+    """One OpenAI-compatible inference server (vLLM, SGLang, llama.cpp's ``llama-server``, TGI,
+    a hosted API) as :class:`sfq.Dispatcher` drives it: ``/v1/completions`` and
+    ``/v1/chat/completions``, plain and streamed, with timeouts, health checks, its own API
+    key and an optional saturation probe. ``url`` is the server's root (e.g.
+    ``http://10.0.0.5:8000``; a trailing ``/v1`` is accepted). Its failures are
+    :class:`sfq.BackendError` s that keep the server's own status in ``status``.
 
     Parameters
     ----------

@@ -42,14 +42,20 @@ def text_chars(reply: Any) -> int | None:
 
 
 class EventStream:
-    """The events of one streamed request: an async iterator over the backend's events (JSON
-    objects), returned by ``Dispatcher.stream()``; also an async context manager.
+    """A streamed reply, event by event: what ``Dispatcher.stream()`` returns. Each event is
+    the backend's server-sent event as a JSON object (an OpenAI ``chunk``).
+
+    Hold it as an async context manager and iterate it::
+
+        async with d.stream("team-b", body) as events:
+            async for event in events:
+                ...
 
     The request is queued when iteration starts. Leaving early frees its slot and aborts the
-    backend call: ``break`` out of ``async for d.stream(...)`` (the stream object is dropped
-    at once), ``await s.aclose()``, ``async with d.stream(...) as s:`` or
-    ``contextlib.aclosing``. When you keep a reference to the stream, close it (``aclose`` or
-    ``async with``): a stream still referenced cannot know you are done with it.
+    backend call: leave the ``async with`` block, ``await events.aclose()``, or ``break`` out
+    of ``async for event in d.stream(...)`` (the stream object is dropped at once). When you
+    keep a reference to the stream, close it: a stream still referenced cannot know you are
+    done with it.
     """
 
     __slots__ = ("_agen", "_slot", "_dispatcher")

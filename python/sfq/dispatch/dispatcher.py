@@ -51,8 +51,27 @@ class FleetPolicy(Policy):
 
 
 class Dispatcher(Calls, Admission, Placement, Health, Statistics, Lifecycle):
-    """Fair dispatch of OpenAI-style requests to a fleet of backends: the library's driver of
-    sfq's request engine, for callers who bring their own flow ids.
+    """Shares a fleet of OpenAI-compatible servers fairly between flows you name, on asyncio.
+
+    Every request says whose it is (a flow: any hashable id, e.g. the tenant your own
+    authentication found; never read from the body); each flow gets a share of the fleet in
+    proportion to its weight, measured in tokens (prompt + output), however many or large its
+    requests are. It is the library's driver of sfq's request engine (the same engine as
+    ``sfq serve``'s, under a policy made from the fleet: one pool per model, one class, each
+    flow its own org): the engine decides whose request goes next and on which backend, and
+    what the flow is charged; the dispatcher sends it to that backend, streams or returns the
+    reply, and tells the engine what was served::
+
+        async with sfq.Dispatcher(["http://127.0.0.1:8001"]) as d:
+            reply = await d.submit("team-a", {"model": "m", "prompt": "hi", "max_tokens": 32})
+            async with d.stream("team-b", {"model": "m", "prompt": "hi", "stream": True}) as events:
+                async for event in events:
+                    ...
+
+    Cancelling the awaiting task before dispatch removes the request uncharged; after, it
+    aborts the backend call. Errors are :class:`sfq.SFQError` s (``http_status``,
+    ``to_openai()``); a malformed body is :class:`sfq.errors.BadRequest`. For flows under a
+    policy file (orgs, classes, limits, retries) use :class:`sfq.PolicyDispatcher`.
 
     Parameters
     ----------
