@@ -43,7 +43,7 @@ def test_all_is_the_public_face():
 
 def test_the_contract_names_are_public():
     for name in ("Scheduler", "ReferenceScheduler", "CORE", "Dispatch", "CostEstimator", "OpenAIBackend",
-                 "Dispatcher", "PolicyDispatcher", "Flow", "EventStream", "SFQError", "Refused", "load_policy",
+                 "Dispatcher", "PolicyDispatcher", "Flow", "Grant", "EventStream", "SFQError", "Refused", "load_policy",
                  "parse_policy"):
         assert name in sfq.__all__, name
     assert issubclass(sfq.errors.BadRequest, sfq.Refused) and issubclass(sfq.errors.BadRequest, ValueError)

@@ -8,7 +8,8 @@ The names here are the whole public face; everything else lives in its subpackag
   ``MAX_WEIGHT``;
 * in front of a fleet: ``Dispatcher`` (flows are your ids), ``PolicyDispatcher`` (flows are
   ``Flow(org, cls, pool)`` under a policy file: ``load_policy``, ``parse_policy``), the
-  ``EventStream`` a stream is, the ``CostEstimator`` and the ``OpenAIBackend``;
+  ``Grant`` of a turn (``acquire``), the ``EventStream`` a stream is, the ``CostEstimator``
+  and the ``OpenAIBackend``;
 * errors: ``SFQError`` (every error has ``http_status``, ``retry_after`` and ``to_openai()``)
   and the ones a caller catches by name: ``Refused``, ``BackendError``, ``DeadlineExceeded``,
   ``PolicyError``; the rest are in ``sfq.errors``.
@@ -33,6 +34,7 @@ if _typing.TYPE_CHECKING:  # what the lazy names below are, for type checkers (t
     from .cost import CostEstimator
     from .dispatch import Dispatcher, PolicyDispatcher
     from .dispatch.calls import EventStream
+    from .dispatch.policy_dispatcher import Grant
     from .policy import load_policy, parse_policy
     from .policy.classify import Flow
 
@@ -43,6 +45,7 @@ _LAZY = {
     "Dispatcher": ".dispatch",
     "PolicyDispatcher": ".dispatch",
     "EventStream": ".dispatch.calls",
+    "Grant": ".dispatch.policy_dispatcher",
     "load_policy": ".policy",
     "parse_policy": ".policy",
     "Flow": ".policy.classify",
@@ -102,6 +105,7 @@ __all__ = [
     "Dispatcher",
     "EventStream",
     "Flow",
+    "Grant",
     "OpenAIBackend",
     "PolicyDispatcher",
     "PolicyError",
