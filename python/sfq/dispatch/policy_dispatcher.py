@@ -410,7 +410,7 @@ class PolicyDispatcher:
         reason = r.reason or "closed"
         if reason == "unavailable":
             err = NoHealthyBackend(f"no backend of pool {r.flow.pool!r} is in rotation")
-            err.retry_after = self.engine.unavailable_retry_after  # type: ignore[attr-defined]
+            err.retry_after = self.engine.unavailable_retry_after
             return err
         if reason == "deadline" and r.tries:
             return DeadlineExceeded("the request's deadline ran out while it waited to be retried")

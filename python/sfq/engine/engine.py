@@ -260,7 +260,7 @@ class PolicyEngine:
             self.submitted += 1
             self.metrics.ended(key, "refused", "unavailable")  # type: ignore[arg-type]
             down = NoHealthyBackend(f"no backend of pool {flow.pool!r} is in rotation")
-            down.retry_after = self.unavailable_retry_after  # type: ignore[attr-defined]
+            down.retry_after = self.unavailable_retry_after
             raise down
         bucket = self._org_bucket(flow.org, now)
         if bucket is not None and not bucket.take(1, now):
