@@ -431,11 +431,21 @@ class PolicyDispatcher:
         the policy allows)."""
         if not self._started:
             await self.start()
+        deadline = self._deadline(timeout)
         if idempotency_key:
             first = self._idem.get(flow.org, idempotency_key)
             if first is not None:
-                return dict(await asyncio.shield(first))
-        deadline = self._deadline(timeout)
+                # the joiner keeps its own deadline; when the first one's caller leaves (its
+                # future is cancelled), the joiner goes on as a request of its own
+                done, _ = await asyncio.wait((first,), timeout=None if deadline is None else deadline - self.clock())
+                if not done:
+                    raise DeadlineExceeded("the request's deadline ran out while it waited for the running request "
+                                           "with the same Idempotency-Key")
+                if not first.cancelled():
+                    return dict(first.result())
+                if self._idem.get(flow.org, idempotency_key) is not None:  # another joiner took over first
+                    return await self.submit_flow(flow, body, timeout=None if deadline is None else max(
+                        deadline - self.clock(), 1e-9), idempotency_key=idempotency_key, on_admit=on_admit)
         r = await self._admit_any(flow, body, deadline, idempotency_key)
         if on_admit is not None:
             on_admit(r)
