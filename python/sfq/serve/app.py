@@ -101,7 +101,7 @@ class _Entry:
     """What the access-log line of one request says, and what the gateway has recorded of it."""
 
     __slots__ = ("t0", "path", "rid", "model", "stream", "flow", "r", "status", "outcome", "reason", "usage",
-                 "events", "counted", "writing", "stalled", "timer")
+                 "events", "counted", "writing", "stalled", "timer", "error_status")
 
     def __init__(self, t0: float, path: str, rid: str) -> None:
         self.t0 = t0
@@ -120,6 +120,7 @@ class _Entry:
         self.writing = False  # a stream's write is in progress (it may be blocked on the client)
         self.stalled = False  # its stream's client stopped reading past the deadline
         self.timer: asyncio.TimerHandle | None = None
+        self.error_status: int | None = None
 
     def admitted(self, r: Request) -> None:
         self.r = r
@@ -614,7 +615,7 @@ class Gateway:
 
     async def _stream_error(self, e: _Entry, resp: web.StreamResponse, err: HTTPError) -> None:
         e.reason = err.code
-        e.status = err.status
+        e.error_status = err.status  # the client got 200 and then this, in the error event
         with contextlib.suppress(ConnectionError):
             await self._send(e, resp, sse_error(err, e.rid))
 
@@ -675,6 +676,8 @@ class Gateway:
                 "completion_tokens": u.get("completion_tokens"), "duration": round(now - e.t0, 6)}
         if e.stream:
             line["events"] = e.events
+            if e.error_status is not None:
+                line["error_status"] = e.error_status
         # makeRecord + handle: what access.info does, without looking up the caller's frame
         access.handle(access.makeRecord(ACCESS_LOGGER, logging.INFO, __file__, 0, _dumps(line).decode(), (), None))
 
