@@ -268,6 +268,8 @@ def test_over_the_cap_idle_connections_make_room(capped: GatewayProcess):
             except (TimeoutError, ConnectionResetError):
                 pass
         assert closed >= 40 - 16
+        assert capped.metric("sfq_gateway_connections_closed_total", cause="evicted") >= 40 - 16
+        assert capped.metric("sfq_gateway_connections") <= 16
     finally:
         for s in idle:
             s.close()

@@ -40,7 +40,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, generate_latest
 
 from ..dispatch.policy_dispatcher import PolicyDispatcher
 from ..engine import Request
@@ -161,7 +161,14 @@ class Gateway:
         self.draining = False
         self.started = int(time.time())
         self._client_max_size = client_max_size
-        self.edge = Edge(policy.server, max_connections=fd_budget(policy))
+        reg = self.pd.registry
+        closed = Counter("sfq_gateway_connections_closed", "Client connections the gateway closed at its edge, by "
+                         "cause (head_timeout, head_too_large, send_timeout, evicted, refused_full)", ("cause",),
+                         registry=reg)
+        self.edge = Edge(policy.server, max_connections=fd_budget(policy),
+                         on_close=lambda why: closed.labels(why).inc())
+        Gauge("sfq_gateway_connections", "Open client connections", registry=reg).set_function(
+            self.edge.open_connections)
         self._secrets: tuple[str, ...] = ()
         self._limits(policy)
         self.app = web.Application(client_max_size=self._read_cap)

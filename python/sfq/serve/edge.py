@@ -36,12 +36,14 @@ import heapq
 import itertools
 import json
 import logging
+import math
 import os
 from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import LineTooLong
+from aiohttp.http_parser import RawRequestMessage
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
@@ -118,8 +120,11 @@ class Edge:
     a reloaded policy's ``server:`` section in force for new heads, bodies and sweeps) and the
     connection cap."""
 
-    def __init__(self, spec: ServerSpec, *, max_connections: int) -> None:
+    def __init__(self, spec: ServerSpec, *, max_connections: int,
+                 on_close: Callable[[str], None] | None = None) -> None:
         self.server: Server | None = None
+        self._on_close = on_close
+        self._warned = -math.inf
         self.header_timeout = self.idle_timeout = self.send_timeout = 0.0
         self.max_header_bytes = 0
         self.max_connections = max_connections
@@ -165,6 +170,11 @@ class Edge:
 
     def _closed(self, why: str) -> None:
         self.closed[why] += 1
+        if self._on_close is not None:
+            self._on_close(why)
+
+    def open_connections(self) -> int:
+        return 0 if self.server is None else len(self.server._connections)
 
     # ------------------------------------------------------------ the cap
     def admit(self, h: EdgeHandler) -> None:
@@ -178,6 +188,11 @@ class Edge:
         over = len(conns) - self.max_connections
         if over <= 0:
             return
+        now = h._since
+        if now - self._warned > 10.0:  # at most one line per 10 s however long the flood lasts
+            self._warned = now
+            log.warning("%d connections are open, the cap is %d (server.max_connections): closing the longest "
+                        "idle ones", len(conns), self.max_connections)
         batch = over + self.max_connections // 64
         idle = [c for c in conns if c is not h and isinstance(c, EdgeHandler) and c._st != _BUSY
                 and c.transport is not None]
@@ -280,8 +295,8 @@ class EdgeHandler(RequestHandler):
         read) is itself over the limit: its line and fields, counted as sent."""
         most = self._edge.max_header_bytes
         for msg, _ in self._messages:
-            raw = getattr(msg, "raw_headers", None)
-            if raw is not None and len(msg.path) + 14 + sum(len(k) + len(v) + 4 for k, v in raw) > most:
+            if isinstance(msg, RawRequestMessage) and \
+                    len(msg.path) + 14 + sum(len(k) + len(v) + 4 for k, v in msg.raw_headers) > most:
                 return True
         return False
 
