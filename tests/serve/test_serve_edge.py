@@ -230,6 +230,29 @@ def test_x_should_retry_and_request_ids(gateway: GatewayProcess, client: openai.
     assert r.headers["x-request-id"].startswith("req_")
 
 
+def test_a_client_that_reads_nothing_is_dropped_after_the_send_timeout(gateway: GatewayProcess,
+                                                                       upstream: Upstream):
+    """No deadline: a stream whose client stops reading is dropped once nothing moved for
+    ``send_timeout_seconds``; the request is cancelled and its slot freed."""
+    before = gateway.metric("sfq_gateway_connections_closed_total", cause="send_timeout")
+    body = json.dumps({"model": "m", "prompt": "big-nodeadline", "max_tokens": 4096, "stream": True}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+    s.connect(("127.0.0.1", gateway.port))
+    try:
+        s.sendall(_head(length=len(body)) + body)
+        got = 0
+        while got < 128 << 10:
+            piece = s.recv(65536)
+            assert piece, "the gateway closed the stream"
+            got += len(piece)
+        wait_until(lambda: "big-nodeadline" in upstream.aborted, "the upstream to see the stream aborted")
+        assert gateway.metric("sfq_gateway_connections_closed_total", cause="send_timeout") == before + 1
+        assert gateway.metric("sfq_in_flight", org="team-a") == 0 and "big-nodeadline" not in upstream.finished
+    finally:
+        s.close()
+
+
 # ------------------------------------------------------------------ the connection cap
 @pytest.fixture
 def capped(gate: Upstream, tmp_path: Path) -> Iterator[GatewayProcess]:
