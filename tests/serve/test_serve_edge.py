@@ -189,6 +189,18 @@ def test_protocol_errors_are_openai_shaped_without_a_banner(gateway: GatewayProc
     assert seen == ["sfq"] * 5
 
 
+def test_a_body_whose_encoding_breaks_mid_way_is_a_400_at_once(gateway: GatewayProcess):
+    """aiohttp reports a bad chunk as a new failed message; the request reading its body gets
+    the error (400) instead of waiting out the body deadline."""
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=LIMIT) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-a\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"mod\r\n")
+        time.sleep(0.2)  # the handler is reading the body now
+        s.sendall(b"ZZ\r\nnot a chunk\r\n")
+        status, headers, body = parse_response(read_until_closed(s))  # 400, not the deadline's 408
+    assert status == 400 and "could not be read" in json.loads(body)["error"]["message"]
+
+
 def test_two_authorization_headers_are_a_400(gateway: GatewayProcess):
     status, headers, body = _post(gateway, {"model": "m", "prompt": "p"}, key="sk-a",
                                   extra="Authorization: Bearer sk-b\r\n")

@@ -97,6 +97,10 @@ class _BodyTimeout(Exception):
     """The body did not arrive within the read deadline."""
 
 
+class _BodyError(Exception):
+    """The body could not be read (a malformed transfer or content encoding)."""
+
+
 class _Entry:
     """What the access-log line of one request says, and what the gateway has recorded of it."""
 
@@ -404,6 +408,8 @@ class Gateway:
             raw = await self._read(request, payload, unread, e)
         except _TooLarge as exc:
             return self._refused(e, e.flow, _too_large(exc.limit), "too_large", close=True)
+        except _BodyError as exc:
+            return self._refused(e, e.flow, _bad(str(exc)), "bad_request", close=True)
         except _BodyTimeout:
             return self._refused(e, e.flow, HTTPError(408, "invalid_request_error", "request_timeout",
                                                       f"the request body did not arrive within "
@@ -476,6 +482,12 @@ class Gateway:
                 if size > cap:
                     raise _TooLarge(cap)
                 chunks.append(c)
+        except (_TooLarge, _BodyTimeout, asyncio.CancelledError):
+            raise
+        except ConnectionError:  # the client went away mid-body (its handler is being cancelled too)
+            raise asyncio.CancelledError() from None
+        except Exception as exc:  # a malformed body encoding (chunked, compressed): the client's
+            raise _BodyError(f"the request body could not be read: {exc}") from None
         finally:
             timer.cancel()
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)

@@ -44,7 +44,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import LineTooLong
 from aiohttp.http_parser import RawRequestMessage
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_protocol import RequestHandler, _ErrInfo
 from aiohttp.web_server import Server
 
 from ..policy.config import Policy, ServerSpec
@@ -265,11 +265,12 @@ class EdgeHandler(RequestHandler):
 
     def data_received(self, data: bytes) -> None:
         st = self._st
-        if st == _BUSY:  # a body, or the next pipelined head: the request handler's business
-            super().data_received(data)
-            return
         n = self._request_count
         super().data_received(data)
+        if st == _BUSY:  # a body, or the next pipelined head: the request handler's business
+            if self._request_count != n:
+                self._body_broken()
+            return
         if self._request_count != n:  # a head is complete
             self._st = _BUSY
             held = self._head_bytes
@@ -289,6 +290,18 @@ class EdgeHandler(RequestHandler):
         if self._head_bytes > self._edge.max_header_bytes:
             self._edge._closed("head_too_large")
             self._refuse(_HEAD_TOO_LARGE)
+
+    def _body_broken(self) -> None:
+        """aiohttp reports a malformed body (a bad chunk) as a new, failed message and leaves the
+        request reading its body waiting: hand that request the error instead."""
+        req = self._current_request
+        if req is None:
+            return
+        for msg, _ in self._messages:
+            if isinstance(msg, _ErrInfo):
+                req.content.set_exception(msg.exc if isinstance(msg.exc, Exception) else
+                                          RuntimeError(msg.message))
+                return
 
     def _head_too_large(self) -> bool:
         """Whether a head just parsed (it came with more than ``max_header_bytes`` in one
