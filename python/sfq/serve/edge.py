@@ -185,7 +185,10 @@ class Edge:
         if srv is None:
             return
         conns = srv._connections
-        over = len(conns) - self.max_connections
+        if len(conns) <= self.max_connections:
+            return
+        # (closed connections stay listed until their handler ends: count the open ones)
+        over = sum(1 for c in conns if c.transport is not None) - self.max_connections
         if over <= 0:
             return
         now = h._since
@@ -198,7 +201,7 @@ class Edge:
                 and c.transport is not None]
         if not idle:
             self._closed("refused_full")
-            h._refuse(_FULL)
+            h._refuse(FULL)
             return
         for c in heapq.nsmallest(batch, idle, key=_since):
             self._closed("evicted")
@@ -218,10 +221,10 @@ class Edge:
                 continue
             if c._st == _HEAD and now - c._since > head:
                 self._closed("head_timeout")
-                c._refuse(_HEAD_TIMEOUT)
+                c._refuse(HEAD_TIMEOUT)
             elif c._paused_at and now - c._paused_at > send:
                 self._closed("send_timeout")
-                log.info("closing a connection whose client has not read what it was sent for %g s", send)
+                log.debug("dropping a connection whose client has not read what it was sent for %g s", send)
                 c.transport.abort()
 
 
@@ -229,13 +232,14 @@ def _since(c: EdgeHandler) -> float:
     return c._since
 
 
-_HEAD_TIMEOUT = canned(408, "Request Timeout", "request_timeout",
-                       "the request's line and headers did not arrive in time", retry=True)
-_HEAD_TOO_LARGE = canned(431, "Request Header Fields Too Large", "request_header_too_large",
-                         "the request's line and headers are too large", retry=False)
-_FULL = canned(503, "Service Unavailable", "too_many_connections",
-               "the gateway has no room for another connection; try again shortly", retry=True,
-               extra=(("Retry-After", "1"),))
+#: what the edge answers before it closes a connection on its own: (status, reason, code, message, retry, headers)
+_Canned = tuple[int, str, str, str, bool, tuple[tuple[str, str], ...]]
+HEAD_TIMEOUT: _Canned = (408, "Request Timeout", "request_timeout",
+                         "the request's line and headers did not arrive in time", True, ())
+HEAD_TOO_LARGE: _Canned = (431, "Request Header Fields Too Large", "request_header_too_large",
+                           "the request's line and headers are too large", False, ())
+FULL: _Canned = (503, "Service Unavailable", "too_many_connections",
+                 "the gateway has no room for another connection; try again shortly", True, (("Retry-After", "1"),))
 
 #: aiohttp's protocol errors -> (status, code, message)
 _PROTOCOL_ERRORS: tuple[tuple[type[BaseException], int, str, str], ...] = (
@@ -277,7 +281,7 @@ class EdgeHandler(RequestHandler):
             self._head_bytes = 0
             if held + len(data) > self._edge.max_header_bytes and self._head_too_large():
                 self._edge._closed("head_too_large")
-                self._refuse(_HEAD_TOO_LARGE)
+                self._refuse(HEAD_TOO_LARGE)
             return
         if not data or self.transport is None:
             return
@@ -289,7 +293,7 @@ class EdgeHandler(RequestHandler):
             self._head_bytes += len(data)
         if self._head_bytes > self._edge.max_header_bytes:
             self._edge._closed("head_too_large")
-            self._refuse(_HEAD_TOO_LARGE)
+            self._refuse(HEAD_TOO_LARGE)
 
     def _body_broken(self) -> None:
         """aiohttp reports a malformed body (a bad chunk) as a new, failed message and leaves the
@@ -329,12 +333,13 @@ class EdgeHandler(RequestHandler):
         super().resume_writing()
         self._paused_at = 0.0
 
-    def _refuse(self, response: bytes) -> None:
-        """Answer ``response`` (a canned one) and close, whatever the connection was doing."""
+    def _refuse(self, answer: _Canned) -> None:
+        """Answer ``answer`` and close, whatever the connection was doing."""
         t = self.transport
         if t is not None:
+            status, reason, code, message, retry, extra = answer
             try:
-                t.write(response)
+                t.write(canned(status, reason, code, message, retry=retry, extra=extra))
             except Exception:  # pragma: no cover - a transport closing under us
                 pass
         self.force_close()
