@@ -265,6 +265,28 @@ def test_a_client_that_reads_nothing_is_dropped_after_the_send_timeout(gateway: 
         s.close()
 
 
+def test_a_reload_puts_the_server_section_in_force(upstream: Upstream, refused_url: str, tmp_path: Path):
+    import signal
+
+    cfg = tmp_path / "policy.yaml"
+    cfg.write_text(policy_yaml(upstream.url, refused_url))
+    gw = GatewayProcess(cfg)
+    try:
+        a = make_client(gw)
+        assert a.completions.create(model="m", prompt="y" * 5000, max_tokens=1).choices[0].text == "x"
+        cfg.write_text(policy_yaml(upstream.url, refused_url) + "server: {pools: {main: {max_body_bytes: 4096}}}\n")
+        gw.signal(signal.SIGHUP)
+        wait_until(lambda: gw.log_has("reloaded"), "the reload")
+        with pytest.raises(openai.APIStatusError) as e413:
+            a.completions.create(model="m", prompt="y" * 5000, max_tokens=1)
+        assert e413.value.status_code == 413 and "4096" in e413.value.message
+        cfg.write_text(policy_yaml(upstream.url, refused_url) + "server: {pools: {nope: {max_body_bytes: 4096}}}\n")
+        gw.signal(signal.SIGHUP)
+        wait_until(lambda: gw.log_has("server.pools.nope"), "the refusal, naming the field")
+    finally:
+        gw.stop()
+
+
 # ------------------------------------------------------------------ the connection cap
 @pytest.fixture
 def capped(gate: Upstream, tmp_path: Path) -> Iterator[GatewayProcess]:
