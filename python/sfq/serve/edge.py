@@ -1,12 +1,14 @@
 """The gateway's edge: connections before they become requests, and clients that stall.
 
-aiohttp bounds a request head's line and field sizes and closes a connection that stays idle
-(no request in progress) past its ``keepalive_timeout``, but it has no deadline for a head
-that trickles in, no cap on a head's total size beyond ``max_headers * max_field_size``, no
-cap on open connections, no bound on how long a client may leave a response unread, and its
-own protocol errors are plain-text pages with a version banner. :class:`EdgeHandler` (the
-connection's protocol) and :class:`Edge` (one per server) add those, with no timer per
-request:
+aiohttp bounds a request head's line and field sizes (``max_line_size``, ``max_field_size``,
+``max_headers``) and closes a connection still without a complete head ``keepalive_timeout``
+after it opened or after its last response (3630 s by default). It has no deadline measured
+from a head's first byte, no cap on a head's total size short of ``max_headers *
+max_field_size`` (1 MiB), no deadline for a body (that is the handler's), no cap on open
+connections, no bound on how long a client may leave a response unread, it leaves a handler
+waiting for a body whose encoding broke mid-way, and its own protocol errors are plain-text
+pages with a version banner. :class:`EdgeHandler` (the connection's protocol) and
+:class:`Edge` (one per server) add those, with no timer per request:
 
 * **idle**: a connection with no request in progress is closed ``idle_timeout`` seconds
   after it opened or after its last response (aiohttp's keep-alive timer).
@@ -22,7 +24,8 @@ request:
   503 and closed.
 * **errors**: the protocol's own errors (a bad request line, a header too long, a malformed
   body encoding) are answered in OpenAI's error shape with ``x-should-retry: false``, and no
-  response carries a ``Server`` banner with versions.
+  response carries a ``Server`` banner with versions. A body encoding that breaks while the
+  handler reads the body is handed to that handler (a 400) instead of leaving it waiting.
 
 The body's limits (size, read deadline) are the request handler's (:mod:`sfq.serve.app`):
 they depend on the pool, which only the body names. One sweep a second checks the head and
