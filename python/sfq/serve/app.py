@@ -61,6 +61,8 @@ _DONE = b"data: [DONE]\n\n"
 _UNKNOWN = ("", "", "")
 _std_dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
+#: seconds a refusal of a body still coming goes on reading (and dropping) it before closing
+LINGER_SECONDS = 2.0
 #: the largest ``max_tokens`` (or ``max_completion_tokens``) a request may ask for
 MAX_OUTPUT_TOKENS = 1 << 24
 #: the largest ``n`` (and ``best_of``): OpenAI's own limit
@@ -374,24 +376,27 @@ class Gateway:
     async def _serve(self, request: web.Request, e: _Entry) -> web.StreamResponse:
         h = request.headers
         if self.draining:
-            return self._refused(e, _UNKNOWN, HTTPError(503, "server_error", "shutting_down",
-                                                        "the gateway is shutting down", None, True),
-                                 "closed", close=True)
+            return await self._linger(request, self._refused(
+                e, _UNKNOWN, HTTPError(503, "server_error", "shutting_down", "the gateway is shutting down", None,
+                                       True), "closed", close=True))
         payload = request.content
         unread = not payload.is_eof()  # a body still to come: refusing it closes the connection
         auths: Sequence[str] = h.getall("Authorization", ())
         if len(auths) > 1:
-            return self._refused(e, _UNKNOWN, _DUPLICATE_AUTH, "bad_request", close=unread)
+            return await self._linger(request, self._refused(e, _UNKNOWN, _DUPLICATE_AUTH, "bad_request",
+                                                             close=unread))
         # who, and which class: from the headers, before a byte of the body is read
         cl = self.pd.engine.classifier
         try:
             org = cl.org_of(_bearer(auths[0] if auths else None))
         except Refused as exc:
-            return self._refused(e, _UNKNOWN, http_error_of(exc), exc.reason, close=unread)
+            return await self._linger(request, self._refused(e, _UNKNOWN, http_error_of(exc), exc.reason,
+                                                             close=unread))
         try:
             cls = cl.class_for(org, h.get("X-SFQ-Class") or None)
         except Refused as exc:
-            return self._refused(e, (org.name, "", ""), http_error_of(exc), exc.reason, close=unread)
+            return await self._linger(request, self._refused(e, (org.name, "", ""), http_error_of(exc), exc.reason,
+                                                             close=unread))
         e.flow = (org.name, cls, "")
         timeout: float | None = None
         t = h.get("X-SFQ-Timeout")
@@ -401,13 +406,15 @@ class Gateway:
             except ValueError:
                 timeout = math.nan
             if not (math.isfinite(timeout) and timeout > 0):
-                return self._refused(e, e.flow, _bad(f"X-SFQ-Timeout must be a number of seconds > 0, got {t[:40]!r}"),
-                                     "bad_request", close=unread)
+                return await self._linger(request, self._refused(
+                    e, e.flow, _bad(f"X-SFQ-Timeout must be a number of seconds > 0, got {t[:40]!r}"), "bad_request",
+                    close=unread))
         # the body, within the largest limit of any pool (the request's own pool is checked below)
         try:
             raw = await self._read(request, payload, unread, e)
         except _TooLarge as exc:
-            return self._refused(e, e.flow, _too_large(exc.limit), "too_large", close=True)
+            return await self._linger(request, self._refused(e, e.flow, _too_large(exc.limit), "too_large",
+                                                             close=True))
         except _BodyError as exc:
             return self._refused(e, e.flow, _bad(str(exc)), "bad_request", close=True)
         except _BodyTimeout:
@@ -491,6 +498,36 @@ class Gateway:
         finally:
             timer.cancel()
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def _linger(self, request: web.Request, resp: web.Response) -> web.Response:
+        """Send a refusal of a body that is still coming now, then read and drop what the client
+        goes on sending, for at most ``LINGER_SECONDS`` and the read cap, before the connection
+        closes: closing a socket with unread data resets it, and the reset can destroy the
+        answer before the client reads it."""
+        payload = request.content
+        if payload.is_eof():
+            return resp
+        try:
+            await resp.prepare(request)
+            await resp.write_eof()
+        except ConnectionError:
+            return resp
+        if request.headers.get("Expect", "").lower() == "100-continue":
+            return resp  # never told to continue: it sends nothing more
+        loop = asyncio.get_running_loop()
+        timer = loop.call_at(loop.time() + LINGER_SECONDS, payload.set_exception, _BodyTimeout())
+        left = self._read_cap
+        try:
+            while left > 0:
+                c = await payload.readany()
+                if not c:
+                    break
+                left -= len(c)
+        except Exception:  # the linger's own deadline, or the connection went
+            pass
+        finally:
+            timer.cancel()
+        return resp
 
     def _failed(self, e: _Entry, exc: SFQError) -> web.Response:
         """The policy (or a backend) refused or failed the request: its answer, and the
