@@ -134,7 +134,7 @@ class Edge:
         self._fd_cap = max_connections
         self.apply(spec)
         self._timer: asyncio.TimerHandle | None = None
-        #: what the edge closed, by cause (``/health`` does not show these; the log does)
+        #: what the edge closed, by cause (also ``sfq_gateway_connections_closed_total`` on ``/metrics``)
         self.closed: dict[str, int] = {"head_timeout": 0, "head_too_large": 0, "send_timeout": 0, "evicted": 0,
                                        "refused_full": 0}
 
