@@ -367,7 +367,8 @@ class CostEstimator:
         if cost < self.min_cost:
             cost = self.min_cost
         elif cost > MAX_COST:
-            raise OverflowError(f"estimated cost {cost!r} of this request exceeds the largest cost {MAX_COST:.0f}")
+            raise OverflowError(f"the request asks for too much output: its estimated cost {cost!r} exceeds the "
+                                f"largest cost {MAX_COST:.0f}; lower max_tokens or n")
         return Estimate(model, cost, prompt, exact, chars, cap, ratio, expected, copies)
 
     def observe(self, estimate: Estimate, usage: Mapping[str, Any] | None, flow: Hashable = None) -> bool:

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from sfq.errors import PolicyError, SFQError
-from sfq.policy import ClassSpec, Policy, load_policy, parse_policy, policy_from_mapping
+from sfq.policy import ClassSpec, Policy, ServerSpec, load_policy, parse_policy, policy_from_mapping
 
 from policy_helpers import EXAMPLE
 
@@ -92,6 +92,30 @@ def test_state_section() -> None:
     d["state"] = {"redis": "redis://127.0.0.1:6379/0", "lease_seconds": 2.5}
     st = policy_from_mapping(d).state
     assert st is not None and st.redis == "redis://127.0.0.1:6379/0" and st.prefix == "sfq:" and st.lease_seconds == 2.5
+
+
+def test_server_section() -> None:
+    d = base()
+    assert policy_from_mapping(d).server == ServerSpec()
+    pool = next(iter(d["pools"]))
+    d["server"] = {"header_timeout_seconds": 2, "max_connections": 100, "max_body_bytes": 1 << 20,
+                   "pools": {pool: {"max_body_bytes": 4096}}}
+    sv = policy_from_mapping(d).server
+    assert (sv.header_timeout_seconds, sv.body_timeout_seconds, sv.max_connections) == (2.0, 30.0, 100)
+    assert sv.body_limit(pool) == 4096 and sv.body_limit("other") == 1 << 20
+    for bad, path in (({"max_connections": 0}, "server.max_connections"),
+                      ({"idle_timeout_seconds": -1}, "server.idle_timeout_seconds"),
+                      ({"max_body_bytes": 10}, "server.max_body_bytes"),
+                      ({"pools": {"nope": {"max_body_bytes": 4096}}}, "server.pools.nope"),
+                      ({"pools": {pool: {"max_bytes": 4096}}}, f"server.pools.{pool}.max_bytes"),
+                      ({"timeout": 1}, "server.timeout")):
+        d["server"] = bad
+        with pytest.raises(PolicyError) as err:
+            policy_from_mapping(d)
+        assert err.value.path == path
+    # the edge's settings are the gateway's own: gateways sharing one queue may differ in them
+    d["server"] = {"max_connections": 5}
+    assert "max_connections" not in repr(policy_from_mapping(d))
 
 
 def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:

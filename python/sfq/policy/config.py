@@ -32,6 +32,7 @@ __all__ = [
     "PoolLimits",
     "PoolSpec",
     "RetrySpec",
+    "ServerSpec",
     "StateSpec",
     "UpstreamTimeouts",
     "BACKOFFS",
@@ -172,6 +173,27 @@ class StateSpec:
 
 
 @dataclass(frozen=True)
+class ServerSpec:
+    """The gateway's edge (``sfq serve``): how long a client may take, how much it may send,
+    how many connections it may hold. ``max_connections`` ``None``: what the process's
+    file-descriptor limit leaves after the backends' share. ``pool_max_body_bytes``: a pool's
+    own body limit where it differs from ``max_body_bytes``."""
+
+    header_timeout_seconds: float = 10.0
+    body_timeout_seconds: float = 30.0
+    idle_timeout_seconds: float = 15.0
+    send_timeout_seconds: float = 30.0
+    max_connections: int | None = None
+    max_header_bytes: int = 32 << 10
+    max_body_bytes: int = 32 << 20
+    pool_max_body_bytes: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+
+    def body_limit(self, pool: str) -> int:
+        """The largest body a request for ``pool`` may have, bytes."""
+        return self.pool_max_body_bytes.get(pool, self.max_body_bytes)
+
+
+@dataclass(frozen=True)
 class Policy:
     """A validated policy: build it with :func:`load_policy` or :func:`parse_policy`.
 
@@ -189,6 +211,9 @@ class Policy:
     #: the settings of an org the file does not name (its ``name`` is ``"*"``; no keys)
     org_template: OrgSpec | None = None
     _made: dict[str, OrgSpec] = field(default_factory=dict, init=False, repr=False, compare=False)
+    #: the gateway's own edge limits (not the policy's): left out of ``repr``, so gateways
+    #: sharing one queue may set them differently
+    server: ServerSpec = field(default_factory=ServerSpec, repr=False)
 
     # ------------------------------------------------------------ derived facts
     def pool_of(self, model: str) -> PoolSpec | None:
@@ -366,7 +391,7 @@ def _opt(d: Mapping[str, Any], key: str) -> Any:
 def policy_from_mapping(data: object, *, source: str = "<mapping>") -> Policy:
     """Validate a policy given as plain data (what ``yaml.safe_load`` returns)."""
     top = _section(data if data is not None else {}, "",
-                   ("pools", "classes", "orgs", "org_template", "cost", "retry", "state"))
+                   ("pools", "classes", "orgs", "org_template", "cost", "retry", "state", "server"))
     for need in ("pools", "classes"):
         if need not in top:
             raise PolicyError(need, "is required")
@@ -406,8 +431,9 @@ def policy_from_mapping(data: object, *, source: str = "<mapping>") -> Policy:
     retry = _retry(top.get("retry"), "retry") if "retry" in top else RetrySpec()
     state = _state(top.get("state"), "state") if "state" in top else None
     template = _org_template(top["org_template"], "org_template", classes) if has_template else None
+    server = _server(top.get("server"), "server", pools) if "server" in top else ServerSpec()
     return Policy(MappingProxyType(pools), MappingProxyType(classes), MappingProxyType(orgs), cost, retry, state,
-                  source, template)
+                  source, org_template=template, server=server)
 
 
 def _class(name: str, v: object, path: str) -> ClassSpec:
@@ -574,3 +600,30 @@ def _state(v: object, path: str) -> StateSpec:
         raise PolicyError(f"{path}.prefix", f"must be a string, got {_desc(prefix)}")
     lease = _number(d["lease_seconds"], f"{path}.lease_seconds") if "lease_seconds" in d else 10.0
     return StateSpec(url, prefix, lease)
+
+
+def _server(v: object, path: str, pools: Mapping[str, PoolSpec]) -> ServerSpec:
+    keys = ("header_timeout_seconds", "body_timeout_seconds", "idle_timeout_seconds", "send_timeout_seconds",
+            "max_connections", "max_header_bytes", "max_body_bytes")
+    d = _section(v, path, (*keys, "pools"))
+    dflt = ServerSpec()
+    kw: dict[str, Any] = {}
+    for k in keys:
+        if _opt(d, k) is None:
+            continue
+        if k.endswith("_seconds"):
+            kw[k] = _number(d[k], f"{path}.{k}")
+        else:
+            kw[k] = _integer(d[k], f"{path}.{k}", 1024 if k.endswith("_bytes") else 1)
+    per_pool: dict[str, int] = {}
+    if _opt(d, "pools") is not None:
+        pp = d["pools"]
+        if not isinstance(pp, dict):
+            raise PolicyError(f"{path}.pools", f"must be a mapping of pool names to settings, got {_desc(pp)}")
+        for name, sv in pp.items():
+            if name not in pools:
+                raise PolicyError(f"{path}.pools.{name}", f"unknown pool (pools: {', '.join(pools)})")
+            sd = _section(sv, f"{path}.pools.{name}", ("max_body_bytes",))
+            if _opt(sd, "max_body_bytes") is not None:
+                per_pool[name] = _integer(sd["max_body_bytes"], f"{path}.pools.{name}.max_body_bytes", 1024)
+    return ServerSpec(**{**{k: getattr(dflt, k) for k in keys}, **kw}, pool_max_body_bytes=MappingProxyType(per_pool))
