@@ -55,6 +55,7 @@ REFUSALS: dict[str, tuple[int, str, str]] = {
     "queue_timeout": (504, "timeout_error", "queue_timeout"),
     "deadline": (504, "timeout_error", "deadline_exceeded"),
     "closed": (503, "server_error", "shutting_down"),
+    "state_unavailable": (503, "server_error", "state_unavailable"),
 }
 
 
@@ -214,7 +215,7 @@ class DispatcherClosed(SFQError):
     from the queue uncharged before it could be dispatched. Answered 503."""
 
     http_status = 503
-    error_code = "upstream_unavailable"
+    error_code = "shutting_down"
 
 
 # ---------------------------------------------------------------- policy layer

@@ -22,6 +22,7 @@ import json
 import math
 from typing import Any, NamedTuple
 
+from .. import errors as _errors
 from ..errors import (
     BackendError,
     BackendHTTPError,
@@ -66,20 +67,9 @@ class HTTPError(NamedTuple):
         return h
 
 
-#: a refusal's reason -> (status, type, code)
-REFUSALS: dict[str, tuple[int, str, str]] = {
-    "unauthenticated": (401, "authentication_error", "invalid_api_key"),
-    "class_not_allowed": (403, "permission_error", "class_not_allowed"),
-    "unknown_model": (404, "not_found_error", "model_not_found"),
-    "bad_request": (400, "invalid_request_error", "bad_request"),
-    "too_large": (400, "invalid_request_error", "context_length_exceeded"),
-    "rate_limited": (429, "rate_limit_error", "rate_limited"),
-    "queue_full": (429, "rate_limit_error", "queue_full"),
-    "queue_timeout": (504, "timeout_error", "queue_timeout"),
-    "deadline": (504, "timeout_error", "deadline_exceeded"),
-    "closed": (503, "server_error", "shutting_down"),
-    "state_unavailable": (503, "server_error", "state_unavailable"),
-}
+#: a refusal's reason -> (status, type, code): the library's one table (``sfq.errors.REFUSALS``),
+#: less the reasons only an embedder's own flows meet (an org the policy does not know)
+REFUSALS: dict[str, tuple[int, str, str]] = {k: v for k, v in _errors.REFUSALS.items() if k != "unknown_org"}
 
 #: refusals whose text may carry what the operator's setup looks like (a Redis address):
 #: the client gets this instead, the log the original
