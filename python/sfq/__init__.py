@@ -33,7 +33,7 @@ if _typing.TYPE_CHECKING:  # what the lazy names below are, for type checkers (t
     from .backends import OpenAIBackend
     from .cost import CostEstimator
     from .dispatch import Dispatcher, PolicyDispatcher
-    from .dispatch.calls import EventStream
+    from .dispatch.stream import EventStream
     from .dispatch.policy_dispatcher import Grant
     from .policy import load_policy, parse_policy
     from .policy.classify import Flow
@@ -44,7 +44,7 @@ _LAZY = {
     "CostEstimator": ".cost",
     "Dispatcher": ".dispatch",
     "PolicyDispatcher": ".dispatch",
-    "EventStream": ".dispatch.calls",
+    "EventStream": ".dispatch.stream",
     "Grant": ".dispatch.policy_dispatcher",
     "load_policy": ".policy",
     "parse_policy": ".policy",

@@ -102,7 +102,7 @@ class FlowStats:
     """Counters of one flow (see ``Dispatcher.stats``)."""
 
     __slots__ = ("flow", "idle", "waiting", "in_flight", "dispatched", "completed", "failed",
-                 "cancelled", "aborted", "rejected", "unavailable", "retried", "charged", "waits")
+                 "cancelled", "aborted", "rejected", "unavailable", "expired", "retried", "charged", "waits")
 
     def __init__(self, flow: Hashable, window: int) -> None:
         self.flow = flow
@@ -116,6 +116,7 @@ class FlowStats:
         self.aborted = 0  # given up after dispatch: charged, backend call aborted
         self.rejected = 0  # removed when the dispatcher closed
         self.unavailable = 0  # removed after unavailable_timeout with no healthy backend (NoHealthyBackend)
+        self.expired = 0  # ended while waiting: their deadline ran out (``timeout``)
         self.retried = 0  # attempts that failed and were tried again
         self.charged = 0.0  # cost units charged: at dispatch, plus the corrections of the charge mode
         self.waits: deque[float] = deque(maxlen=window)  # seconds from submit to send
@@ -187,7 +188,7 @@ class DispatcherBase:
 
     # admission
     def _admit(self, flow: Hashable, body: Mapping[str, Any], cost: float | None, streaming: bool,
-               idempotent: bool) -> Job:
+               idempotent: bool, timeout: float | None = None) -> Job:
         raise NotImplementedError
 
     async def _wait_placed(self, job: Job) -> None:

@@ -5,6 +5,7 @@ placed (withdrawn, uncharged). The engine decides when it goes and what it is ch
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Hashable, Mapping
 from typing import Any
 
@@ -39,8 +40,10 @@ class PlacementFuture(asyncio.Future):  # type: ignore[type-arg]
 
 class Admission(DispatcherBase):
     def _admit(self, flow: Hashable, body: Mapping[str, Any], cost: float | None, streaming: bool,
-               idempotent: bool) -> Job:
-        """Validate, estimate, hand to the engine and pump. The job comes back placed or waiting."""
+               idempotent: bool, timeout: float | None = None) -> Job:
+        """Validate, estimate, hand to the engine and pump. The job comes back placed or waiting.
+        ``timeout``: its deadline, seconds from now (the engine ends it if it runs out while it
+        waits)."""
         if self._closed:
             raise DispatcherClosed("this dispatcher is closed")
         if type(body) is not dict:
@@ -86,12 +89,18 @@ class Admission(DispatcherBase):
                 f"the request needs about {need:.0f} tokens (prompt {est.prompt_tokens:.0f} + max_tokens "
                 f"{per_seq}), more than any backend of pool {pool.model!r} takes "
                 f"(largest max_context {pool.largest_context:.0f})")
+        deadline = None
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
+                    timeout > 0 and math.isfinite(timeout)):
+                raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
+            deadline = self.clock() + float(timeout)
         key = Flow(flow, DEFAULT_CLASS, pool.name)  # type: ignore[arg-type]  # the caller's flow id is the org
         job = Job(flow, key, body, endpoint, est, pool, self.clock())
         job.stream = streaming
         # the engine checks a given cost, estimates the rest at dispatch; nothing changed if it raises
         job.req = self._engine.submit(key, cost=cost, estimate=est, need=need, item=job, streaming=streaming,
-                                      idempotency_key="idempotent" if idempotent else None)
+                                      deadline=deadline, idempotency_key="idempotent" if idempotent else None)
         fs = self._flows.get(flow)
         if fs is None or fs.idle:
             fs = self._flow_stats(flow)
@@ -104,7 +113,7 @@ class Admission(DispatcherBase):
         if job.state == REJECTED:
             raise DispatcherClosed("the dispatcher closed before this request was sent")
         if job.state == EXPIRED:
-            raise NoHealthyBackend(f"no backend of pool {job.pool.model!r} was healthy")
+            raise self._engine.ended_error(job.req)
         fut = job.fut = PlacementFuture(self, job, asyncio.get_running_loop())
         try:
             await fut

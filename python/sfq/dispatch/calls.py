@@ -4,11 +4,15 @@ admission through the backend call (and its retries) to exactly one outcome."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Hashable, Mapping
 from typing import Any
 
+from ..engine import PolicyEngine, Request
 from ..errors import BackendError, NoHealthyBackend
 from ._state import ABORTED, FAILED, OK, PLACED, DispatcherBase, Job
+from .policy_calls import BackendAddress, Grant
+from .stream import EventStream
 
 
 class _Slot:
@@ -41,44 +45,52 @@ def text_chars(reply: Any) -> int | None:
     return n
 
 
-class EventStream:
-    """A streamed reply, event by event: what ``Dispatcher.stream()`` returns. Each event is
-    the backend's server-sent event as a JSON object (an OpenAI ``chunk``).
+_END: Any = object()  # the first event of a stream that had none
 
-    Hold it as an async context manager and iterate it::
 
-        async with d.stream("team-b", body) as events:
-            async for event in events:
-                ...
+class DispatcherStream(EventStream):
+    """The :class:`~sfq.EventStream` of ``Dispatcher.stream()`` and ``Dispatcher.open_stream()``.
 
-    The request is queued when iteration starts. Leaving early frees its slot and aborts the
-    backend call: leave the ``async with`` block, ``await events.aclose()``, or ``break`` out
-    of ``async for event in d.stream(...)`` (the stream object is dropped at once). When you
-    keep a reference to the stream, close it: a stream still referenced cannot know you are
-    done with it.
+    Entering it (``async with``) opens the request: admitted, placed, and the backend's first
+    event read, so a refusal or a failure before the first event raises there. Iterating
+    without entering opens it at the first iteration. Leaving early frees its slot and aborts
+    the backend call: leave the ``async with`` block, ``await events.aclose()``, or ``break``
+    out of ``async for event in d.stream(...)`` (the stream object is dropped at once). When
+    you keep a reference to the stream, close it: a stream still referenced cannot know you
+    are done with it.
     """
 
-    __slots__ = ("_agen", "_slot", "_dispatcher")
+    __slots__ = ("_agen", "_slot", "_dispatcher", "_first")
 
     def __init__(self, dispatcher: DispatcherBase, agen: AsyncIterator[dict[str, Any]], slot: _Slot) -> None:
         self._dispatcher = dispatcher
         self._agen = agen
         self._slot = slot
+        self._first: Any = None  # the event read when it was opened, until it is handed out
 
-    def __aiter__(self) -> EventStream:
+    def __aiter__(self) -> DispatcherStream:
         return self
 
     async def __anext__(self) -> dict[str, Any]:
+        first = self._first
+        if first is not None:
+            self._first = None
+            if first is _END:
+                raise StopAsyncIteration
+            return first  # type: ignore[no-any-return]
         return await self._agen.__anext__()
 
     async def aclose(self) -> None:
+        self._first = None
         await self._agen.aclose()  # type: ignore[attr-defined]
 
-    async def __aenter__(self) -> EventStream:
+    async def __aenter__(self) -> DispatcherStream:
+        if self._slot.job is None and self._first is None:  # not opened yet: up to its first event
+            try:
+                self._first = await self._agen.__anext__()
+            except StopAsyncIteration:
+                self._first = _END
         return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     def __del__(self) -> None:
         # dropped while its request holds a slot (``break`` without aclosing): free the slot on
@@ -97,7 +109,7 @@ class EventStream:
 
 class Calls(DispatcherBase):
     async def submit(self, flow: Hashable, body: Mapping[str, Any], *, cost: float | None = None,
-                     idempotent: bool = False) -> dict[str, Any]:
+                     idempotent: bool = False, timeout: float | None = None) -> dict[str, Any]:
         """Queue a non-streaming request of ``flow`` and return the backend's JSON reply.
 
         ``body`` is an OpenAI ``/v1/completions`` (``prompt``) or ``/v1/chat/completions``
@@ -117,7 +129,7 @@ class Calls(DispatcherBase):
         """
         if not self._started:
             await self.start()
-        job = self._admit(flow, body, cost, False, idempotent)
+        job = self._admit(flow, body, cost, False, idempotent, timeout=timeout)
         while True:
             if job.state != PLACED:
                 await self._wait_placed(job)
@@ -148,7 +160,7 @@ class Calls(DispatcherBase):
             return reply
 
     def stream(self, flow: Hashable, body: Mapping[str, Any], *, cost: float | None = None,
-               idempotent: bool = False) -> EventStream:
+               idempotent: bool = False, timeout: float | None = None) -> EventStream:
         """Queue a streaming request of ``flow``; iterate the result for the backend's events
         (JSON objects). See ``EventStream`` for stopping early (``break`` frees the slot).
 
@@ -158,13 +170,82 @@ class Calls(DispatcherBase):
         ``idempotent``: as in ``submit``.
         """
         slot = _Slot()
-        return EventStream(self, self._stream(flow, body, cost, idempotent, slot), slot)
+        return DispatcherStream(self, self._stream(flow, body, cost, idempotent, slot, timeout), slot)
 
-    async def _stream(self, flow: Hashable, body: Mapping[str, Any], cost: float | None, idempotent: bool,
-                      slot: _Slot) -> AsyncIterator[dict[str, Any]]:
+    def open_stream(self, flow: Hashable, body: Mapping[str, Any], *, timeout: float | None = None) -> EventStream:
+        """A stream to enter with ``async with``: entering waits for ``flow``'s turn and for the
+        backend's first event, so every refusal (``BadRequest``, ``timeout``, no healthy
+        backend, the backend's own error status) raises there, before an embedder's server
+        has sent its client a status line::
+
+            async with d.open_stream("team-b", body, timeout=30) as events:
+                async for event in events:
+                    ...
+
+        ``timeout``: the request's deadline in seconds from now; if it runs out while the
+        request waits, entering raises (``Refused``, 504) and nothing reaches a backend."""
+        return self.stream(flow, body, timeout=timeout)
+
+    def acquire(self, flow: Hashable, body: Mapping[str, Any], *,
+                timeout: float | None = None) -> contextlib.AbstractAsyncContextManager[Grant]:
+        """Wait for ``flow``'s turn for ``body`` and learn where to send it, for an embedder who
+        makes the call with its own HTTP client::
+
+            async with d.acquire("team-a", body, timeout=30) as grant:
+                reply = await my_client.post(grant.url, json=body, headers=dict(grant.backend.headers))
+                grant.finish(reply["usage"])
+
+        Entering is where everything that can refuse the request happens (``BadRequest``, the
+        ``timeout`` while it waits, ``NoHealthyBackend``); cancelling the task while it waits
+        there removes the request uncharged and nothing reaches a backend. Leaving without
+        :meth:`Grant.finish` settles the charge from the estimate (or from what
+        :meth:`Grant.delivered` reported); an exception inside the block is a failure that
+        frees the slot and counts toward the backend's health; nobody retries it but you."""
+        return self._acquire(flow, body, timeout)
+
+    @contextlib.asynccontextmanager
+    async def _acquire(self, flow: Hashable, body: Mapping[str, Any], timeout: float | None) -> AsyncIterator[Grant]:
         if not self._started:
             await self.start()
-        job = self._admit(flow, body, cost, True, idempotent)
+        streaming = isinstance(body, Mapping) and body.get("stream") is True
+        job = self._admit(flow, body, None, streaming, False, timeout=timeout)
+        if job.state != PLACED:
+            await self._wait_placed(job)
+        bs = job.bs
+        assert bs is not None
+        be = bs.backend
+        address = BackendAddress(bs.name, getattr(be, "url", ""), getattr(be, "headers", {}))
+        grant = Grant(self, job.req, address, job.endpoint)
+        try:
+            yield grant
+        except (asyncio.CancelledError, GeneratorExit):
+            grant._ended = True
+            self._finish(job, ABORTED)
+            raise
+        except BaseException as exc:
+            grant._ended = True
+            err = exc if isinstance(exc, BackendError) else BackendError(
+                f"the call to backend {bs.name!r} failed: {type(exc).__name__}: {exc}", backend=bs.name)
+            self._finish(job, FAILED, err, retryable=False)
+            raise
+        if not grant._ended:
+            grant._ended = True
+            self._finish(job, OK)
+
+    @property
+    def engine(self) -> PolicyEngine:
+        """The request engine that decides for this dispatcher (its state is read-only to you)."""
+        return self._engine
+
+    def _completed(self, r: Request, usage: Mapping[str, Any] | None, text_chars: int | None) -> None:
+        """A grant's call succeeded (``Grant.finish``)."""
+        self._finish(r.item, OK, None, usage if isinstance(usage, Mapping) else None, text_chars)
+
+    async def _stream(self, flow: Hashable, body: Mapping[str, Any], cost: float | None, idempotent: bool,
+                      slot: _Slot, timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:
+        if not self._started:
+            await self.start()
+        job = self._admit(flow, body, cost, True, idempotent, timeout=timeout)
         slot.job = job
         so = job.body.get("stream_options")
         wants_usage = isinstance(so, Mapping) and bool(so.get("include_usage"))

@@ -64,18 +64,25 @@ class Placement(DispatcherBase):
         self._pump()
 
     def _expired(self, job: Job) -> None:
-        """The engine ended a waiting job: no backend of its pool was healthy for ``unavailable_timeout``."""
+        """The engine ended a waiting job: no backend of its pool was healthy for
+        ``unavailable_timeout``, or its deadline ran out."""
         if job.state != WAITING:
             return
         job.state = EXPIRED
         fs = job.fs
         fs.waiting -= 1
-        fs.unavailable += 1
+        r = job.req
+        if r.reason == "unavailable":
+            fs.unavailable += 1
+            err: Exception = NoHealthyBackend(
+                f"no backend of pool {job.pool.model!r} was healthy for {self.unavailable_timeout:g} s while this "
+                "request waited")
+        else:
+            fs.expired += 1
+            err = self._engine.ended_error(r)
         self._maybe_idle(fs)
         if job.fut is not None and not job.fut.done():
-            job.fut.set_exception(NoHealthyBackend(
-                f"no backend of pool {job.pool.model!r} was healthy for {self.unavailable_timeout:g} s while this "
-                "request waited"))
+            job.fut.set_exception(err)
 
     def _send(self, job: Job, bs: BState) -> None:
         r = job.req
@@ -177,12 +184,15 @@ class Placement(DispatcherBase):
             return
         if r.outcome is None:
             self._engine.requeue(r)
-        if r.outcome is not None:  # it could not go back (e.g. no backend in rotation)
+        if r.outcome is not None:  # it could not go back (no backend in rotation, its deadline)
             job.state = EXPIRED
             job.fs.waiting -= 1
-            job.fs.unavailable += 1
+            if r.reason == "unavailable":
+                job.fs.unavailable += 1
+            else:
+                job.fs.expired += 1
             self._maybe_idle(job.fs)
-            raise NoHealthyBackend(f"no backend of pool {job.pool.model!r} was in rotation for the retry")
+            raise self._engine.ended_error(r)
         self._pump()
         if job.state != PLACED:
             await self._wait_placed(job)

@@ -13,17 +13,28 @@ import sys
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ..backends import CHAT_COMPLETIONS, COMPLETIONS
 from ..engine.pool import RUNNING, Request
 from ..errors import BackendError, DeadlineExceeded
 from ..policy.classify import Flow
+from .stream import EventStream
 
 if TYPE_CHECKING:
+    from ..engine import PolicyEngine
     from .policy_dispatcher import PolicyDispatcher
 
-__all__ = ["BackendAddress", "EventStream", "Grant"]
+
+class GrantOwner(Protocol):
+    """What a :class:`Grant` reports to: the dispatcher that granted it."""
+
+    @property
+    def engine(self) -> PolicyEngine: ...
+
+    def _completed(self, r: Request, usage: Mapping[str, Any] | None, text_chars: int | None) -> None: ...
+
+__all__ = ["BackendAddress", "EventStream", "Grant", "GrantOwner", "PolicyEventStream"]
 
 Reply = dict[str, Any]
 Event = dict[str, Any]
@@ -97,7 +108,8 @@ class BackendAddress:
 
 
 class Grant:
-    """A request's turn on a backend: what :meth:`PolicyDispatcher.acquire` yields.
+    """A request's turn on a backend: what ``acquire`` yields (``PolicyDispatcher.acquire``,
+    ``Dispatcher.acquire``).
 
     ``backend`` says where to send it (:class:`BackendAddress`); ``url`` is the endpoint for
     its body (``.../v1/chat/completions`` or ``.../v1/completions``); ``request`` is the
@@ -107,7 +119,7 @@ class Grant:
 
     __slots__ = ("_pd", "request", "backend", "url", "_ended")
 
-    def __init__(self, pd: PolicyDispatcher, r: Request, backend: BackendAddress, endpoint: str) -> None:
+    def __init__(self, pd: GrantOwner, r: Request, backend: BackendAddress, endpoint: str) -> None:
         self._pd = pd
         self.request = r
         self.backend = backend
@@ -137,7 +149,7 @@ class Grant:
         self._pd._completed(self.request, usage, output_text_chars)
 
 
-class EventStream:
+class PolicyEventStream(EventStream):
     """A streamed request's events (parsed JSON objects), as :meth:`PolicyDispatcher.stream`,
     :meth:`~PolicyDispatcher.stream_flow` and :meth:`~PolicyDispatcher.open_stream` return it.
 
@@ -180,10 +192,10 @@ class EventStream:
         self._watchdog: asyncio.TimerHandle | None = None
 
     # ---------------------------------------------------------------- the protocol
-    def __aiter__(self) -> EventStream:
+    def __aiter__(self) -> PolicyEventStream:
         return self
 
-    async def __aenter__(self) -> EventStream:
+    async def __aenter__(self) -> PolicyEventStream:
         self._reading = True
         try:
             await self._open()

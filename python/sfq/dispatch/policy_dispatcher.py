@@ -75,7 +75,8 @@ from ..policy.classify import Flow
 from ..policy.config import Policy, UpstreamTimeouts, load_policy
 from ..policy.retry import IdempotencyIndex
 from ..state import SharedState, local_policy, state_for
-from .policy_calls import BackendAddress, EventStream, Grant, Reply, _endpoint, _Expired, _text_chars, _within
+from .policy_calls import BackendAddress, Grant, PolicyEventStream, Reply, _endpoint, _Expired, _text_chars, _within
+from .stream import EventStream
 
 __all__ = ["BackendAddress", "EventStream", "Grant", "PolicyDispatcher"]
 
@@ -407,23 +408,7 @@ class PolicyDispatcher:
 
     def _ended_error(self, r: Request) -> Exception:
         """The error for a request the engine ended before (or between) its attempts."""
-        reason = r.reason or "closed"
-        if reason == "unavailable":
-            err = NoHealthyBackend(f"no backend of pool {r.flow.pool!r} is in rotation")
-            err.retry_after = self.engine.unavailable_retry_after
-            return err
-        if reason == "deadline" and r.tries:
-            return DeadlineExceeded("the request's deadline ran out while it waited to be retried")
-        if reason in ("queue_timeout", "deadline"):
-            what = "deadline" if reason == "deadline" else "queue age"
-            return Refused(reason, f"the request's {what} ran out before it started")
-        if reason in ("unauthenticated", "class_not_allowed"):
-            return Refused(reason, f"the policy was reloaded and no longer allows flow "
-                                   f"{r.flow.org}/{r.flow.cls}/{r.flow.pool}")
-        if reason == "closed":
-            return Refused("closed", "the dispatcher closed while this request waited to be retried" if r.tries
-                           else "the dispatcher closed before this request started")
-        return Refused(reason, f"the request ended ({reason}) before it started")
+        return self.engine.ended_error(r)
 
     async def _turn(self, r: Request) -> None:
         """Wait until the engine starts ``r`` (and the shared state grants it); the error the
@@ -747,12 +732,12 @@ class PolicyDispatcher:
         iteration; every refusal raises there. Closing it early (``aclose()``, leaving the
         ``async with``) cancels the request. A failed attempt is retried (by the same rules)
         only while no event has been passed on. ``on_admit``: as in ``submit``."""
-        return EventStream(self, None, credential, cls, body, timeout, on_admit)
+        return PolicyEventStream(self, None, credential, cls, body, timeout, on_admit)
 
     def stream_flow(self, flow: Flow, body: Mapping[str, Any], *, timeout: float | None = None,
                     on_admit: Callable[[Request], None] | None = None) -> EventStream:
         """:meth:`stream` for a request the embedder classified itself."""
-        return EventStream(self, flow, None, None, body, timeout, on_admit)
+        return PolicyEventStream(self, flow, None, None, body, timeout, on_admit)
 
     def open_stream(self, flow: Flow, body: Mapping[str, Any], *, timeout: float | None = None) -> EventStream:
         """A stream that is admitted, and answered by its upstream, before the ``async with``
@@ -767,7 +752,7 @@ class PolicyDispatcher:
         ``timeout``, ``NoHealthyBackend``) and the upstream's error before its first event
         (after the retries the policy allows), all ``SFQError`` s. Cancelling the task while
         it waits there removes the request uncharged, and nothing reaches an upstream."""
-        return EventStream(self, flow, None, None, body, timeout, None)
+        return PolicyEventStream(self, flow, None, None, body, timeout, None)
 
     # ------------------------------------------------------------ reload
     def reload(self, policy: Policy | str | Path) -> list[Request]:

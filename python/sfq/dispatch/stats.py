@@ -26,7 +26,8 @@ def flow_row(fs: FlowStats) -> dict[str, Any]:
     return {
         "waiting": fs.waiting, "held": 0, "in_flight": fs.in_flight, "dispatched": fs.dispatched,
         "completed": fs.completed, "failed": fs.failed, "cancelled": fs.cancelled, "aborted": fs.aborted,
-        "rejected": fs.rejected, "unavailable": fs.unavailable, "retried": fs.retried, "charged_cost": fs.charged,
+        "rejected": fs.rejected, "unavailable": fs.unavailable, "expired": fs.expired, "retried": fs.retried,
+        "charged_cost": fs.charged,
         "wait_p50": p50, "wait_p95": p95, "wait_p99": p99,
     }
 

@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry
 
 from .._common import MAX_COST, check_cost
 from ..cost import MAX_PROMPT_SURPRISE, PRIOR_CHARS, CostEstimator, Estimate
-from ..errors import BackendHTTPError, BackendTimeout, NoHealthyBackend, Refused
+from ..errors import BackendHTTPError, BackendTimeout, DeadlineExceeded, NoHealthyBackend, Refused
 from ..policy.charge import ChargeMode
 from ..policy.classify import Classifier, Flow
 from ..policy.config import Policy
@@ -484,6 +484,28 @@ class PolicyEngine:
             return None, None
         cs = self.policy.cost
         return float(p) + float(c), cs.input_weight * float(p) + cs.output_weight * float(c)  # type: ignore[arg-type]
+
+    def ended_error(self, r: Request) -> Exception:
+        """The error a driver raises for ``r``, which the engine ended before (or between) its
+        attempts: one table for every driver (``NoHealthyBackend`` for ``unavailable``,
+        ``DeadlineExceeded`` for a deadline that ran out between retries, else ``Refused``)."""
+        reason = r.reason or "closed"
+        if reason == "unavailable":
+            err: Exception = NoHealthyBackend(f"no backend of pool {r.flow.pool!r} is in rotation")
+            err.retry_after = self.unavailable_retry_after  # type: ignore[attr-defined]
+            return err
+        if reason == "deadline" and r.tries:
+            return DeadlineExceeded("the request's deadline ran out while it waited to be retried")
+        if reason in ("queue_timeout", "deadline"):
+            what = "deadline" if reason == "deadline" else "queue age"
+            return Refused(reason, f"the request's {what} ran out before it started")
+        if reason in ("unauthenticated", "class_not_allowed"):
+            return Refused(reason, f"the policy was reloaded and no longer allows flow "
+                                   f"{r.flow.org}/{r.flow.cls}/{r.flow.pool}")
+        if reason == "closed":
+            return Refused("closed", "the dispatcher closed while this request waited to be retried" if r.tries
+                           else "the dispatcher closed before this request started")
+        return Refused(reason, f"the request ended ({reason}) before it started")
 
     # ------------------------------------------------------------ backends
     def _queue(self, pool: str) -> PolicyQueue:
