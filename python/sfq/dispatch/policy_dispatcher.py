@@ -429,11 +429,8 @@ class PolicyDispatcher:
         """The shared state's grant of the start the engine decided for ``r``: global slots,
         buckets and order (several gateways); ``r`` may be moved to the backend granted."""
         q = self.engine.queues[r.flow.pool]
-        now = self.clock()
         limit = {b.name: b.max_in_flight for b in self.policy.pools[r.flow.pool].backends}  # the real ones
-        fits = [(b.name, limit[b.name]) for b in q.backends.values()
-                if b.healthy and not b.saturated and b.paused_until <= now
-                and (b.max_context is None or r.need <= b.max_context)]
+        fits = [(name, limit[name]) for name in self.engine.candidates(r)]
         if not fits:  # the one the engine chose (it was fit then)
             assert r.backend is not None
             fits = [(r.backend, limit[r.backend])]

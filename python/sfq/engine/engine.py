@@ -548,6 +548,20 @@ class PolicyEngine:
         self._backend(pool, name).pause_backend(name, s)
         return s
 
+    def candidates(self, r: Request) -> list[str]:
+        """The backends of ``r``'s pool that could take ``r`` now (in rotation, not saturated,
+        not paused, big enough), the one its last attempt failed on (``r.avoid``) last; slots
+        are not looked at (a shared state counts them over every gateway)."""
+        q = self._queue(r.flow.pool)
+        now = self.clock()
+        names = [b.name for b in q.backends.values()
+                 if b.healthy and not b.saturated and b.paused_until <= now
+                 and (b.max_context is None or r.need <= b.max_context)]
+        if r.avoid in names and len(names) > 1:
+            names.remove(r.avoid)
+            names.append(r.avoid)
+        return names
+
     def pool_available(self, pool: str) -> bool:
         """Whether some backend of ``pool`` is in rotation."""
         return self._queue(pool).available
@@ -712,8 +726,9 @@ class PolicyEngine:
                 if b is not None and nb is not None and b.capacity == nb.capacity:
                     setattr(nq, attr, b)
             for bname, be in q.backends.items():
-                nq.backends[bname].healthy = be.healthy
-                nq.backends[bname].paused_until = be.paused_until
+                nbe = nq.backends[bname]
+                nbe.healthy, nbe.saturated, nbe.paused_until = be.healthy, be.saturated, be.paused_until
+            nq.down_since = q.down_since  # a pool with no backend in rotation stays so
             for cls, starts in q._starts.items():
                 if cls in nq._starts:
                     nq._starts[cls] = starts
