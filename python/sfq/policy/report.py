@@ -148,8 +148,8 @@ def check_config(path: str, *, plain: bool = False) -> int:
     for w in warnings:
         sys.stderr.write(f"sfq check-config: {path}: warning: {w}\n")
     if errors:
-        for e in errors:
-            sys.stderr.write(f"sfq check-config: {path}: {e}\n")
+        for line in errors:
+            sys.stderr.write(f"sfq check-config: {path}: {line}\n")
         return 1
     tables = policy_tables(policy)
     console = None
