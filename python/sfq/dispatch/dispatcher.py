@@ -18,7 +18,8 @@ from .health import Health
 from .hooks import DispatchHooks
 from .lifecycle import Lifecycle
 from .placement import Placement
-from ._state import CHARGE_MODES, BState, DispatchRecord, FlowStats, Pool
+from ..policy.charge import CHARGE_MODES
+from ._state import BState, DispatchRecord, FlowStats, Pool
 from .stats import Statistics
 
 __all__ = ["Dispatcher"]
