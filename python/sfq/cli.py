@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="run the fair OpenAI-compatible gateway in front of the policy file's backends",
         description="Serve POST /v1/chat/completions and /v1/completions (streaming too), GET /v1/models, "
                     "/health and /metrics, with the policy file's fair queue between the clients and the "
-                    "backends (README: 'Five minutes: sfq serve'). SIGTERM: graceful shutdown; SIGHUP: "
+                    "backends (docs/gateway.md). SIGTERM: graceful shutdown; SIGHUP: "
                     "reload the file. Access log: one JSON line per request on stdout.")
     sv.add_argument("--config", required=True, metavar="FILE", help="the policy file (docs/policy.md)")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
