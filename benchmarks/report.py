@@ -40,7 +40,7 @@ GROUPS = {  # group -> (title, what one pair is, the heapq group to compare with
     "churn": ("churn", "fresh-key flows come and go among the T backlogged; per request", "churn"),
     "cancel": ("cancel-heavy", "half the requests cancelled while waiting; per request", "cancel"),
 }
-TARGETS = {  # from issue 13, at T = 10k, medians of one run
+TARGETS = {  # the project's performance targets, at T = 10k, medians of one run
     "minimal_over_compiled": 5.0,    # per-call pair: at least this many times faster than the minimal heapq
     "compiled_over_floor": 3.0,      # per-call pair: within this factor of the C floor
     "batch_over_floor": 2.0,         # batch pair: within this factor of the C floor
@@ -143,7 +143,7 @@ def _ratio(x: float | None, y: float | None) -> float | None:
 
 
 def targets(ns: NS, mem: dict[str, Any] | None) -> list[tuple[str, str, str, bool | None]]:
-    """(target, limit, measured, met?) rows for the issue's targets."""
+    """(target, limit, measured, met?) rows for the performance targets."""
     rows = []
     T = 10_000
     c = ns.get(("steady", T, "compiled"))

@@ -7,7 +7,7 @@ in one of three charge modes, ``sfq-seed`` the core under the plain rule of docs
 seeded generators or JSONL traces, with closed-loop clients (``workloads``, ``model``);
 ``metrics`` measures service, drift (from the start, as Sheng et al., OSDI 2024, measure it, and the interval form), Jain's index,
 waits and throughput; ``scenarios`` holds the experiments of ``sfq simulate``; ``goals``
-measures issue 12's goals over several seeds.
+measures the fairness goals of docs/simulator.md §7 over several seeds.
 
 Quick use::
 
