@@ -156,7 +156,7 @@ async def run_mode(mode: str, seconds: float, seed: int) -> dict[str, Any]:
     backends = "\n".join(f'      - {{url: "{s.url}", max_in_flight: {SLOTS}}}' for s in servers)
     text = (f"pools:\n  fleet:\n    models: [m]\n    backends:\n{backends}\n"
             + POLICIES[mode] % {"slots": SLOTS * SERVERS} + "cost: {input_weight: 1, output_weight: 2}\n")
-    pd = PolicyDispatcher(parse_policy(text), dispatcher_options={"close_grace": 1.0})
+    pd = PolicyDispatcher(parse_policy(text), close_grace=1.0)
     submitted: dict[str, tuple[str, float]] = {}
     done: dict[str, float] = {}
     outcomes: dict[str, int] = defaultdict(int)

@@ -15,6 +15,8 @@ import pytest
 from core_helpers import dispatch_tuple, snapshot
 
 import sfq
+from sfq import _scheduler_py as twin
+from sfq._common import SCALE
 
 FLOWS = ["a", "b"]
 
@@ -167,7 +169,7 @@ def test_renormalisation_changes_no_decision():
     c, r = sfq.Scheduler(), sfq.ReferenceScheduler()
     out_c, out_r = _huge_run(c, 600), _huge_run(r, 600)
     assert out_c == out_r
-    assert r.virtual_time * sfq.SCALE > 2**63 * 10  # far beyond int64 without renormalisation
+    assert r.virtual_time * SCALE > 2**63 * 10  # far beyond int64 without renormalisation
     if sfq.CORE == "compiled":
         assert c.renormalisations > 50
 
@@ -307,7 +309,8 @@ def test_compiled_extension_really_loaded():
     assert sfq.CORE == "compiled"
     assert sfq.Scheduler is not sfq.ReferenceScheduler
     assert type(sfq.Scheduler()).__module__ == "sfq._csfq"
-    assert sfq.Dispatch is not sfq.ReferenceDispatch
+    assert sfq.Dispatch is not twin.Dispatch
+    assert sfq.Dispatch.__name__ == "Dispatch"
 
 
 def _run(code, **env):
@@ -318,9 +321,12 @@ def _run(code, **env):
 
 
 def test_env_var_forces_the_twin():
-    p = _run("import sfq; print(sfq.CORE, sfq.Scheduler.__name__)", SFQ_NO_EXTENSIONS="1")
+    p = _run("import sfq; s = sfq.Scheduler(); s.enqueue('a', 1); d = s.dispatch()\n"
+             "print(sfq.CORE, sfq.Scheduler.__name__, sfq.Dispatch.__name__, type(d) is sfq.Dispatch)",
+             SFQ_NO_EXTENSIONS="1")
     assert p.returncode == 0, p.stderr
-    assert p.stdout.split() == ["reference", "ReferenceScheduler"]
+    # the scheduler is the twin by its name; what it hands out is the one Dispatch
+    assert p.stdout.split() == ["reference", "ReferenceScheduler", "Dispatch", "True"]
 
 
 def test_missing_extension_falls_back_with_one_warning():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -26,6 +27,36 @@ def test_all_names_resolve():
     for name in sfq.__all__:
         assert getattr(sfq, name) is not None, name
     assert issubclass(sfq.BackendError, sfq.SFQError)
+    assert len(set(sfq.__all__)) == len(sfq.__all__)
+
+
+def test_all_is_the_public_face():
+    """httpx's rule: ``__all__`` is exactly the module's public names (submodules aside), so
+    nothing is public by accident and nothing public is missing from it."""
+    for name in sfq.__all__:
+        getattr(sfq, name)  # the lazy names too
+    public = {n for n, v in vars(sfq).items()
+              if (not n.startswith("_") or n == "__version__") and not isinstance(v, types.ModuleType)}
+    assert public == set(sfq.__all__)
+    assert sorted(dir(sfq)) == sorted(sfq.__all__)
+
+
+def test_the_contract_names_are_public():
+    for name in ("Scheduler", "ReferenceScheduler", "CORE", "Dispatch", "CostEstimator", "OpenAIBackend",
+                 "Dispatcher", "PolicyDispatcher", "Flow", "Grant", "EventStream", "SFQError", "Refused", "load_policy",
+                 "parse_policy"):
+        assert name in sfq.__all__, name
+    assert issubclass(sfq.errors.BadRequest, sfq.Refused) and issubclass(sfq.errors.BadRequest, ValueError)
+
+
+@pytest.mark.parametrize("name, home", sorted(sfq._MOVED.items()))
+def test_a_moved_name_still_resolves_with_a_warning(name, home):
+    import importlib
+
+    with pytest.warns(DeprecationWarning, match=f"sfq.{name} is {home}.{name}"):
+        value = getattr(sfq, name)
+    assert value is getattr(importlib.import_module(home), name)
+    assert name not in vars(sfq) and name not in sfq.__all__
 
 
 def test_unknown_attribute_is_an_attribute_error():

@@ -121,9 +121,9 @@ TRACE_EXTRA = (
 
 #: output columns and JSON fields
 OUTPUT: dict[str, str] = {
-    "max drift": "largest gap in weighted service between two clients that are backlogged the whole "
-    "run (the JSON also has the gap restarting with every backlog, max_interval_drift, and the gap in "
-    "estimated cost charged, max_drift_est)",
+    "max drift": "largest gap in weighted service between two clients over a stretch of steps in which "
+    "both have a request waiting at the balancer (the JSON also has it on the estimated cost charged, "
+    "max_drift_est, and two earlier forms for comparison: max_drift_from_start and max_interval_drift)",
     "bound": "2 max(w_p L_input, w_q M), the in-engine gap bound of Sheng et al.",
     "W/step": "throughput: weighted tokens served per step, over the whole run",
     "Jain": "Jain's fairness index of the clients' service (1 = equal)",

@@ -2,8 +2,9 @@
 
 ``SFQ_NO_EXTENSIONS=1`` forces the twin. If the extension is missing (a failed build),
 the twin is used and one ``RuntimeWarning`` says so. Type checkers see the compiled
-core's surface (``_csfq.pyi``), which the twin shares. With the compiled core, the twin
-(``sfq.ReferenceScheduler``) is imported only when first asked for.
+core's surface (``_csfq.pyi``), which the twin shares. Either way ``sfq.Dispatch`` is a class
+called ``Dispatch``. With the compiled core, the twin (``sfq.ReferenceScheduler``) is imported
+only when first asked for.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ CORE: str
 if TYPE_CHECKING:
     from ._csfq import Dispatch, Scheduler
 elif NO_EXTENSIONS:
-    from ._scheduler_py import ReferenceDispatch as Dispatch
+    from ._scheduler_py import Dispatch
     from ._scheduler_py import ReferenceScheduler as Scheduler
 
     CORE = "reference"
@@ -31,7 +32,7 @@ else:
             RuntimeWarning,
             stacklevel=2,
         )
-        from ._scheduler_py import ReferenceDispatch as Dispatch
+        from ._scheduler_py import Dispatch
         from ._scheduler_py import ReferenceScheduler as Scheduler
 
         CORE = "reference"

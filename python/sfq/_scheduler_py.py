@@ -53,7 +53,7 @@ import itertools
 import operator
 import threading
 from collections import deque
-from typing import Any, Hashable
+from typing import TYPE_CHECKING, Any, Generic, Hashable
 
 from ._common import (
     CONCURRENT,
@@ -74,22 +74,57 @@ from ._common import (
 )
 from .errors import SchedulerBusy
 
-__all__ = ["ReferenceScheduler", "ReferenceDispatch"]
+__all__ = ["ReferenceScheduler", "Dispatch", "ReferenceDispatch"]
+
+if TYPE_CHECKING:  # the item's type: Any unless the scheduler is annotated, ReferenceScheduler[Job]
+    from typing_extensions import TypeVar
+
+    T = TypeVar("T", default=Any)
+else:
+    from typing import TypeVar
+
+    T = TypeVar("T")
 
 
-class ReferenceDispatch:
-    """One dispatched request: ``flow``, ``item``, ``cost`` (as enqueued), ``ticket``,
-    ``start`` (the meter before charging, equal to ``v``) and ``finish`` (after)."""
+class Dispatch(Generic[T]):
+    """One request as the scheduler hands it out (``dispatch()``, ``peek()``): ``flow``,
+    ``item`` (what was enqueued with it), ``cost`` (as enqueued), ``ticket`` (``enqueue``'s),
+    ``start`` (the flow's meter before the charge, equal to ``v``) and ``finish`` (after), in
+    cost units. Read-only, as the compiled core's."""
 
-    __slots__ = ("flow", "item", "cost", "ticket", "start", "finish")
+    __slots__ = ("_flow", "_item", "_cost", "_ticket", "_start", "_finish")
 
-    def __init__(self, flow: Hashable, item: Any, cost: float, ticket: int, start: float, finish: float):
-        self.flow = flow
-        self.item = item
-        self.cost = cost
-        self.ticket = ticket
-        self.start = start
-        self.finish = finish
+    def __init__(self, flow: Hashable, item: T, cost: float, ticket: int, start: float, finish: float):
+        self._flow = flow
+        self._item = item
+        self._cost = cost
+        self._ticket = ticket
+        self._start = start
+        self._finish = finish
+
+    @property
+    def flow(self) -> Hashable:
+        return self._flow
+
+    @property
+    def item(self) -> T:
+        return self._item
+
+    @property
+    def cost(self) -> float:
+        return self._cost
+
+    @property
+    def ticket(self) -> int:
+        return self._ticket
+
+    @property
+    def start(self) -> float:
+        return self._start
+
+    @property
+    def finish(self) -> float:
+        return self._finish
 
     def __repr__(self) -> str:
         return (
@@ -113,8 +148,20 @@ class _Flow:
         self.idle_gen = 0  # bumps on every change of idle-heap entry, to invalidate old ones
 
 
-class ReferenceScheduler:
-    """Start-time Fair Queueing over flows of waiting requests (pure Python)."""
+#: the twin's dispatch type under its older name
+ReferenceDispatch = Dispatch
+
+
+class ReferenceScheduler(Generic[T]):
+    """Start-time Fair Queueing in pure Python: the readable twin of :class:`sfq.Scheduler`,
+    with the same methods and, call for call, the same decisions (the test suite compares
+    them event by event).
+
+    Use it to read or step through the algorithm, on an interpreter the compiled core was not
+    built for, or as the oracle of a test; ``sfq.Scheduler`` is this class itself when the
+    extension is missing or ``SFQ_NO_EXTENSIONS=1`` is set. Every method is documented on
+    :class:`sfq.Scheduler`.
+    """
 
     def __init__(self) -> None:
         self._flows: dict[Hashable, _Flow] = {}
@@ -215,7 +262,7 @@ class ReferenceScheduler:
         finally:
             self._exit()
 
-    def peek(self) -> ReferenceDispatch | None:
+    def peek(self) -> Dispatch[T] | None:
         """What ``dispatch()`` would return now, changing nothing; None when nothing competes."""
         self._enter()
         try:
@@ -225,12 +272,12 @@ class ReferenceScheduler:
                 return None
             ticket = f.queue[0]
             _, cost, item = self._requests[ticket]
-            return ReferenceDispatch(f.key, item, cost, ticket, to_units(f.S), to_units(f.S + charge(cost, f.weight)))
+            return Dispatch(f.key, item, cost, ticket, to_units(f.S), to_units(f.S + charge(cost, f.weight)))
         finally:
             self._exit()
 
     # ----------------------------------------------------------------- events
-    def enqueue(self, flow: Hashable, cost: float, item: Any = None) -> int:
+    def enqueue(self, flow: Hashable, cost: float, item: T | None = None) -> int:
         self._enter()
         try:
             f = self._get(flow)
@@ -241,7 +288,7 @@ class ReferenceScheduler:
         finally:
             self._exit()
 
-    def dispatch(self) -> ReferenceDispatch | None:
+    def dispatch(self) -> Dispatch[T] | None:
         self._enter()
         try:
             junk: list[Any] = []  # what this call lets go of, released after the state is consistent
@@ -444,7 +491,7 @@ class ReferenceScheduler:
         try:
             k = check_count(n)
             junk: list[Any] = []
-            ds: list[ReferenceDispatch] = []
+            ds: list[Dispatch[T]] = []
             while len(ds) < k:
                 d = self._pop(junk)
                 if d is None:
@@ -499,7 +546,7 @@ class ReferenceScheduler:
             junk.append(heapq.heappop(heap))  # stale: the flow was re-keyed or left
         return None
 
-    def _pop(self, junk: list[Any]) -> ReferenceDispatch | None:
+    def _pop(self, junk: list[Any]) -> Dispatch[T] | None:
         f = self._top(junk)
         if f is None:
             return None
@@ -519,7 +566,7 @@ class ReferenceScheduler:
             junk.append(heapq.heappop(self._heap))
             self._leave(f)
         self._forget_idle(junk)
-        return ReferenceDispatch(f.key, item, cost, ticket, to_units(S), to_units(f.S))
+        return Dispatch(f.key, item, cost, ticket, to_units(S), to_units(f.S))
 
     def _drop_cancelled_heads(self, f: _Flow) -> None:
         q, reqs = f.queue, self._requests

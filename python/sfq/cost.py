@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from ._common import MAX_COST
+from .errors import BadRequest
 
 __all__ = ["CostEstimator", "Estimate", "prompt_of"]
 
@@ -166,11 +167,11 @@ def prompt_of(body: Mapping[str, Any]) -> tuple[str, int]:
     if "messages" in body:
         msgs = body["messages"]
         if not isinstance(msgs, list):
-            raise ValueError(f"'messages' must be a list, got {msgs!r}")
+            raise BadRequest(f"'messages' must be a list, got {msgs!r}", param="messages")
         parts: list[str] = []
         for m in msgs:
             if not isinstance(m, Mapping):
-                raise ValueError(f"every message must be an object, got {m!r}")
+                raise BadRequest(f"every message must be an object, got {m!r}", param="messages")
             c = m.get("content")
             if isinstance(c, str):
                 parts.append(c)
@@ -179,7 +180,8 @@ def prompt_of(body: Mapping[str, Any]) -> tuple[str, int]:
                     if isinstance(p, Mapping) and isinstance(p.get("text"), str):
                         parts.append(p["text"])
             elif c is not None:
-                raise ValueError(f"message content must be a string or a list of parts, got {c!r}")
+                raise BadRequest(f"message content must be a string or a list of parts, got {c!r}",
+                                 param="messages")
         return "\n".join(parts), 0
     if "prompt" in body:
         p = body["prompt"]
@@ -192,12 +194,20 @@ def prompt_of(body: Mapping[str, Any]) -> tuple[str, int]:
                 return "", len(p)
             if all(isinstance(x, list) for x in p):
                 return "", sum(len(x) for x in p)
-        raise ValueError(f"'prompt' must be a string, a list of strings or token ids, got {p!r}")
-    raise ValueError("the request body has neither 'prompt' (/v1/completions) nor 'messages' (/v1/chat/completions)")
+        raise BadRequest(f"'prompt' must be a string, a list of strings or token ids, got {p!r}", param="prompt")
+    raise BadRequest("the request body has neither 'prompt' (/v1/completions) nor 'messages' (/v1/chat/completions)")
 
 
 class CostEstimator:
-    """Estimates a request's cost in cost units and calibrates itself from completions.
+    """Prices a request before it runs, so a scheduler can charge its flow: cost =
+    ``input_weight`` x prompt tokens + ``output_weight`` x expected output tokens, learning
+    from completed requests how much of ``max_tokens`` each model (and flow) really uses.
+
+    The dispatchers estimate every request with one (``Dispatcher(estimator=...)``; a policy
+    file's ``cost`` section); use it alone to price requests for your own
+    :class:`sfq.Scheduler`: ``est.estimate(body).cost``, then ``est.observe(estimate, usage)``
+    when the reply's ``usage`` arrives. A malformed body raises
+    :class:`sfq.errors.BadRequest` naming the field.
 
     Parameters
     ----------
@@ -277,7 +287,9 @@ class CostEstimator:
     def estimate(self, body: Mapping[str, Any], flow: Hashable = None) -> Estimate:
         """The estimate for an OpenAI request body (``/v1/completions`` or ``/v1/chat/completions``).
 
-        Raises ``ValueError``/``TypeError`` naming the bad field for a malformed body.
+        Raises :class:`sfq.errors.BadRequest` (a ``ValueError``) naming the bad field for a
+        malformed body, or for one whose cost would exceed the largest cost the scheduler takes
+        (``sfq.MAX_COST``); ``TypeError`` when ``body`` is not a mapping.
         """
         # fast paths use exact type checks (type(True) is bool, not int); the slow paths validate
         if type(body) is not dict and not isinstance(body, Mapping):
@@ -285,7 +297,7 @@ class CostEstimator:
         model = body.get("model")
         if type(model) is not str:
             if model is not None:
-                raise ValueError(f"'model' must be a string, got {model!r}")
+                raise BadRequest(f"'model' must be a string, got {model!r}", param="model")
             model = ""
         mt = body.get("max_tokens")
         if type(mt) is not int or mt < 1:
@@ -294,14 +306,14 @@ class CostEstimator:
             if mt is None:
                 mt = self.default_max_tokens
             elif isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
-                raise ValueError(f"'max_tokens' must be an integer >= 1, got {mt!r}")
+                raise BadRequest(f"'max_tokens' must be an integer >= 1, got {mt!r}", param="max_tokens")
         n = body.get("n")
         if n is None:
             copies = 1
         elif type(n) is int and n >= 1:
             copies = n
         else:
-            raise ValueError(f"'n' must be an integer >= 1, got {n!r}")
+            raise BadRequest(f"'n' must be an integer >= 1, got {n!r}", param="n")
         p = body.get("prompt")
         if type(p) is str and "messages" not in body:
             text, ids = p, 0
@@ -319,7 +331,10 @@ class CostEstimator:
         else:
             chars = len(text)
             prompt, exact = chars / self.chars_per_token_of(model), False
-        return self._priced(model, prompt, exact, chars, cap, copies, flow)
+        try:
+            return self._priced(model, prompt, exact, chars, cap, copies, flow)
+        except OverflowError as exc:  # the body asks for more than any request may cost
+            raise BadRequest(str(exc), param="max_tokens" if "max_tokens" in body else None) from None
 
     def reestimate(self, estimate: Estimate, flow: Hashable = None) -> Estimate:
         """``estimate(body, flow)`` again for the request ``estimate`` was made for, with the
@@ -352,7 +367,8 @@ class CostEstimator:
         if cost < self.min_cost:
             cost = self.min_cost
         elif cost > MAX_COST:
-            raise OverflowError(f"estimated cost {cost!r} of this request exceeds the largest cost {MAX_COST:.0f}")
+            raise OverflowError(f"the request asks for too much output: its estimated cost {cost!r} exceeds the "
+                                f"largest cost {MAX_COST:.0f}; lower max_tokens or n")
         return Estimate(model, cost, prompt, exact, chars, cap, ratio, expected, copies)
 
     def observe(self, estimate: Estimate, usage: Mapping[str, Any] | None, flow: Hashable = None) -> bool:

@@ -1,9 +1,28 @@
-"""Errors raised by sfq. Argument errors use the builtin ValueError/TypeError/OverflowError."""
+"""The errors sfq raises: one family, each error with the answer a gateway would give.
+
+Every exception sfq raises for a request is an :class:`SFQError`: ``http_status`` is the HTTP
+status a gateway answers for it (``sfq serve`` answers exactly that), ``retry_after`` the
+seconds after which trying again may help (or ``None``), and ``to_openai()`` the OpenAI-shaped
+error body, so one handler in an embedder's proxy maps them all::
+
+    except sfq.SFQError as exc:
+        headers = {} if exc.retry_after is None else {"Retry-After": str(math.ceil(exc.retry_after))}
+        return web.json_response(exc.to_openai(), status=exc.http_status, headers=headers)
+
+Bad input in a request body is :class:`BadRequest` (also a ``ValueError``); a request refused
+before it reached a backend is :class:`Refused` (its ``reason`` says why); a backend's failure
+is a :class:`BackendError` (the upstream's own status, when it answered, is its ``status``).
+Errors in the arguments of the scheduler core itself are the builtin ``ValueError``,
+``TypeError`` and ``OverflowError``, as for any Python container.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "SFQError",
+    "BadRequest",
     "SchedulerBusy",
     "BackendError",
     "BackendUnavailable",
@@ -15,14 +34,59 @@ __all__ = [
     "DispatcherClosed",
     "UnknownModel",
     "RequestTooLarge",
+    "BadRequest",
     "PolicyError",
     "Refused",
     "DeadlineExceeded",
+    "REFUSALS",
 ]
+
+#: a refusal's ``reason`` -> the gateway's answer: (HTTP status, OpenAI error ``type``, ``code``).
+#: A reason not listed is answered (503, ``server_error``, the reason itself).
+REFUSALS: dict[str, tuple[int, str, str]] = {
+    "unauthenticated": (401, "authentication_error", "invalid_api_key"),
+    "class_not_allowed": (403, "permission_error", "class_not_allowed"),
+    "unknown_org": (403, "permission_error", "unknown_org"),
+    "unknown_model": (404, "not_found_error", "model_not_found"),
+    "bad_request": (400, "invalid_request_error", "bad_request"),
+    "too_large": (400, "invalid_request_error", "context_length_exceeded"),
+    "rate_limited": (429, "rate_limit_error", "rate_limited"),
+    "queue_full": (429, "rate_limit_error", "queue_full"),
+    "queue_timeout": (504, "timeout_error", "queue_timeout"),
+    "deadline": (504, "timeout_error", "deadline_exceeded"),
+    "closed": (503, "server_error", "shutting_down"),
+    "state_unavailable": (503, "server_error", "state_unavailable"),
+}
 
 
 class SFQError(Exception):
-    """Base class of every library error sfq raises."""
+    """Base class of every error sfq raises, and what a gateway answers for it.
+
+    ``http_status``: the HTTP status (400 bad input, 401 unknown key, 403 not allowed, 404
+    unknown model, 429 over a limit, 502 a backend answered with an error, 503 no backend
+    could serve it, 504 the deadline or the queue age ran out; 500 for an error that is not
+    the request's). ``error_type`` and ``error_code``: OpenAI's ``type`` and ``code`` for it.
+    ``retry_after``: seconds after which trying again may help, ``None`` when unknown or when
+    it will not help. ``to_openai()``: the body ``{"error": {"message", "type", "code",
+    "param"}}`` to send (its message never quotes a backend's URL or reply: ``str(exc)``,
+    for your logs, does).
+    """
+
+    http_status: int = 500
+    error_type: str = "server_error"
+    error_code: str = "internal_error"
+    retry_after: float | None = None
+    #: the request field at fault (OpenAI's ``param``), when one is
+    param: str | None = None
+
+    def client_message(self) -> str:
+        """The message for the client (``to_openai()``); ``str(exc)`` may say more."""
+        return str(self)
+
+    def to_openai(self) -> dict[str, Any]:
+        """The OpenAI-shaped error body for this error."""
+        return {"error": {"message": self.client_message(), "type": self.error_type, "code": self.error_code,
+                          "param": self.param}}
 
 
 class SchedulerBusy(SFQError, RuntimeError):
@@ -37,8 +101,9 @@ class BackendError(SFQError):
     """A backend failed to serve a dispatched request.
 
     The request keeps what it was charged (no refund on failure): its estimate at dispatch,
-    or in the ``served`` charge mode a stream's prompt and the tokens it delivered. ``backend`` names the backend, ``status`` is the HTTP status when there
-    was one, ``body`` the start of the response body when there was one. ``unhealthy`` says
+    or in the ``served`` charge mode a stream's prompt and the tokens it delivered. ``backend``
+    names the backend, ``status`` is the upstream's own HTTP status when it answered one,
+    ``body`` the start of the response body when there was one. ``unhealthy`` says
     whether the failure counts against the backend's health (transport failures, 5xx) rather
     than only against the request (4xx, an error event in a stream); the dispatcher takes a
     backend out of rotation only when its transport or its error rate says it is down.
@@ -46,6 +111,9 @@ class BackendError(SFQError):
 
     #: default for ``unhealthy``; subclasses override
     marks_unhealthy = True
+    http_status = 502
+    error_code = "upstream_error"
+    _client = "a backend failed"
 
     def __init__(
         self,
@@ -66,41 +134,66 @@ class BackendError(SFQError):
         #: the connection failed before the request was written): resending it is safe
         self.never_sent = never_sent
 
+    def client_message(self) -> str:
+        return self._client if self.status is None else f"{self._client} (HTTP {self.status})"
+
 
 class BackendUnavailable(BackendError, ConnectionError):
     """The backend could not be reached, or dropped the connection before a full reply
-    (connection refused, reset, closed)."""
+    (connection refused, reset, closed). Answered 503."""
+
+    http_status = 503
+    error_code = "upstream_unavailable"
+    _client = "no backend could be reached"
 
 
 class BackendTimeout(BackendError):
     """The backend did not connect, answer or send the next bytes within the configured time,
     or a stream outlived its total deadline. Deliberately not a ``TimeoutError``: an
-    ``except TimeoutError`` around the caller's own ``asyncio.timeout()`` must not catch it."""
+    ``except TimeoutError`` around the caller's own ``asyncio.timeout()`` must not catch it.
+    Answered 503."""
+
+    http_status = 503
+    error_code = "upstream_timeout"
+    _client = "no backend answered in time"
 
 
 class BackendHTTPError(BackendError):
     """The backend answered with an HTTP error status (``status``; ``headers``: the reply's
     headers; ``retry_after``: its ``Retry-After`` in seconds, or ``None``). The failure is the
     request's: a 5xx counts towards the backend's error rate (``unhealthy`` is True), a 4xx
-    does not."""
+    does not. Answered 502 (``upstream_error``), or 503 (``upstream_unavailable``) when the
+    backend itself answered 503."""
 
     marks_unhealthy = False
+    _client = "a backend answered with an error"
 
     def __init__(self, message: str, *, headers: dict[str, str] | None = None,
                  retry_after: float | None = None, **kw: object) -> None:
         super().__init__(message, **kw)  # type: ignore[arg-type]
         self.headers: dict[str, str] = dict(headers) if headers else {}
         self.retry_after = retry_after
+        if self.status == 503 and not isinstance(self, BackendRateLimited):
+            self.http_status = 503
+            self.error_code = "upstream_unavailable"
 
 
 class BackendRateLimited(BackendHTTPError):
     """HTTP 429: the backend asks to slow down; ``retry_after`` (seconds) when it said when.
-    The dispatcher sends that backend nothing new until then."""
+    The dispatcher sends that backend nothing new until then. Answered 503 (the fleet, not
+    the client, is over its rate)."""
+
+    http_status = 503
+    error_code = "upstream_rate_limited"
+    _client = "the backends are rate limiting"
 
 
 class StreamInterrupted(BackendError):
     """A streamed reply ended before its end marker (``data: [DONE]``): the connection was cut
-    or the server sent an error event mid-way. ``chunks`` counts the events received before."""
+    or the server sent an error event mid-way. ``chunks`` counts the events received before.
+    Answered 502."""
+
+    _client = "the backend's stream ended before its end"
 
     def __init__(self, message: str, *, chunks: int = 0, **kw: object) -> None:
         super().__init__(message, **kw)  # type: ignore[arg-type]
@@ -108,22 +201,21 @@ class StreamInterrupted(BackendError):
 
 
 class NoHealthyBackend(SFQError):
-    """The request waited the dispatcher's ``unavailable_timeout`` while no backend of its pool
-    was healthy; it was removed from the queue (uncharged unless it had been selected)."""
+    """No backend of the request's pool was in rotation: it was refused at once, or removed from
+    the queue after the dispatcher's ``unavailable_timeout`` (uncharged unless it had been
+    selected). Answered 503; the request engine sets ``retry_after`` (seconds after which
+    trying again may help) on the ones it raises."""
+
+    http_status = 503
+    error_code = "upstream_unavailable"
 
 
 class DispatcherClosed(SFQError):
     """The dispatcher is closed (or closing): the request was not accepted, or was removed
-    from the queue uncharged before it could be dispatched."""
+    from the queue uncharged before it could be dispatched. Answered 503."""
 
-
-class UnknownModel(SFQError, LookupError):
-    """No pool of the dispatcher serves the request's ``model``."""
-
-
-class RequestTooLarge(SFQError, ValueError):
-    """No backend of the pool could ever take the request (its prompt plus ``max_tokens``
-    exceed every backend's ``max_context``)."""
+    http_status = 503
+    error_code = "shutting_down"
 
 
 # ---------------------------------------------------------------- policy layer
@@ -138,11 +230,12 @@ class PolicyError(SFQError, ValueError):
 
 
 class Refused(SFQError):
-    """The policy refused a request, or dropped it before it reached a backend.
+    """A request refused before it reached a backend, or dropped while it waited.
 
-    ``reason`` is one of ``unauthenticated``, ``class_not_allowed``, ``unknown_model``,
-    ``bad_request``, ``too_large``, ``rate_limited``, ``queue_full``, ``queue_timeout``,
-    ``deadline``, ``closed``.
+    ``reason`` is one of ``unauthenticated``, ``class_not_allowed``, ``unknown_org``,
+    ``unknown_model``, ``bad_request``, ``too_large``, ``rate_limited``, ``queue_full``,
+    ``queue_timeout``, ``deadline``, ``closed``, ``unavailable``, ``state_unavailable``;
+    ``http_status`` follows from it (``REFUSALS``: 401, 403, 404, 400, 429, 504, 503).
     ``retry_after`` is seconds after which trying again may succeed (``rate_limited``,
     ``queue_full``), else ``None``.
     """
@@ -151,9 +244,39 @@ class Refused(SFQError):
         super().__init__(message)
         self.reason = reason
         self.retry_after = retry_after
+        self.http_status, self.error_type, self.error_code = REFUSALS.get(reason, (503, "server_error", reason))
+
+
+class BadRequest(Refused, ValueError):
+    """The request body is malformed (``'max_tokens' must be an integer >= 1, got 'abc'``):
+    nothing was queued. A ``Refused`` with reason ``bad_request`` (400), and a ``ValueError``.
+    ``param`` names the field at fault when one is."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__("bad_request", message)
+        self.param = param
+
+
+class UnknownModel(Refused, LookupError):
+    """No pool serves the request's ``model``: a ``Refused`` with reason ``unknown_model`` (404)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("unknown_model", message)
+
+
+class RequestTooLarge(Refused, ValueError):
+    """No backend of the pool could ever take the request (its prompt plus ``max_tokens``
+    exceed every backend's ``max_context``): a ``Refused`` with reason ``too_large`` (400)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("too_large", message)
 
 
 class DeadlineExceeded(SFQError):
     """A request's own deadline ran out while it was running (or between retries): the
     backend call was aborted. (One whose queue age or deadline ran out before it started is
-    ``Refused`` with reason ``queue_timeout`` or ``deadline``.)"""
+    ``Refused`` with reason ``queue_timeout`` or ``deadline``.) Answered 504."""
+
+    http_status = 504
+    error_type = "timeout_error"
+    error_code = "deadline_exceeded"

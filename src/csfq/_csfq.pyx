@@ -61,6 +61,7 @@ from libc.math cimport ceil
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 
 import operator
+from types import GenericAlias
 
 from sfq import _common
 from sfq.errors import SchedulerBusy
@@ -296,8 +297,10 @@ cdef inline void _tab_del_at(Table* t, uint64_t j) noexcept nogil:
 @cython.final
 @cython.freelist(64)
 cdef class Dispatch:
-    """One dispatched request: ``flow``, ``item``, ``cost`` (as enqueued), ``ticket``,
-    ``start`` (the meter before charging, = v) and ``finish`` (after), in cost units."""
+    """One request as the scheduler hands it out (``dispatch()``, ``peek()``): ``flow``,
+    ``item`` (what was enqueued with it), ``cost`` (as enqueued), ``ticket`` (``enqueue``'s),
+    ``start`` (the flow's meter before the charge, = v) and ``finish`` (after), in cost
+    units. Read-only."""
 
     cdef readonly object flow
     cdef readonly object item
@@ -321,10 +324,49 @@ cdef class Dispatch:
             f"start={self.start!r}, finish={self.finish!r}, item={self.item!r})"
         )
 
+    @classmethod
+    def __class_getitem__(cls, item):
+        # Dispatch[Job] in annotations, as the twin (a typing.Generic) allows
+        return GenericAlias(cls, item)
+
 
 @cython.final
 cdef class Scheduler:
-    """Start-time Fair Queueing over flows of waiting requests (compiled core)."""
+    """Decides whose request goes next when flows share a resource: Start-time Fair Queueing
+    (Goyal, Vin and Cheng, 1996), compiled.
+
+    A flow is whoever owns a share (any hashable id: ``"team-a"``, ``("acme", "batch")``); a
+    backlogged flow is served in proportion to its weight, whatever the number or the size of
+    its requests, and a flow that was idle rejoins level, with no credit banked. The scheduler
+    only orders: it does no I/O and keeps no clock. Costs are in any unit (tokens, seconds).
+
+    * ``enqueue(flow, cost, item)`` queues a request and returns its ticket;
+    * ``dispatch()`` takes the next one, as a :class:`Dispatch` (``None`` when nothing waits);
+      ``peek()`` says which it would be, changing nothing;
+    * ``cancel(ticket)`` withdraws a waiting request, uncharged;
+    * ``work_started(flow)`` / ``work_done(flow)`` bracket the work you run, so a flow whose
+      request is still running keeps its place; ``adjust(flow, delta)`` corrects a charge once
+      the real cost is known; ``suspend``/``resume`` hold a flow back without banking credit.
+
+    Example::
+
+        s = sfq.Scheduler()
+        s.set_weight("chat", 3)                     # three times the share of "batch"
+        for i in range(4):
+            s.enqueue("batch", 100, f"batch-{i}")
+            s.enqueue("chat", 100, f"chat-{i}")
+        [s.dispatch().item for _ in range(8)]
+        # ['batch-0', 'chat-0', 'chat-1', 'chat-2', 'batch-1', 'chat-3', 'batch-2', 'batch-3']
+
+    Annotate the items you enqueue as ``sfq.Scheduler[Job]`` and ``Dispatch.item`` is a
+    ``Job`` to a type checker. One method runs at a time: a call from another thread while a
+    method runs, or from inside one (a flow id's ``__hash__``, a payload's ``__del__``),
+    raises :class:`sfq.errors.SchedulerBusy` and changes nothing; share a scheduler between
+    threads behind your own lock. Bad input (a cost or weight that is not a finite number
+    > 0, an unhashable flow) raises ``ValueError``/``TypeError`` naming the value, with the
+    scheduler unchanged. :class:`sfq.ReferenceScheduler` is the pure-Python twin: the same
+    decisions, call for call.
+    """
 
     cdef Flow* _flows           # flow records, indexed by slot
     cdef int32_t* _pos          # per slot: index in the wait or idle heap, -1 if in neither
@@ -372,6 +414,11 @@ cdef class Scheduler:
 
     def __init__(self):
         pass
+
+    @classmethod
+    def __class_getitem__(cls, item):
+        # Scheduler[Job] in annotations, as the twin (a typing.Generic) allows
+        return GenericAlias(cls, item)
 
     def __dealloc__(self):
         self._release_all()

@@ -99,7 +99,8 @@ async def run_phase(servers: list[FakeServer], rng: random.Random, faults: bool)
         await asyncio.sleep(PHASE * 0.3)
         srv.outage = False
 
-    async with Dispatcher(backends, estimator=est, backoff=0.05, max_backoff=0.2, unavailable_timeout=5.0) as d:
+    async with Dispatcher(backends, estimator=est, backoff=0.05, max_backoff=0.2, unavailable_timeout=5.0,
+                          max_attempts=1) as d:  # (retries: test_dispatch_retry.py)
         with LagProbe() as lag:
             tasks = [loop.create_task(client(d, f)) for f in HEALTHY for _ in range(CLIENTS)]
             tasks.append(loop.create_task(client(d, BAD)))

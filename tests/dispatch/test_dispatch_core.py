@@ -11,7 +11,7 @@ from conftest import GateBackend, settle
 
 from sfq.cost import CostEstimator
 from sfq.dispatch import Dispatcher, DispatchRecord
-from sfq.errors import BackendError, BackendUnavailable, DispatcherClosed, RequestTooLarge, UnknownModel
+from sfq.errors import BackendError, BackendUnavailable, BadRequest, DispatcherClosed, RequestTooLarge, UnknownModel
 
 
 def body(n: int = 4, **kw):
@@ -109,12 +109,12 @@ async def test_cancel_before_dispatch_is_uncharged(sched):
         await settle()
         waiting = asyncio.create_task(d.submit("b", body(), cost=7.0))
         await settle()
-        pool = d._pools[None]
-        meter_before = pool.sched.meter("b")
+
+        meter_before = d.meter("b")
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
-        assert pool.sched.meter("b") == meter_before and len(pool.sched) == 0
+        assert d.meter("b") == meter_before and len(d.scheduler_of(None)) == 0
         s = d.stats()["flows"]["b"]
         assert s == {**s, "cancelled": 1, "dispatched": 0, "charged_cost": 0.0, "waiting": 0}
         b.release(0)
@@ -128,13 +128,13 @@ async def test_cancel_after_dispatch_aborts_the_call_and_keeps_the_charge(sched)
         t = asyncio.create_task(d.submit("a", body(), cost=5.0))
         nxt = asyncio.create_task(d.submit("c", body(), cost=1.0))
         await settle()
-        meter = d._pools[None].sched.meter("a")
+        meter = d.meter("a")
         t.cancel()
         with pytest.raises(asyncio.CancelledError):
             await t
         assert b.cancelled == 1  # the backend call itself was cancelled
         await settle()
-        assert d._pools[None].sched.meter("a") >= meter == 5.0  # no refund (v may have moved past it)
+        assert d.meter("a") >= meter == 5.0  # no refund (v may have moved past it)
         s = d.stats()
         assert s["flows"]["a"]["aborted"] == 1 and s["flows"]["a"]["charged_cost"] == 5.0
         assert s["backends"]["b"]["aborted"] == 1
@@ -146,7 +146,8 @@ async def test_cancel_after_dispatch_aborts_the_call_and_keeps_the_charge(sched)
 async def test_backend_failure_reaches_the_caller_and_marks_unhealthy(sched):
     b1, b2 = GateBackend("b1", max_in_flight=1), GateBackend("b2", max_in_flight=1)
     b1.healthy = False
-    async with Dispatcher([b1, b2], scheduler=sched, backoff=0.01, max_backoff=0.02, transport_failures=1) as d:
+    async with Dispatcher([b1, b2], scheduler=sched, backoff=0.01, max_backoff=0.02, transport_failures=1,
+                          max_attempts=1) as d:  # (retries: test_dispatch_retry.py)
         t = asyncio.create_task(d.submit("f", body()))
         await settle()
         b1.fail(0, BackendUnavailable("gone", backend="b1"))
@@ -225,13 +226,13 @@ async def test_overtake_lets_later_flows_go(sched):
         assert d.stats()["flows"]["a"]["held"] == 1
         # cancelling a held request: it waited aside uncharged (look before you pop), so it counts
         # as cancelled before dispatch and its flow's meter never moved
-        meter = d._pools[None].sched.meter("a")
+        meter = d.meter("a")
         big.cancel()
         with pytest.raises(asyncio.CancelledError):
             await big
         s = d.stats()["flows"]["a"]
         assert s["held"] == 0 and s["cancelled"] == 1 and s["aborted"] == 0 and s["charged_cost"] == 0.0
-        assert d._pools[None].sched.meter("a") == meter and not d._pools[None].sched.suspended("a")
+        assert d.meter("a") == meter and not d.scheduler_of(None).suspended("a")
         large.release(0)
         for i in range(3):
             small.release(i)
@@ -272,8 +273,9 @@ async def test_pools_per_model_and_default_pool(sched):
         ("f", body(), {"cost": -1.0}, ValueError, "cost"),
         ("f", body(), {"cost": float("nan")}, ValueError, "cost"),
         ("f", body(), {"cost": "3"}, TypeError, "cost"),
-        ("f", {"model": "m", "max_tokens": 3}, {}, ValueError, "neither 'prompt'"),
-        ("f", body(stream=True), {}, ValueError, "use stream"),
+        ("f", {"model": "m", "max_tokens": 3}, {}, BadRequest, "neither 'prompt'"),
+        ("f", body(stream=True), {}, BadRequest, "use stream"),
+        ("f", {"model": "m", "prompt": "p", "max_tokens": "abc"}, {}, BadRequest, "'max_tokens' must be an integer"),
         ("f", "not a body", {}, TypeError, "mapping"),
     ],
 )
@@ -282,15 +284,20 @@ async def test_bad_input_leaves_nothing_behind(sched, flow, b, kw, exc, match):
     async with Dispatcher([g], scheduler=sched) as d:
         with pytest.raises(exc, match=match):
             await d.submit(flow, b, **kw)
-        assert d.stats()["flows"] == {} and len(d._pools[None].sched) == 0 and g.calls == []
+        assert d.stats()["flows"] == {} and len(d.scheduler_of(None)) == 0 and g.calls == []
 
 
 async def test_stream_body_must_stream(sched):
     g = GateBackend("g")
     async with Dispatcher([g], scheduler=sched) as d:
-        with pytest.raises(ValueError, match="'stream' must be true"):
+        with pytest.raises(BadRequest, match="'stream' must be true") as info:
             async for _ in d.stream("f", body(stream=False)):
                 pass
+        assert info.value.http_status == 400 and info.value.param == "stream"
+        with pytest.raises(BadRequest, match="'max_tokens' must be an integer >= 1, got 'abc'"):
+            async for _ in d.stream("f", {"model": "m", "prompt": "p", "max_tokens": "abc", "stream": True}):
+                pass
+        assert g.calls == []
 
 
 async def test_stream_hides_the_usage_chunk_unless_asked(sched):

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from sfq.cost import CostEstimator, prompt_of
+from sfq.errors import BadRequest
 
 
 def test_formula_with_prior_and_exact_tokenizer():
@@ -90,14 +91,16 @@ def test_min_cost_and_overflow():
     est = CostEstimator(input_weight=0.0, output_weight=1.0, prior_ratio=0.001, min_cost=0.5)
     assert est.estimate({"prompt": "", "max_tokens": 1}).cost == 0.5
     big = CostEstimator(input_weight=1e6)
-    with pytest.raises(OverflowError, match="exceeds the largest cost"):
+    with pytest.raises(BadRequest, match="exceeds the largest cost") as info:  # the body's fault: a 400
         big.estimate({"prompt": [1] * 2000, "max_tokens": 1})
+    assert info.value.http_status == 400
+    with pytest.raises(OverflowError, match="exceeds the largest cost"):  # the caller's own numbers
+        big.estimate_tokens(2000, 1)
 
 
 @pytest.mark.parametrize(
     "body, match",
     [
-        ({"max_tokens": 3}, "neither 'prompt'"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
         ({"prompt": "x", "max_tokens": True}, "max_tokens"),
@@ -111,8 +114,17 @@ def test_min_cost_and_overflow():
     ],
 )
 def test_bad_bodies_name_the_field(body, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(BadRequest, match=match) as info:  # a ValueError too
         CostEstimator().estimate(body)
+    assert isinstance(info.value, ValueError) and info.value.http_status == 400
+    assert info.value.to_openai()["error"]["type"] == "invalid_request_error"
+    assert info.value.param in body  # the field at fault (OpenAI's "param")
+
+
+def test_a_body_without_a_prompt_is_a_bad_request():
+    with pytest.raises(BadRequest, match="neither 'prompt'") as info:
+        CostEstimator().estimate({"max_tokens": 3})
+    assert info.value.param is None and info.value.reason == "bad_request"
 
 
 def test_bad_configuration():

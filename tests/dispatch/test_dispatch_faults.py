@@ -1,5 +1,7 @@
 """OpenAIBackend and the Dispatcher against a loopback aiohttp server of our own that answers,
-refuses, stalls, fails with 5xx/4xx, cuts replies and streams, and sends garbage."""
+refuses, stalls, fails with 5xx/4xx, cuts replies and streams, and sends garbage.
+(``max_attempts=1`` throughout: these tests classify failures; retries are test_dispatch_retry.py's.)
+"""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_t
 
 async def test_plain_and_chat_replies_with_usage(fake: FakeServer):
     est = CostEstimator(input_weight=0.0, output_weight=1.0, prior_ratio=0.5)
-    async with Dispatcher([OpenAIBackend(fake.url, max_in_flight=2)], estimator=est) as d:
+    async with Dispatcher([OpenAIBackend(fake.url, max_in_flight=2)], max_attempts=1, estimator=est) as d:
         r = await d.submit("f", BODY)
         assert r["choices"][0]["text"] == "xxxx" and r["usage"]["completion_tokens"] == 4
         r = await d.submit("f", CHAT)
@@ -39,7 +41,7 @@ async def test_plain_and_chat_replies_with_usage(fake: FakeServer):
 
 async def test_streaming_asks_for_usage_and_passes_events_through(fake: FakeServer):
     est = CostEstimator(input_weight=0.0, prior_ratio=0.5)
-    async with Dispatcher([OpenAIBackend(fake.url)], estimator=est) as d:
+    async with Dispatcher([OpenAIBackend(fake.url)], max_attempts=1, estimator=est) as d:
         events = [e async for e in d.stream("f", {**CHAT, "stream": True})]
         assert [e["choices"][0]["delta"]["content"] for e in events] == ["x", "x", "x"]
         assert fake.requests[-1]["stream_options"] == {"include_usage": True}
@@ -56,7 +58,7 @@ async def test_awkward_but_legal_sse(fake: FakeServer):
 
 
 async def test_connection_refused(refused_url: str):
-    async with Dispatcher([OpenAIBackend(refused_url)], backoff=10, max_backoff=10) as d:
+    async with Dispatcher([OpenAIBackend(refused_url)], max_attempts=1, backoff=10, max_backoff=10) as d:
         with pytest.raises(BackendUnavailable, match="cannot connect") as ei:
             await d.submit("f", BODY)
         assert ei.value.backend == refused_url and ei.value.unhealthy
@@ -67,7 +69,7 @@ async def test_connection_refused(refused_url: str):
 
 async def test_stall_times_out(fake: FakeServer):
     fake.mode = "stall"
-    async with Dispatcher([OpenAIBackend(fake.url, read_timeout=0.3)], backoff=10, max_backoff=10,
+    async with Dispatcher([OpenAIBackend(fake.url, read_timeout=0.3)], max_attempts=1, backoff=10, max_backoff=10,
                           transport_failures=1) as d:
         with pytest.raises(BackendTimeout, match="timed out"):
             await d.submit("f", BODY)
@@ -77,7 +79,7 @@ async def test_stall_times_out(fake: FakeServer):
 
 async def test_stream_headers_deadline(fake: FakeServer):
     fake.mode = "stall"
-    async with Dispatcher([OpenAIBackend(fake.url, timeout=0.3)], backoff=10, max_backoff=10) as d:
+    async with Dispatcher([OpenAIBackend(fake.url, timeout=0.3)], max_attempts=1, backoff=10, max_backoff=10) as d:
         with pytest.raises(BackendTimeout, match="no reply headers"):
             async for _ in d.stream("f", BODY):
                 pass
@@ -86,7 +88,7 @@ async def test_stream_headers_deadline(fake: FakeServer):
 async def test_5xx_marks_unhealthy_4xx_does_not(fake: FakeServer):
     """With a window of one reply, one 5xx is an error rate of 100%; a 4xx never counts."""
     fake.modes.extend(["400", "500"])
-    async with Dispatcher([OpenAIBackend(fake.url)], backoff=10, max_backoff=10, error_window=1) as d:
+    async with Dispatcher([OpenAIBackend(fake.url)], max_attempts=1, backoff=10, max_backoff=10, error_window=1) as d:
         with pytest.raises(BackendHTTPError, match="HTTP 400") as ei:
             await d.submit("f", BODY)
         assert ei.value.status == 400 and not ei.value.unhealthy and "injected 400" in ei.value.body
@@ -99,7 +101,7 @@ async def test_5xx_marks_unhealthy_4xx_does_not(fake: FakeServer):
 
 async def test_plain_reply_cut_midway(fake: FakeServer):
     fake.mode = "cut"
-    async with Dispatcher([OpenAIBackend(fake.url)], backoff=10, max_backoff=10) as d:
+    async with Dispatcher([OpenAIBackend(fake.url)], max_attempts=1, backoff=10, max_backoff=10) as d:
         with pytest.raises(BackendUnavailable, match="connection lost"):
             await d.submit("f", BODY)
 
@@ -107,7 +109,7 @@ async def test_plain_reply_cut_midway(fake: FakeServer):
 async def test_stream_cut_midway(fake: FakeServer):
     fake.mode = "cut"
     got = []
-    async with Dispatcher([OpenAIBackend(fake.url)], backoff=10, max_backoff=10, transport_failures=1) as d:
+    async with Dispatcher([OpenAIBackend(fake.url)], max_attempts=1, backoff=10, max_backoff=10, transport_failures=1) as d:
         with pytest.raises(StreamInterrupted) as ei:
             async for e in d.stream("f", {**BODY, "max_tokens": 10}):
                 got.append(e)
@@ -119,7 +121,7 @@ async def test_stream_cut_midway(fake: FakeServer):
 
 async def test_error_event_inside_a_stream(fake: FakeServer):
     fake.mode = "sse_error"
-    async with Dispatcher([OpenAIBackend(fake.url)], backoff=10, max_backoff=10) as d:
+    async with Dispatcher([OpenAIBackend(fake.url)], max_attempts=1, backoff=10, max_backoff=10) as d:
         with pytest.raises(StreamInterrupted, match="injected mid-stream error") as ei:
             async for _ in d.stream("f", BODY):
                 pass
@@ -128,7 +130,7 @@ async def test_error_event_inside_a_stream(fake: FakeServer):
 
 async def test_garbage_reply(fake: FakeServer):
     fake.mode = "garbage"
-    async with Dispatcher([OpenAIBackend(fake.url)], backoff=10, max_backoff=10) as d:
+    async with Dispatcher([OpenAIBackend(fake.url)], max_attempts=1, backoff=10, max_backoff=10) as d:
         with pytest.raises(BackendError, match="not JSON"):
             await d.submit("f", BODY)
 
@@ -142,7 +144,7 @@ async def test_unhealthy_backend_is_probed_with_backoff_and_returns(fake: FakeSe
     try:
         flaky = OpenAIBackend(fake.url, name="flaky", max_in_flight=1)
         steady = OpenAIBackend(good.url, name="steady", max_in_flight=1)
-        async with Dispatcher([flaky, steady], backoff=0.05, max_backoff=0.1, error_window=1) as d:
+        async with Dispatcher([flaky, steady], max_attempts=1, backoff=0.05, max_backoff=0.1, error_window=1) as d:
             with pytest.raises(BackendHTTPError):
                 await d.submit("f", BODY)  # flaky first (tie goes to the first backend)
             for _ in range(4):
@@ -161,7 +163,7 @@ async def test_unhealthy_backend_is_probed_with_backoff_and_returns(fake: FakeSe
 async def test_all_backends_down_requests_wait_then_flow(fake: FakeServer):
     fake.modes.append("500")
     fake.health_status = 503
-    async with Dispatcher([OpenAIBackend(fake.url)], backoff=0.05, max_backoff=0.05, error_window=1) as d:
+    async with Dispatcher([OpenAIBackend(fake.url)], max_attempts=1, backoff=0.05, max_backoff=0.05, error_window=1) as d:
         with pytest.raises(BackendHTTPError):
             await d.submit("f", BODY)
         t = asyncio.create_task(d.submit("g", BODY))
@@ -175,7 +177,7 @@ async def test_all_backends_down_requests_wait_then_flow(fake: FakeServer):
 async def test_cancel_after_dispatch_aborts_the_http_call(fake: FakeServer):
     fake.mode = "slow"
     fake.delay = 30
-    async with Dispatcher([OpenAIBackend(fake.url)]) as d:
+    async with Dispatcher([OpenAIBackend(fake.url)], max_attempts=1) as d:
         t = asyncio.create_task(d.submit("f", BODY))
         await wait_until(lambda: len(fake.requests) == 1, "the request to reach the server")
         t.cancel()
@@ -190,7 +192,7 @@ async def test_cancel_after_dispatch_aborts_the_http_call(fake: FakeServer):
 async def test_stopping_a_stream_early_aborts_it(fake: FakeServer):
     fake.mode = "slow"
     fake.delay = 0.02
-    async with Dispatcher([OpenAIBackend(fake.url)]) as d:
+    async with Dispatcher([OpenAIBackend(fake.url)], max_attempts=1) as d:
         got = 0
         async with contextlib.aclosing(d.stream("f", {**BODY, "max_tokens": 1000})) as it:
             async for _ in it:
@@ -206,7 +208,7 @@ async def test_stopping_a_stream_early_aborts_it(fake: FakeServer):
 async def test_saturation_probe_holds_dispatch(fake: FakeServer):
     fake.metrics_text = "# TYPE llamacpp:requests_deferred gauge\nllamacpp:requests_deferred 3\n"
     b = OpenAIBackend(fake.url, max_in_flight=8, probe=SaturationProbe(interval=0.02))
-    async with Dispatcher([b]) as d:
+    async with Dispatcher([b], max_attempts=1) as d:
         await wait_until(lambda: d.stats()["backends"][fake.url]["saturated"], "the probe's first reading")
         t = asyncio.create_task(d.submit("f", BODY))
         await asyncio.sleep(0.1)

@@ -1,5 +1,7 @@
 """Failure isolation in the dispatcher: one bad reply, one bad tenant or one missing route must
-not take the fleet down. One regression per fault, against the loopback fault server."""
+not take the fleet down. One regression per fault, against the loopback fault server.
+(``max_attempts=1`` throughout: these tests classify failures; retries are test_dispatch_retry.py's.)
+"""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from sfq.backends import OpenAIBackend
 from sfq.backends.openai import parse_retry_after
 from sfq.backends.sse import SSEParser
 from sfq.cost import CostEstimator
-from sfq.dispatch import Dispatcher, DispatchHooks, DispatchRecord
+from sfq.dispatch import Dispatcher, DispatchRecord
 from sfq.errors import (
     BackendError,
     BackendHTTPError,
@@ -41,7 +43,7 @@ async def test_an_absurd_usage_report_cannot_poison_calibration(fake: FakeServer
     request, of every flow, is still estimated sanely and served; the saved state loads."""
     est = CostEstimator(chars_per_token=4.0)
     fake.modes.append("absurd")
-    async with Dispatcher([OpenAIBackend(fake.url)], estimator=est) as d:
+    async with Dispatcher([OpenAIBackend(fake.url)], max_attempts=1, estimator=est) as d:
         await d.submit("victim", body())
         assert est.clamped == 2
         cpt = est.chars_per_token_of("m")
@@ -94,7 +96,7 @@ async def test_a_fresh_connection_that_drops_is_not_resent(fake: FakeServer):
     written): the server may have the request, so it is not sent again."""
     fake.modes.extend(["drop", "ok", "drop"])
     b = OpenAIBackend(fake.url)
-    async with Dispatcher([b], backoff=10, max_backoff=10) as d:
+    async with Dispatcher([b], max_attempts=1, backoff=10, max_backoff=10) as d:
         with pytest.raises(BackendUnavailable) as ei:
             await d.submit("f", BODY)
         assert len(fake.requests) == 1 and b.resent == 0 and not ei.value.never_sent
@@ -120,7 +122,7 @@ async def test_a_pooled_connection_that_fails_before_writing_is_resent(fake: Fak
     tc = aiohttp.TraceConfig()
     tc.on_connection_reuseconn.append(close_on_reuse)
     b = OpenAIBackend(fake.url, trace_configs=[tc])
-    async with Dispatcher([b]) as d:
+    async with Dispatcher([b], max_attempts=1) as d:
         await d.submit("f", BODY)
         connector.append(b._session.connector)  # type: ignore[union-attr]
         armed[0] = True
@@ -132,14 +134,14 @@ async def test_a_pooled_connection_that_fails_before_writing_is_resent(fake: Fak
 async def test_an_idempotent_request_is_resent_after_a_lost_connection(fake: FakeServer):
     fake.modes.extend(["drop", "ok"])
     b = OpenAIBackend(fake.url)
-    async with Dispatcher([b]) as d:
+    async with Dispatcher([b], max_attempts=1) as d:
         r = await d.submit("f", BODY, idempotent=True)
         assert r["usage"]["completion_tokens"] == 4
     assert b.resent == 1 and len(fake.requests) == 2
 
 
 async def test_a_refused_connection_says_never_sent(refused_url: str):
-    async with Dispatcher([OpenAIBackend(refused_url)], backoff=10, max_backoff=10) as d:
+    async with Dispatcher([OpenAIBackend(refused_url)], max_attempts=1, backoff=10, max_backoff=10) as d:
         with pytest.raises(BackendUnavailable) as ei:
             await d.submit("f", BODY)
         assert ei.value.never_sent and not d.stats()["backends"][refused_url]["healthy"]
@@ -152,7 +154,7 @@ async def test_a_backend_without_a_health_route_comes_back(fake: FakeServer, rou
     fake.health_route, fake.models_route, completions = routes
     fake.modes.append("503")
     b = OpenAIBackend(fake.url)
-    async with Dispatcher([b], backoff=0.02, max_backoff=0.05, error_window=1) as d:
+    async with Dispatcher([b], max_attempts=1, backoff=0.02, max_backoff=0.05, error_window=1) as d:
         with pytest.raises(BackendHTTPError):
             await d.submit("f", BODY)
         assert not d.stats()["backends"][fake.url]["healthy"]
@@ -168,7 +170,7 @@ async def test_one_tenants_5xx_do_not_take_the_backend_down(fake: FakeServer):
     """A flow whose every request gets a 500 fails alone: the backend stays in rotation and the
     other flows are served. A backend that fails most of its replies does leave."""
     fake.fail_prompt = "poison"
-    async with Dispatcher([OpenAIBackend(fake.url, max_in_flight=4)], backoff=10, max_backoff=10) as d:
+    async with Dispatcher([OpenAIBackend(fake.url, max_in_flight=4)], max_attempts=1, backoff=10, max_backoff=10) as d:
         bad = [asyncio.create_task(d.submit("bad", body("poison"))) for _ in range(6)]
         good = [asyncio.create_task(d.submit(f"good{i % 8}", body())) for i in range(64)]
         res = await asyncio.gather(*bad, *good, return_exceptions=True)
@@ -191,7 +193,7 @@ async def test_one_tenants_5xx_do_not_take_the_backend_down(fake: FakeServer):
 
 async def test_transport_failures_in_a_row_take_a_backend_out(fake: FakeServer):
     fake.mode = "cut"
-    async with Dispatcher([OpenAIBackend(fake.url)], backoff=10, max_backoff=10) as d:
+    async with Dispatcher([OpenAIBackend(fake.url)], max_attempts=1, backoff=10, max_backoff=10) as d:
         for i in range(3):
             assert d.stats()["backends"][fake.url]["healthy"], i
             with pytest.raises(BackendUnavailable):
@@ -204,7 +206,7 @@ async def test_health_checks_back_off_to_a_cap(sched):
     recovered backend gets traffic within that."""
     b = GateBackend("b", max_in_flight=1)
     b.healthy = False
-    async with Dispatcher([b], scheduler=sched, backoff=0.001, max_backoff=0.004, transport_failures=1) as d:
+    async with Dispatcher([b], max_attempts=1, scheduler=sched, backoff=0.001, max_backoff=0.004, transport_failures=1) as d:
         t = asyncio.create_task(d.submit("f", body()))
         await settle()
         b.fail(0, BackendUnavailable("gone", backend="b"))
@@ -215,7 +217,7 @@ async def test_health_checks_back_off_to_a_cap(sched):
         b.healthy = True
         await wait_until(lambda: d.stats()["backends"]["b"]["healthy"], "recovery")
         assert d.stats()["backends"]["b"]["check_interval"] is None
-    assert Dispatcher(["http://x"]).max_backoff == 2.0  # the default cap
+    assert Dispatcher(["http://x"], max_attempts=1).max_backoff == 2.0  # the default cap
 
 
 # ------------------------------------------------------------------ 4. bounded waits
@@ -225,7 +227,7 @@ async def test_a_stream_has_a_total_deadline(fake: FakeServer):
     fake.mode = "forever"
     b = OpenAIBackend(fake.url, stream_timeout=0.3, max_in_flight=1)
     assert OpenAIBackend(fake.url).stream_total == 1800.0  # the default
-    async with Dispatcher([b]) as d:
+    async with Dispatcher([b], max_attempts=1) as d:
         got = 0
         with pytest.raises(BackendTimeout, match="total deadline of 0.3 s"):
             async for _ in d.stream("f", BODY):
@@ -238,19 +240,19 @@ async def test_a_stream_has_a_total_deadline(fake: FakeServer):
 
 
 async def test_submit_waits_a_bounded_time_when_no_backend_is_healthy(refused_url: str, sched):
-    async with Dispatcher([OpenAIBackend(refused_url)], scheduler=sched, backoff=10, max_backoff=10,
+    async with Dispatcher([OpenAIBackend(refused_url)], max_attempts=1, scheduler=sched, backoff=10, max_backoff=10,
                           unavailable_timeout=0.1) as d:
         with pytest.raises(BackendUnavailable):
             await d.submit("f", BODY)  # the only backend is down now
-        meter = d.scheduler_of(None).meter("g")
+        meter = d.meter("g")
         with pytest.raises(NoHealthyBackend, match="no backend of pool None was healthy for 0.1 s"):
             await d.submit("g", BODY)
         s = d.stats()
         assert s["flows"]["g"]["unavailable"] == 1 and s["flows"]["g"]["waiting"] == 0
-        assert d.scheduler_of(None).meter("g") == meter and len(d.scheduler_of(None)) == 0  # uncharged
-    assert Dispatcher(["http://x"]).unavailable_timeout == 30.0
+        assert d.meter("g") == meter and len(d.scheduler_of(None)) == 0  # uncharged
+    assert Dispatcher(["http://x"], max_attempts=1).unavailable_timeout == 30.0
     with pytest.raises(ValueError, match="unavailable_timeout"):
-        Dispatcher(["http://x"], unavailable_timeout=0)
+        Dispatcher(["http://x"], max_attempts=1, unavailable_timeout=0)
 
 
 async def test_stats_does_not_walk_the_flows(sched, monkeypatch):
@@ -259,7 +261,7 @@ async def test_stats_does_not_walk_the_flows(sched, monkeypatch):
     real = stats_mod.flow_row
     monkeypatch.setattr(stats_mod, "flow_row", lambda fs: rows.append(fs) or real(fs))
     b = GateBackend("b", max_in_flight=1)
-    async with Dispatcher([b], scheduler=sched) as d:
+    async with Dispatcher([b], max_attempts=1, scheduler=sched) as d:
         ts = [asyncio.create_task(d.submit(i, body())) for i in range(2000)]
         await settle()
         s = d.stats()
@@ -291,7 +293,7 @@ async def test_no_rescan_of_all_flows_per_admission_beyond_max_flow_stats(sched)
     """More flows wait than ``max_flow_stats``: admissions never walk the flow table (idle
     flows are kept in their own list, oldest first), and forgetting still works once some go idle."""
     b = GateBackend("b", max_in_flight=1)
-    async with Dispatcher([b], scheduler=sched, max_flow_stats=10) as d:
+    async with Dispatcher([b], max_attempts=1, scheduler=sched, max_flow_stats=10) as d:
         d._flows = CountingDict()
         CountingDict.walks = 0
         ts = [asyncio.create_task(d.submit(i, body())) for i in range(100)]
@@ -312,7 +314,7 @@ async def test_no_rescan_of_all_flows_per_admission_beyond_max_flow_stats(sched)
 async def test_backend_timeout_is_not_a_timeout_error(fake: FakeServer):
     assert not issubclass(BackendTimeout, TimeoutError) and not issubclass(BackendTimeout, asyncio.TimeoutError)
     fake.mode = "stall"
-    async with Dispatcher([OpenAIBackend(fake.url, read_timeout=0.1)], backoff=10, max_backoff=10) as d:
+    async with Dispatcher([OpenAIBackend(fake.url, read_timeout=0.1)], max_attempts=1, backoff=10, max_backoff=10) as d:
         with pytest.raises(BackendTimeout):
             try:
                 async with asyncio.timeout(30):
@@ -341,7 +343,7 @@ async def test_break_frees_the_slot_at_once(sched):
     """``break`` out of ``async for ... in d.stream(...)``, no aclosing, no gc: the next waiting
     request gets the slot on the loop's next step."""
     b = EventsBackend("b", max_in_flight=1)
-    async with Dispatcher([b], scheduler=sched) as d:
+    async with Dispatcher([b], max_attempts=1, scheduler=sched) as d:
         nxt: asyncio.Task[Any] | None = None
         async for _ev in d.stream("f", body()):
             nxt = asyncio.create_task(d.submit("g", body()))
@@ -388,7 +390,7 @@ async def test_a_32_mb_event_does_not_stall_the_loop():
     with servers_in_a_thread(1) as (srv,):
         srv.mode = "bigline"
         srv.big_payload()
-        async with Dispatcher([OpenAIBackend(srv.url)]) as d:
+        async with Dispatcher([OpenAIBackend(srv.url)], max_attempts=1) as d:
             with LagProbe() as lag:
                 events = [e async for e in d.stream("f", BODY)]
             assert len(events[0]["choices"][0]["text"]) == 32 << 20
@@ -402,7 +404,7 @@ async def test_429_carries_status_headers_and_retry_after_and_pauses_one_backend
     try:
         fake.mode, fake.retry_after = "429", "3"
         limited = OpenAIBackend(fake.url, name="limited")
-        async with Dispatcher([limited, OpenAIBackend(other.url, name="other")]) as d:
+        async with Dispatcher([limited, OpenAIBackend(other.url, name="other")], max_attempts=1) as d:
             with pytest.raises(BackendRateLimited) as ei:
                 await d.submit("f", BODY)  # the tie goes to the first backend
             e = ei.value
@@ -420,41 +422,3 @@ async def test_429_carries_status_headers_and_retry_after_and_pauses_one_backend
     assert parse_retry_after("-5") == 0.0 and parse_retry_after(None) is None
 
 
-# ------------------------------------------------------------------ the policy seam
-class Gate(DispatchHooks):
-    def __init__(self) -> None:
-        self.open = False
-        self.sent_: list[DispatchRecord] = []
-        self.ended_: list[tuple[int, str, BackendError | None]] = []
-
-    def select(self, model: str | None, sched: Any) -> Any:
-        return sched.dispatch() if self.open else None
-
-    def sent(self, record: DispatchRecord) -> None:
-        self.sent_.append(record)
-
-    def ended(self, record: DispatchRecord, outcome: str, error: BackendError | None, usage: Any) -> None:
-        self.ended_.append((record.ticket, outcome, error))
-
-
-async def test_hooks_decide_whether_and_whose_request_goes_next(sched):
-    gate = Gate()
-    b = GateBackend("b", max_in_flight=4)
-    async with Dispatcher([b], scheduler=sched, hooks=gate) as d:
-        ts = [asyncio.create_task(d.submit(f, body())) for f in ("a", "b", "c")]
-        await settle()
-        assert b.calls == [] and d.stats()["pools"][None]["waiting"] == 3  # held by the policy
-        gate.open = True
-        d.wake(None)
-        await settle()
-        assert len(b.calls) == 3 and [r.flow for r in gate.sent_] == ["a", "b", "c"]
-        b.release(0)
-        b.fail(1, BackendHTTPError("no", backend="b", status=500, unhealthy=True))
-        ts[2].cancel()
-        await asyncio.gather(*ts, return_exceptions=True)
-        outcomes = sorted((o, type(e).__name__) for _, o, e in gate.ended_)
-        assert outcomes == [("aborted", "NoneType"), ("completed", "NoneType"), ("failed", "BackendHTTPError")]
-        with pytest.raises(KeyError, match="no pool serves model 'x'"):
-            d.wake("x")
-    with pytest.raises(TypeError, match="DispatchHooks"):
-        Dispatcher([b], hooks=object())  # type: ignore[arg-type]

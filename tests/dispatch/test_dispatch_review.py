@@ -28,7 +28,7 @@ async def test_cancel_requested_before_selection_is_never_charged(sched):
     the slot and the pump runs. The request was given up before dispatch: it must leave the
     queue uncharged and never take the slot (API.md: cancelling before dispatch is uncharged)."""
     b = GateBackend("b", max_in_flight=1)
-    async with Dispatcher([b], scheduler=sched) as d:
+    async with Dispatcher([b], max_attempts=1, scheduler=sched) as d:
         first = asyncio.create_task(d.submit("a", body(), cost=5.0))
         await settle()
         waiting = asyncio.create_task(d.submit("b", body(), cost=7.0))
@@ -44,8 +44,8 @@ async def test_cancel_requested_before_selection_is_never_charged(sched):
         s = d.stats()["flows"]["b"]
         assert s["dispatched"] == 0 and s["charged_cost"] == 0.0 and s["cancelled"] == 1 and s["aborted"] == 0
         assert s["waiting"] == 0 and s["in_flight"] == 0
-        sch = d._pools[None].sched
-        assert sch.meter("b") <= sch.virtual_time  # never charged its 7.0
+        sch = d.scheduler_of(None)
+        assert sch.meter(d.flow_key("b")) <= sch.virtual_time  # never charged its 7.0
         assert len(b.calls) == 2 and b.calls[1][1] is not None  # the slot went to `third`
         b.release(1)
         await third
@@ -62,7 +62,7 @@ class SyncRaisingStream(GateBackend):
 
 async def test_a_stream_that_fails_before_iterating_frees_its_slot(sched):
     b = SyncRaisingStream("b", max_in_flight=1)
-    async with Dispatcher([b], scheduler=sched, close_grace=0.5) as d:
+    async with Dispatcher([b], max_attempts=1, scheduler=sched, close_grace=0.5) as d:
         with pytest.raises(BackendError, match="stream refused"):
             async for _ in d.stream("f", body()):
                 pass
@@ -82,7 +82,7 @@ async def test_breaking_out_of_a_stream_without_aclosing_aborts_it(fake: FakeSer
     is aborted, the server sees the connection close, and the slot is free."""
     fake.mode = "slow"
     fake.delay = 0.02
-    async with Dispatcher([OpenAIBackend(fake.url, max_in_flight=1)]) as d:
+    async with Dispatcher([OpenAIBackend(fake.url, max_in_flight=1)], max_attempts=1) as d:
         got = 0
         async for _ in d.stream("f", {**body(), "max_tokens": 1000}):
             got += 1
@@ -102,7 +102,7 @@ async def test_close_aborts_what_outlives_the_grace(fake: FakeServer):
     nothing is left in flight and no aiohttp session is left open."""
     fake.mode = "stall"
     backend = OpenAIBackend(fake.url)
-    d = Dispatcher([backend], close_grace=0.2)
+    d = Dispatcher([backend], max_attempts=1, close_grace=0.2)
     await d.start()
     t = asyncio.create_task(d.submit("f", body()))
     await wait_until(lambda: len(fake.requests) == 1, "the request to reach the server")
@@ -120,7 +120,7 @@ async def test_a_calibration_failure_does_not_break_the_reply_or_the_loop(sched)
     """A backend reporting absurd usage must not turn a successful reply into an exception,
     nor keep the next waiting request from being dispatched."""
     b = GateBackend("b", max_in_flight=1)
-    async with Dispatcher([b], scheduler=sched) as d:
+    async with Dispatcher([b], max_attempts=1, scheduler=sched) as d:
         t1 = asyncio.create_task(d.submit("f", body()))
         t2 = asyncio.create_task(d.submit("g", body()))
         await settle()
@@ -165,7 +165,7 @@ def test_state_round_trip_keeps_every_ratio(tmp_path):
 async def test_close_while_waiting_and_held_leaves_counters_at_zero(sched):
     small = GateBackend("small", max_in_flight=1, max_context=100)
     large = GateBackend("large", max_in_flight=1, max_context=10_000)
-    d = Dispatcher([small, large], scheduler=sched, close_grace=5)
+    d = Dispatcher([small, large], max_attempts=1, scheduler=sched, close_grace=5)
     await d.start()
     t0 = asyncio.create_task(d.submit("x", body(1000), cost=1.0))  # on `large`
     await settle()
@@ -192,7 +192,7 @@ async def test_max_context_is_per_sequence_not_per_request(sched):
     """``n`` completions of one prompt each need prompt + max_tokens of context, not n times it
     (vLLM's max_model_len and max_context are per sequence)."""
     b = GateBackend("b", max_context=1000)
-    async with Dispatcher([b], scheduler=sched) as d:
+    async with Dispatcher([b], max_attempts=1, scheduler=sched) as d:
         t = asyncio.create_task(d.submit("f", {**body(600), "n": 2}))
         await settle()
         assert len(b.calls) == 1
@@ -234,13 +234,13 @@ async def test_flow_stats_are_bounded_under_key_churn(sched):
             return {"usage": {"prompt_tokens": 1, "completion_tokens": 2}}
 
     b = Instant("b", max_in_flight=4)
-    async with Dispatcher([b], scheduler=sched, max_flow_stats=50) as d:
+    async with Dispatcher([b], max_attempts=1, scheduler=sched, max_flow_stats=50) as d:
         for k in range(400):
             await d.submit(("key", k), {"model": "m", "prompt": "p", "max_tokens": 2})
         flows = d.stats()["flows"]
         assert len(flows) <= 50 and ("key", 399) in flows
     with pytest.raises(ValueError, match="max_flow_stats"):
-        Dispatcher([GateBackend("c")], max_flow_stats=0)
+        Dispatcher([GateBackend("c")], max_attempts=1, max_flow_stats=0)
 
 
 def test_estimator_per_flow_calibration_is_bounded():

@@ -2,8 +2,10 @@
 
 ``mode`` is the default behaviour, ``modes`` (a deque) overrides it for the next requests:
 ``ok`` (after ``delay`` seconds), ``429`` (``Retry-After: retry_after``), ``503``, ``500``,
-``hang`` (never answers until the client goes away). ``release`` (an asyncio.Event), when
-set, holds every ``ok`` reply until it is set. Streams send ``max_tokens`` chunks then usage.
+``400``, ``hang`` (never answers until the client goes away), ``stall`` (a stream sends one
+chunk, then nothing until the client goes away). ``release`` (an asyncio.Event), when set,
+holds every ``ok`` reply until it is set. Streams send ``max_tokens`` chunks (one per
+``event_delay`` seconds) then usage. ``headers`` records each request's headers.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ class FakeOpenAI:
         self.retry_after = "1"
         self.release: asyncio.Event | None = None
         self.requests: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+        self.event_delay = 0.0
         self.times: list[float] = []  # loop time each request arrived
         self.running = 0
         self.max_running = 0
@@ -54,12 +58,13 @@ class FakeOpenAI:
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append(body)
+        self.headers.append(dict(request.headers))
         self.times.append(asyncio.get_running_loop().time())
         mode = self.modes.popleft() if self.modes else self.mode
         if mode == "429":
             return web.json_response({"error": {"message": "slow down"}}, status=429,
                                      headers={"Retry-After": self.retry_after})
-        if mode in ("503", "500"):
+        if mode in ("503", "500", "400"):
             return web.json_response({"error": {"message": "unavailable"}}, status=int(mode))
         self.running += 1
         self.max_running = max(self.max_running, self.running)
@@ -78,8 +83,12 @@ class FakeOpenAI:
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await resp.prepare(request)
                 for i in range(n):
+                    if self.event_delay and i:
+                        await asyncio.sleep(self.event_delay)
                     chunk = {"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": f"t{i}"}]}
                     await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                    if mode == "stall":
+                        await asyncio.Event().wait()
                 await resp.write(f"data: {json.dumps({'id': 'x', 'choices': [], 'usage': usage})}\n\n".encode())
                 await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()

@@ -64,3 +64,55 @@ def test_unknown_model(example: Policy, model: object) -> None:
 def test_needs_a_policy() -> None:
     with pytest.raises(TypeError):
         Classifier({"pools": {}})  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------- the embedder's own flows
+def _embedder_policy(template: bool) -> Policy:
+    text = EXAMPLE.replace('    keys: ["sk-product-1"]\n', "")
+    if template:
+        text += "org_template: {classes: [batch], weight: 2}\n"
+    return parse_policy(text)
+
+
+def test_an_embedder_names_the_org_of_a_keyless_org() -> None:
+    c = Classifier(_embedder_policy(template=False))
+    assert c.check(Flow("product", "interactive", "local-gpu")) == Flow("product", "interactive", "local-gpu")
+    assert c.check(Flow("product", None, "local-gpu"), "llama-3-8b") == Flow(  # type: ignore[arg-type]
+        "product", "interactive", "local-gpu")
+    with pytest.raises(Refused) as info:  # no key reaches a keyless org
+        c.classify("sk-product-1", None, "llama-3-8b")
+    assert info.value.reason == "unauthenticated"
+
+
+def test_an_org_the_file_does_not_name_is_refused_without_a_template() -> None:
+    c = Classifier(_embedder_policy(template=False))
+    with pytest.raises(Refused, match="no org 'acme'") as info:
+        c.check(Flow("acme", "batch", "local-gpu"))
+    exc = info.value
+    assert exc.reason == "unknown_org" and exc.http_status == 403
+    assert "Bearer" not in str(exc) and "analytics" not in str(exc)  # nothing about keys, no other tenant named
+
+
+def test_the_template_makes_the_org() -> None:
+    c = Classifier(_embedder_policy(template=True))
+    assert c.check(Flow("acme", "", "local-gpu")) == Flow("acme", "batch", "local-gpu")
+    assert c.weight(Flow("acme", "batch", "local-gpu")) == 2
+    with pytest.raises(Refused) as info:
+        c.check(Flow("acme", "interactive", "local-gpu"))
+    assert info.value.reason == "class_not_allowed" and info.value.http_status == 403
+
+
+@pytest.mark.parametrize("flow, model, match", [
+    (Flow("product", "interactive", "cpu"), None, "no pool 'cpu'"),
+    (Flow("product", "interactive", "local-gpu"), "gpt-4", "no pool serves model 'gpt-4'"),
+])
+def test_an_embedders_flow_needs_a_real_pool(flow: Flow, model: str | None, match: str) -> None:
+    c = Classifier(_embedder_policy(template=True))
+    with pytest.raises(Refused, match=match) as info:
+        c.check(flow, model)
+    assert info.value.reason == "unknown_model" and info.value.http_status == 404
+
+
+def test_a_flow_is_a_triple() -> None:
+    with pytest.raises(TypeError, match="sfq.Flow"):
+        Classifier(_embedder_policy(template=True)).check(("acme", "batch"))  # type: ignore[arg-type]

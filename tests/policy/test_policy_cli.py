@@ -45,3 +45,15 @@ def test_bad_file_names_the_field(tmp_path, capsys) -> None:
 def test_missing_file(tmp_path, capsys) -> None:
     assert main(["check-config", str(tmp_path / "nope.yaml")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_keyless_orgs_and_the_template_are_noted(tmp_path, capsys) -> None:
+    p = tmp_path / "policy.yaml"
+    p.write_text(EXAMPLE.replace('    keys: ["sk-product-1"]\n', "") + "org_template: {classes: [batch], weight: 2}\n")
+    assert main(["check-config", str(p), "--plain"]) == 0
+    out = capsys.readouterr().out
+    assert "note: org product has no keys: sfq serve cannot authenticate its requests" in out
+    assert "note: org_template:" in out
+    row = next(line.split() for line in out.splitlines() if line.startswith("(org_template)"))
+    assert row[:3] == ["(org_template)", "-", "batch"]
+    assert "valid (1 pools, 3 classes, 2 orgs, an org template, 4 flows)" in out

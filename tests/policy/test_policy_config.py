@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from sfq.errors import PolicyError, SFQError
-from sfq.policy import ClassSpec, Policy, load_policy, parse_policy, policy_from_mapping
+from sfq.policy import ClassSpec, Policy, ServerSpec, load_policy, parse_policy, policy_from_mapping
 
 from policy_helpers import EXAMPLE
 
@@ -94,6 +94,30 @@ def test_state_section() -> None:
     assert st is not None and st.redis == "redis://127.0.0.1:6379/0" and st.prefix == "sfq:" and st.lease_seconds == 2.5
 
 
+def test_server_section() -> None:
+    d = base()
+    assert policy_from_mapping(d).server == ServerSpec()
+    pool = next(iter(d["pools"]))
+    d["server"] = {"header_timeout_seconds": 2, "max_connections": 100, "max_body_bytes": 1 << 20,
+                   "pools": {pool: {"max_body_bytes": 4096}}}
+    sv = policy_from_mapping(d).server
+    assert (sv.header_timeout_seconds, sv.body_timeout_seconds, sv.max_connections) == (2.0, 30.0, 100)
+    assert sv.body_limit(pool) == 4096 and sv.body_limit("other") == 1 << 20
+    for bad, path in (({"max_connections": 0}, "server.max_connections"),
+                      ({"idle_timeout_seconds": -1}, "server.idle_timeout_seconds"),
+                      ({"max_body_bytes": 10}, "server.max_body_bytes"),
+                      ({"pools": {"nope": {"max_body_bytes": 4096}}}, "server.pools.nope"),
+                      ({"pools": {pool: {"max_bytes": 4096}}}, f"server.pools.{pool}.max_bytes"),
+                      ({"timeout": 1}, "server.timeout")):
+        d["server"] = bad
+        with pytest.raises(PolicyError) as err:
+            policy_from_mapping(d)
+        assert err.value.path == path
+    # the edge's settings are the gateway's own: gateways sharing one queue may differ in them
+    d["server"] = {"max_connections": 5}
+    assert "max_connections" not in repr(policy_from_mapping(d))
+
+
 def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
     def mutate(d: dict[str, Any]) -> None:
         *parents, last = path.split(".")
@@ -142,7 +166,7 @@ MISTAKES: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
     ("typo in limits", _set("pools.local-gpu.limits.rpm", 2), "pools.local-gpu.limits.rpm", "unknown key"),
     ("typo in an org", _set("orgs.product.max_in_flght", 2), "orgs.product.max_in_flght", "unknown key"),
     ("typo in retry", _set("retry.attempts", 2), "retry.attempts", "unknown key"),
-    ("missing section", _del("orgs"), "orgs", "is required"),
+    ("missing section", _del("orgs"), "orgs", "is required (or an org_template"),
     ("missing models", _del("pools.local-gpu.models"), "pools.local-gpu.models", "is required"),
     ("missing backend url", _set("pools.local-gpu.backends.0", {"max_in_flight": 2}), "pools.local-gpu.backends[0].url",
      "is required"),
@@ -159,7 +183,15 @@ MISTAKES: list[tuple[str, Callable[[dict[str, Any]], None], str, str]] = [
      "unknown class 'urgent'"),
     ("class listed twice", _set("orgs.product.classes", ["system", "system"]), "orgs.product.classes[1]",
      "listed twice"),
-    ("org without a key", _set("orgs.product.keys", []), "orgs.product.keys", "at least one key"),
+    ("a template with keys", _set("org_template", {"keys": ["k"], "classes": ["batch"]}), "org_template.keys",
+     "a template has no keys"),
+    ("a template without classes", _set("org_template", {"weight": 2}), "org_template.classes", "is required"),
+    ("a template with an unknown class", _set("org_template", {"classes": ["urgent"]}), "org_template.classes[0]",
+     "unknown class 'urgent'"),
+    ("typo in a template", _set("org_template", {"classes": ["batch"], "wieght": 2}), "org_template.wieght",
+     "unknown key"),
+    ("a template's bad limit", _set("org_template", {"classes": ["batch"], "max_in_flight": 0}),
+     "org_template.max_in_flight", "must be an integer >= 1, got 0"),
     ("key shared by two orgs", _set("orgs.product.keys", ["sk-analytics-1"]), "orgs.product.keys[0]",
      "already the key of org 'analytics'"),
     ("bad sha256", _set("orgs.product.key_sha256", ["abc"]), "orgs.product.key_sha256[0]", "64 hexadecimal"),
@@ -243,3 +275,63 @@ def test_non_string_key() -> None:
 def test_not_text() -> None:
     with pytest.raises(TypeError):
         parse_policy(b"pools: {}")  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------- identity the embedder owns
+def test_an_org_without_keys_is_valid() -> None:
+    d = base()
+    del d["orgs"]["product"]["keys"]
+    pol = policy_from_mapping(d)
+    assert pol.orgs["product"].key_digests == ()
+    assert pol.org("product") is pol.orgs["product"]
+    assert ("product", "interactive", "local-gpu") in pol.flows()
+
+
+def test_the_org_template_gives_unnamed_orgs_their_settings() -> None:
+    d = base()
+    d["org_template"] = {"classes": ["batch", "interactive"], "weight": 2, "max_in_flight": 3,
+                         "requests_per_minute": 120}
+    pol = policy_from_mapping(d)
+    t = pol.org_template
+    assert t is not None and t.key_digests == () and t.classes == ("batch", "interactive")
+    acme = pol.org("acme")
+    assert acme is not None and acme.name == "acme" and acme.key_digests == ()
+    assert (acme.classes, acme.weight, acme.max_in_flight, acme.requests_per_minute) == (
+        ("batch", "interactive"), 2.0, 3, 120.0)
+    assert pol.org("acme") is acme  # made once
+    assert pol.org("analytics") is pol.orgs["analytics"]  # a named org keeps its own entry
+    assert pol.made_orgs() == [acme]
+    assert pol.org("") is None
+    assert pol.allows(("acme", "interactive", "local-gpu")) and not pol.allows(("acme", "system", "local-gpu"))
+    assert pol.flow_weight("acme", "interactive") == 12
+    # the file's flows only; a template org's share counts itself with them
+    assert [f for f in pol.flows() if f[0] == "acme"] == []
+    assert pol.share(("acme", "batch", "local-gpu")) == pytest.approx(2 / 15)
+
+
+def test_without_a_template_an_unnamed_org_is_unknown(example: Policy) -> None:
+    assert example.org_template is None and example.org("acme") is None
+    assert not example.allows(("acme", "batch", "local-gpu"))
+
+
+def test_a_file_of_template_orgs_only() -> None:
+    d = base()
+    del d["orgs"]
+    d["org_template"] = {"classes": ["batch"]}
+    pol = policy_from_mapping(d)
+    assert dict(pol.orgs) == {} and pol.flows() == []
+    assert pol.org("anyone") is not None
+    d["orgs"] = {}
+    assert dict(policy_from_mapping(d).orgs) == {}
+
+
+def test_the_template_is_part_of_the_policy() -> None:
+    d = base()
+    d["org_template"] = {"classes": ["batch"]}
+    with_template = policy_from_mapping(d)
+    with_template.org("acme")  # what was made is not part of the policy's identity
+    assert with_template == policy_from_mapping(d)
+    assert repr(with_template) == repr(policy_from_mapping(d))
+    assert with_template != policy_from_mapping(base())
+    plain = dataclasses.replace(with_template, org_template=None)
+    assert plain.org("acme") is None

@@ -112,7 +112,7 @@ def machine(make):  # one state machine per twin
                 err = BackendHTTPError(kind, status=int(kind), retry_after=1.0 if kind == "429" else None)
             d = self.e.fail(r, err)
             if d.retry:
-                assert r.state == BACKOFF and kind != "500" and r.tries < POLICY.retry.max_attempts
+                assert r.state == BACKOFF and r.tries < POLICY.retry.max_attempts and d.avoid == r.backend
                 assert r.deadline is None or self.clock.t + d.delay < r.deadline
             else:
                 assert r.outcome == "failed"

@@ -31,8 +31,11 @@ def test_only_where_safe() -> None:
     assert retry_safe(BackendHTTPError("busy", status=429))
     assert retry_safe(BackendHTTPError("unavailable", status=503))
     assert retry_safe(_refused())
-    assert not retry_safe(_reset())  # it may have reached the model
-    assert not retry_safe(BackendHTTPError("boom", status=500))
+    assert retry_safe(_reset())  # a connection error: clients retry it
+    assert retry_safe(BackendHTTPError("boom", status=500))
+    assert retry_safe(BackendHTTPError("timeout", status=408))
+    assert retry_safe(BackendHTTPError("conflict", status=409))
+    assert not retry_safe(BackendHTTPError("not found", status=404))
     assert not retry_safe(BackendHTTPError("bad", status=400))
     assert not retry_safe(BackendTimeout("slow"))
     assert not retry_safe(ValueError("not a backend error"))

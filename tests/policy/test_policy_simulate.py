@@ -10,7 +10,8 @@ import pytest
 
 from sfq.cli import main
 from sfq.policy import load_policy, parse_policy
-from sfq.sim.teams_config import STEPS_PER_SECOND, PolicySim, run_teams_config, teams_flows
+from sfq.sim.adapter import EngineDiscipline
+from sfq.sim.teams_config import STEPS_PER_SECOND, run_teams_config, teams_flows
 
 TEAMS = Path(__file__).resolve().parents[2] / "docs" / "policy-teams.yaml"
 
@@ -34,16 +35,16 @@ def test_org_limit_and_queue_age_hold_in_the_simulator() -> None:
     text = TEAMS.read_text().replace("  batch: {weight: 1}", "  batch: {weight: 1, max_queue_age_seconds: 10}")
     policy = parse_policy(text)
     wl = teams_workload(0, 3000)
-    sim_pol = PolicySim(policy, teams_flows(policy, [f.name for f in wl.flows]))
+    sim_pol = EngineDiscipline(policy, teams_flows(policy, [f.name for f in wl.flows]))
     seen = []
-    peek = sim_pol.peek
+    start = sim_pol.start
 
-    def recording_peek(t: int):
-        r = peek(t)
+    def recording_start(t: int, fits):
+        r = start(t, fits)
         seen.append(sim_pol.engine.shared.slots[("org", "team-a")].used)
         return r
 
-    sim_pol.peek = recording_peek  # type: ignore[method-assign]
+    sim_pol.start = recording_start  # type: ignore[method-assign]
     res = Simulation(wl, sim_pol, Fleet(servers=8, kv_budget=8192, max_batch=1), horizon=3000,
                      estimator=make_estimator(1.0, 2.0, 0.5)).run()
     assert max(seen) == 6  # team-a's max_in_flight, never more, though 8 servers were free at first

@@ -3,15 +3,18 @@ gateway as a real process (``python -m sfq serve``) on loopback.
 
 The upstream's behaviour is chosen per request by its prompt (or last message): ``hold``
 waits until the test releases it, ``err500``/``err400``/``err503``/``err429`` answer that
-status, ``cut`` sends two stream events then drops the connection, ``drip`` streams one
-event per 50 ms, ``big`` streams 64 KiB events (``sent`` counts the bytes written); anything else answers
-(``max_tokens`` tokens of ``x``). It records every request's body and headers, which held
-requests were abandoned by the gateway (``aborted``), and which finished.
+status (``err429-N``: with ``Retry-After: N``), ``echo401`` answers 401 with the request's
+headers in its body (as some providers do), ``cut`` sends two stream events then drops the
+connection, ``drip`` streams one event per 50 ms, ``big`` streams 64 KiB events (``sent``
+counts the bytes written), ``huge`` streams one event and then a 200 MiB line; anything else
+answers (``max_tokens`` tokens of ``x``). It records every request's body and headers, which
+held requests were abandoned by the gateway (``aborted``), and which finished.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -120,9 +123,13 @@ class Upstream:
         n = int(body.get("max_tokens") or 3)
         usage = {"prompt_tokens": len(text), "completion_tokens": n, "total_tokens": len(text) + n}
         try:
+            if text.startswith("echo401"):
+                return web.json_response({"error": {"message": f"invalid key; you sent {dict(request.headers)!r}",
+                                                    "url": str(request.url)}}, status=401)
             if text.startswith("err"):
                 status = int(text[3:6])
-                headers = {"Retry-After": "1"} if status == 429 else {}
+                ra = text[7:] if text[6:7] == "-" else "1"
+                headers = {"Retry-After": ra} if status == 429 else {}
                 return web.json_response({"error": {"message": f"injected {status}"}}, status=status,
                                          headers=headers)
             if text.startswith("hold"):
@@ -132,6 +139,17 @@ class Upstream:
             if body.get("stream"):
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await resp.prepare(request)
+                if text.startswith("huge"):  # one event, then a line with no end in 1 MiB pieces
+                    await resp.write(b'data: {"id":"up","object":"text_completion","choices":[{"index":0,'
+                                     b'"text":"x","finish_reason":null}]}\n\n')
+                    piece = b"data: " + b"z" * ((1 << 20) - 6)
+                    for _ in range(200):
+                        await resp.write(piece)
+                        self.sent[text] = self.sent.get(text, 0) + len(piece)
+                        piece = b"z" * (1 << 20)
+                    await resp.write(b"\n\ndata: [DONE]\n\n")
+                    self.finished.append(text)
+                    return resp
                 for i in range(n):
                     if text.startswith("drip"):
                         await asyncio.sleep(0.05)
@@ -212,10 +230,18 @@ class GatewayProcess:
     """``python -m sfq serve`` on a free loopback port; its stdout (the access log) and stderr
     are collected by reader threads."""
 
-    def __init__(self, config: Path, *, grace: float = 5.0, env: dict[str, str] | None = None) -> None:
+    def __init__(self, config: Path, *, grace: float = 5.0, env: dict[str, str] | None = None,
+                 nofile: int | None = None) -> None:
         cmd = [sys.executable, "-m", "sfq", "serve", "--config", str(config), "--port", "0", "--grace", str(grace)]
         full_env = {**os.environ, "SFQ_TEST_UPSTREAM_KEY": UPSTREAM_KEY, **(env or {})}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full_env)
+
+        def limit() -> None:  # the process's file-descriptor limit (soft and hard), as `ulimit -n` sets it
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full_env,
+                                     preexec_fn=limit if nofile is not None else None)
         self.out: list[str] = []
         self.err: list[str] = []
         threading.Thread(target=self._read, args=(self.proc.stdout, self.out), daemon=True).start()
@@ -239,6 +265,15 @@ class GatewayProcess:
 
     def signal(self, sig: signal.Signals) -> None:
         self.proc.send_signal(sig)
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def rss(self) -> int:
+        """The gateway's resident memory, bytes (from /proc)."""
+        with open(f"/proc/{self.proc.pid}/status") as fh:
+            return next(int(line.split()[1]) << 10 for line in fh if line.startswith("VmRSS:"))
 
     def get(self, path: str, key: str | None = None) -> tuple[int, bytes]:
         req = urllib.request.Request(self.url + path, headers={"Authorization": f"Bearer {key}"} if key else {})
@@ -269,3 +304,60 @@ class GatewayProcess:
                 self.proc.kill()
                 self.proc.wait(LIMIT)
         return self.proc.returncode
+
+
+def raw_exchange(gw: GatewayProcess, data: bytes, *, limit: float = LIMIT) -> bytes:
+    """Send ``data`` on a new connection and read until the gateway closes it (or ``limit``)."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=limit) as s:
+        with contextlib.suppress(OSError):
+            s.sendall(data)
+        return read_until_closed(s, limit)
+
+
+def read_until_closed(s: Any, limit: float = LIMIT) -> bytes:
+    """What the peer sends until it closes (a reset counts as closed), within ``limit`` seconds."""
+    got = b""
+    s.settimeout(limit)
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            piece = s.recv(65536)
+        except ConnectionResetError:
+            break
+        except TimeoutError:
+            raise AssertionError(f"the gateway kept the connection open past {limit} s; got {got[:300]!r}") from None
+        if not piece:
+            break
+        got += piece
+    return got
+
+
+def parse_response(data: bytes) -> tuple[int, dict[str, str], bytes]:
+    """``(status, headers (lower-case names), body)`` of the first HTTP response in ``data``."""
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        k, _, v = line.partition(":")
+        headers[k.strip().lower()] = v.strip()
+    n = headers.get("content-length")
+    return status, headers, body[:int(n)] if n is not None else body
+
+
+def read_response(s: Any, limit: float = LIMIT) -> bytes:
+    """One whole response with a ``Content-Length`` (the connection may stay open)."""
+    got = b""
+    s.settimeout(limit)
+    while True:
+        head, sep, body = got.partition(b"\r\n\r\n")
+        if sep:
+            n = parse_response(got)[1].get("content-length")
+            if n is not None and len(body) >= int(n):
+                return got
+        piece = s.recv(65536)
+        if not piece:
+            return got
+        got += piece

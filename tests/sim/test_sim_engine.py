@@ -37,11 +37,14 @@ def test_hand_checked_run_kv_admission_and_stall():
     # (waiting at the balancer, or waiting or running: both decode alike until f1 ends)
     assert m.max_interval_drift(res, busy=False) == 10.0
     assert m.max_interval_drift(res) == 10.0
-    # the drift from the start (docs/simulator.md §4): both backlogged through step 1, gap 10 there
-    assert m.drift_set(res, None, 1) == ([0, 1], 0) and m.max_drift(res, None, 1) == 10.0
-    # f1 has nothing left from step 2, f0 from step 3: no flow is backlogged to the end
+    # the max drift (docs/simulator.md §4): both waited in step 0 only; over [0, 1] the gap is 10
+    assert m.max_drift(res) == 10.0 and m.max_drift(res, None, 1) == 10.0
+    assert m.max_drift(res, 1) == 0.0  # from step 1 on, only f0 waits (r2, in step 1)
+    # the drift from the start (the earlier form): both busy through step 1, gap 10 there
+    assert m.drift_set(res, None, 1) == ([0, 1], 0) and m.max_drift_from_start(res, None, 1) == 10.0
+    # f1 has nothing left from step 2, f0 from step 3: no flow is busy to the end
     assert m.drift_set(res, None, 2)[0] == [0]
-    assert m.drift_set(res)[0] == [] and m.max_drift(res) == 0.0
+    assert m.drift_set(res)[0] == [] and m.max_drift_from_start(res) == 0.0
 
 
 def test_decode_growth_is_not_reserved_and_prompt_over_budget_is_rejected():

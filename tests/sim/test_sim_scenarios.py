@@ -193,3 +193,18 @@ def test_unknown_names_are_reported():
         run_scenario("nope")
     with pytest.raises(ValueError, match="unknown policy 'x'"):
         run_scenario("drift", Options(steps=100), ["x"])
+
+
+@pytest.mark.parametrize("charge", ["seed", "settle", "served"])
+def test_each_charge_mode_keeps_its_guarantee_on_the_engine(charge, drift6000):
+    """docs/simulator.md §3.2, in shape, on the request engine: every mode gives a client
+    keeping one request waiting about half against a flooder; the delivered-service modes
+    keep the delivered drift within 2x VTC's; seed keeps the charged drift within 2 c_max."""
+    keep = run_scenario("keep-one", Options(seed=0, steps=6000, charge=charge), ["sfq"]).results[0]
+    assert keep["keeper_share"] >= 0.46
+    row = run_scenario("drift", Options(seed=0, steps=6000, charge=charge), ["sfq"]).results[0]
+    assert row["charge"] == charge
+    if charge == "seed":
+        assert row["max_drift_est"] <= 2 * (1.0 * 512 + 2.0 * 384 * 1.0)
+    else:
+        assert row["max_drift"] <= 2 * drift6000["vtc"]["max_drift"]

@@ -126,8 +126,12 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
 
 
 class OpenAIBackend(Backend):
-    """An OpenAI-compatible server at ``url`` (its root, e.g. ``http://10.0.0.5:8000``;
-    a trailing ``/v1`` is accepted).
+    """One OpenAI-compatible inference server (vLLM, SGLang, llama.cpp's ``llama-server``, TGI,
+    a hosted API) as :class:`sfq.Dispatcher` drives it: ``/v1/completions`` and
+    ``/v1/chat/completions``, plain and streamed, with timeouts, health checks, its own API
+    key and an optional saturation probe. ``url`` is the server's root (e.g.
+    ``http://10.0.0.5:8000``; a trailing ``/v1`` is accepted). Its failures are
+    :class:`sfq.BackendError` s that keep the server's own status in ``status``.
 
     Parameters
     ----------
@@ -148,7 +152,7 @@ class OpenAIBackend(Backend):
     headers:
         extra headers for every request.
     connect_timeout:
-        seconds to establish a connection.
+        seconds to establish a connection; ``None`` = no limit (health checks still give up after 5).
     read_timeout:
         seconds the server may stay silent: before the reply's headers (for a plain request
         that includes the whole generation) and between two reads of a stream; ``None`` = no limit.
@@ -181,7 +185,7 @@ class OpenAIBackend(Backend):
         probe: SaturationProbe | bool | None = None,
         api_key: str | None = None,
         headers: Mapping[str, str] | None = None,
-        connect_timeout: float = 5.0,
+        connect_timeout: float | None = 5.0,
         read_timeout: float | None = None,
         timeout: float | None = 600.0,
         stream_timeout: float | None = 1800.0,
@@ -224,10 +228,16 @@ class OpenAIBackend(Backend):
         self.keepalive_timeout = float(keepalive_timeout)
         self._trace_configs = list(trace_configs)
         self.resent = 0  # requests sent again because they provably never got through
-        self._aux_timeout = aiohttp.ClientTimeout(total=max(connect_timeout, 5.0) + 5.0, connect=connect_timeout)
+        self._aux_timeout = aiohttp.ClientTimeout(total=max(connect_timeout or 0.0, 5.0) + 5.0,
+                                                  connect=connect_timeout or 5.0)
         self._session: aiohttp.ClientSession | None = None
         self._aux: aiohttp.ClientSession | None = None  # health checks and metrics: their own connection
         self._stream_deadline = timeout  # headers of a stream must come within this
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The headers sent with every request (its ``Authorization`` included): a copy."""
+        return dict(self._headers)
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:

@@ -7,14 +7,28 @@ and a large event (``Payload.size`` above a threshold the caller picks) can be j
 decoded off the event loop (``Payload.join``). Only ``data:`` fields matter to an OpenAI
 stream; comments (``:``), ``event:``, ``id:`` and ``retry:`` are skipped; lines may end in LF
 or CRLF; an event's ``data`` lines are joined with ``\\n``; a blank line ends an event.
+
+An event (or a line: a comment counts too) over ``max_event_bytes`` is not buffered to its
+end: ``feed`` raises :class:`EventTooLarge` as soon as the bytes held for it pass the limit,
+so a server that sends an endless line costs at most the limit and one piece.
 """
 
 from __future__ import annotations
 
-__all__ = ["SSEParser", "Payload", "DONE"]
+from ..errors import StreamInterrupted
+
+__all__ = ["SSEParser", "Payload", "DONE", "EventTooLarge", "MAX_EVENT_BYTES"]
 
 #: the payload of OpenAI's end-of-stream event
 DONE = b"[DONE]"
+#: the default largest event (or line), bytes
+MAX_EVENT_BYTES = 64 << 20
+
+
+class EventTooLarge(StreamInterrupted):
+    """A server-sent event (or one line of the stream) is larger than the parser's
+    ``max_event_bytes``: the stream is unusable (a ``StreamInterrupted`` that counts against
+    the backend)."""
 
 
 class Payload:
@@ -55,11 +69,16 @@ def _cut_prefix(parts: list[bytes]) -> tuple[list[bytes], int] | None:
 
 
 class SSEParser:
-    """Feed bytes with ``feed``; it returns the payloads of the events completed so far."""
+    """Feed bytes with ``feed``; it returns the payloads of the events completed so far.
+    ``max_event_bytes``: the largest event (or line) held, bytes (``None``: no limit)."""
 
-    __slots__ = ("_line", "_line_len", "_data", "_data_len", "bytes_seen")
+    __slots__ = ("_line", "_line_len", "_data", "_data_len", "bytes_seen", "max_event_bytes")
 
-    def __init__(self) -> None:
+    def __init__(self, max_event_bytes: int | None = MAX_EVENT_BYTES) -> None:
+        if max_event_bytes is not None and (isinstance(max_event_bytes, bool) or not isinstance(max_event_bytes, int)
+                                            or max_event_bytes < 1):
+            raise ValueError(f"max_event_bytes must be an integer >= 1 or None, got {max_event_bytes!r}")
+        self.max_event_bytes = max_event_bytes
         self._line: list[bytes] = []  # pieces of the incomplete line
         self._line_len = 0
         self._data: list[list[bytes]] = []  # data lines of the event being read
@@ -77,6 +96,8 @@ class SSEParser:
             if nl < 0:
                 self._line.append(piece[pos:] if pos else piece)
                 self._line_len += n - pos
+                if self.max_event_bytes is not None and self._line_len + self._data_len > self.max_event_bytes:
+                    self._too_large()
                 break
             if self._line:
                 parts = self._line
@@ -101,12 +122,21 @@ class SSEParser:
                 if data is not None:
                     self._data.append(data[0])
                     self._data_len += length - data[1] + (1 if len(self._data) > 1 else 0)
+                    if self.max_event_bytes is not None and self._data_len > self.max_event_bytes:
+                        self._too_large()
                 # comments, event:, id:, retry: carry nothing an OpenAI stream needs
             elif self._data:
                 out.append(Payload(self._data, self._data_len))
                 self._data = []
                 self._data_len = 0
         return out
+
+    def _too_large(self) -> None:
+        held = self._line_len + self._data_len
+        self._line, self._data = [], []  # nothing more is held for it
+        self._line_len = self._data_len = 0
+        raise EventTooLarge(f"a server-sent event (or line) of the stream is over {self.max_event_bytes} bytes "
+                            f"({held} bytes held when it was cut)", unhealthy=True)
 
     @property
     def pending(self) -> int:

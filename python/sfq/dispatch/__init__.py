@@ -89,7 +89,6 @@ from typing import TYPE_CHECKING, Any
 
 from ._state import DispatchRecord
 from .dispatcher import Dispatcher
-from .hooks import DispatchHooks
 
 if TYPE_CHECKING:
     from .policy_dispatcher import PolicyDispatcher
@@ -104,4 +103,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'sfq.dispatch' has no attribute {name!r}")
 
 
-__all__ = ["Dispatcher", "DispatchHooks", "DispatchRecord", "PolicyDispatcher"]
+__all__ = ["Dispatcher", "DispatchRecord", "PolicyDispatcher"]

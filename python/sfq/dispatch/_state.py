@@ -10,36 +10,36 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..backends.base import Backend
-from ..backends.probe import ProbeReading
+from ..backends.health import BackendMonitor
 from ..cost import CostEstimator, Estimate
 from ..errors import BackendError
+from ..engine import PolicyEngine, Request
 from ..policy.charge import CHARGE_MODES
-
-if TYPE_CHECKING:
-    from .hooks import DispatchHooks
+from ..policy.classify import Flow
 
 log = logging.getLogger("sfq.dispatch")
 
-# job states (EXPIRED: removed after ``unavailable_timeout`` with no healthy backend). HELD: still in
-# the scheduler, uncharged, named by ``peek()`` but fitting no backend with room (stalled, or set
-# aside with its flow suspended so that others may overtake); TAKEN: selected by a hook that
-# dispatched another request than ``peek()`` named, charged, waiting for a backend that fits
-WAITING, HELD, PLACED, DONE, CANCELLED, REJECTED, EXPIRED, TAKEN = range(8)
+# job states: WAITING (in the engine: queued, set aside, or between retries), PLACED (sent to a
+# backend), then one of DONE, CANCELLED, REJECTED (the dispatcher closed), EXPIRED (no healthy
+# backend for ``unavailable_timeout``)
+WAITING, PLACED, DONE, CANCELLED, REJECTED, EXPIRED = range(6)
 # outcomes of a placed job
 OK, FAILED, ABORTED = range(3)
-#: outcome codes as the hooks see them
-OUTCOME_NAMES = {OK: "completed", FAILED: "failed", ABORTED: "aborted"}
+#: the name of the default pool (backends with ``model=None``) in the request engine
+DEFAULT_POOL = "(default)"
+#: the one class of a dispatcher's flows in the request engine
+DEFAULT_CLASS = "default"
 
 
 class DispatchRecord(NamedTuple):
-    """What ``on_dispatch`` (and the hooks) receive when a request is sent to a backend.
+    """What ``on_dispatch`` receives when a request is sent to a backend.
 
     ``start``/``finish``: the flow's meter before and after the charge (cost units, the
     scheduler's ``Dispatch``); ``wait``: seconds from submit to send (injected clock).
     """
 
     flow: Hashable
-    ticket: int
+    ticket: int  # the request's id (increases with every request)
     cost: float
     start: float
     finish: float
@@ -49,15 +49,13 @@ class DispatchRecord(NamedTuple):
 
 
 class BState:
-    """The dispatcher's view of one backend."""
+    """The dispatcher's view of one backend; its health is its ``monitor``'s
+    (``sfq.backends.health.BackendMonitor``, which reports to the request engine)."""
 
-    __slots__ = ("backend", "name", "pool", "index", "max_in_flight", "max_context", "in_flight", "healthy",
-                 "saturated", "dispatched", "completed", "errors", "aborted", "last_error", "backoff",
-                 "recover_task", "probe_task", "reading", "probe_errors", "unhealthy_spells", "replies",
-                 "reply_errors", "transport_failures", "paused", "pause_handle", "rate_limited", "down_reason",
-                 "check_delay")
+    __slots__ = ("backend", "name", "pool", "index", "max_in_flight", "max_context", "in_flight", "dispatched",
+                 "completed", "errors", "aborted", "last_error", "monitor")
 
-    def __init__(self, backend: Backend, pool: Pool, index: int, backoff: float, window: int) -> None:
+    def __init__(self, backend: Backend, pool: Pool, index: int, monitor: BackendMonitor) -> None:
         self.backend = backend
         self.name = backend.name
         self.pool = pool
@@ -65,60 +63,51 @@ class BState:
         self.max_in_flight = backend.max_in_flight
         self.max_context = backend.max_context
         self.in_flight = 0
-        self.healthy = True
-        self.saturated = False
         self.dispatched = 0
         self.completed = 0
         self.errors = 0
         self.aborted = 0
         self.last_error: str | None = None
-        self.backoff = backoff  # seconds before the next health probe when it next turns unhealthy
-        self.recover_task: asyncio.Task[None] | None = None
-        self.probe_task: asyncio.Task[None] | None = None
-        self.reading: ProbeReading | None = None
-        self.probe_errors = 0
-        self.unhealthy_spells = 0
-        self.replies: deque[tuple[Hashable, bool]] = deque(maxlen=window)  # the last replies: (flow, 5xx?)
-        self.reply_errors = 0  # 5xx among ``replies``
-        self.transport_failures = 0  # in a row, with no reply in between
-        self.paused = False  # after a 429, until its Retry-After
-        self.pause_handle: asyncio.TimerHandle | None = None
-        self.rate_limited = 0  # 429s received
-        self.down_reason: str | None = None
-        self.check_delay: float | None = None  # seconds to the next health check while out of rotation
+        self.monitor = monitor
+
+    @property
+    def healthy(self) -> bool:
+        """In rotation."""
+        return self.monitor.healthy
+
+    @property
+    def saturated(self) -> bool:
+        """Full by its saturation probe's reading."""
+        return self.monitor.saturated
+
+    @property
+    def paused(self) -> bool:
+        """After a 429, until its ``Retry-After`` (capped)."""
+        return self.monitor.paused
 
 
 class Pool:
-    """Backends serving one model, and the scheduler that orders their requests."""
+    """Backends serving one model: one pool of the request engine."""
 
-    __slots__ = ("model", "sched", "backends", "aside", "stalled", "taken", "limited", "largest_context", "waiting",
-                 "down_since", "down_timer")
+    __slots__ = ("model", "name", "backends", "largest_context")
 
-    def __init__(self, model: str | None, sched: Any) -> None:
+    def __init__(self, model: str | None) -> None:
         self.model = model
-        self.sched = sched
+        self.name = DEFAULT_POOL if model is None else model  # the pool's name in the engine
         self.backends: list[BState] = []
-        self.aside: list[Job] = []  # HELD with their flow suspended (overtake), uncharged, oldest first
-        self.stalled: Job | None = None  # HELD, not suspended: the head everything else waits behind
-        self.taken: list[Job] = []  # TAKEN: charged by a hook's own selection, waiting for a backend that fits
-        self.limited = False  # some backend declares max_context
         self.largest_context: float = float("inf")
-        self.waiting: dict[int, Job] = {}  # ticket -> job still in the scheduler (WAITING or HELD; admission order)
-        self.down_since: float | None = None  # loop time since which no backend is healthy
-        self.down_timer: asyncio.TimerHandle | None = None
 
 
 class FlowStats:
     """Counters of one flow (see ``Dispatcher.stats``)."""
 
-    __slots__ = ("flow", "idle", "waiting", "held", "in_flight", "dispatched", "completed", "failed",
-                 "cancelled", "aborted", "rejected", "unavailable", "charged", "waits")
+    __slots__ = ("flow", "idle", "waiting", "in_flight", "dispatched", "completed", "failed",
+                 "cancelled", "aborted", "rejected", "unavailable", "expired", "retried", "charged", "waits")
 
     def __init__(self, flow: Hashable, window: int) -> None:
         self.flow = flow
-        self.idle = False  # in the dispatcher's idle list (nothing waiting, held or in flight)
-        self.waiting = 0  # in the scheduler
-        self.held = 0  # next in line but fitting no backend with room: waiting aside, uncharged
+        self.idle = False  # in the dispatcher's idle list (nothing waiting or in flight)
+        self.waiting = 0  # in the engine (queued, set aside, or between retries)
         self.in_flight = 0  # sent to a backend
         self.dispatched = 0  # dispatched by the scheduler (charged)
         self.completed = 0
@@ -127,56 +116,46 @@ class FlowStats:
         self.aborted = 0  # given up after dispatch: charged, backend call aborted
         self.rejected = 0  # removed when the dispatcher closed
         self.unavailable = 0  # removed after unavailable_timeout with no healthy backend (NoHealthyBackend)
+        self.expired = 0  # ended while waiting: their deadline ran out (``timeout``)
+        self.retried = 0  # attempts that failed and were tried again
         self.charged = 0.0  # cost units charged: at dispatch, plus the corrections of the charge mode
         self.waits: deque[float] = deque(maxlen=window)  # seconds from submit to send
 
 
 class Job:
-    """One accepted request, from admission to its outcome."""
+    """One accepted request, from admission to its outcome; ``req`` is the engine's request."""
 
-    __slots__ = ("flow", "body", "endpoint", "est", "cost", "pool", "ticket", "t_enq", "t_loop", "state", "bs",
-                 "fut", "need", "start", "finish", "fs", "record", "idempotent", "fixed", "charged", "working",
-                 "tokens", "stream", "epoch")
+    __slots__ = ("flow", "key", "body", "endpoint", "est", "pool", "t_enq", "state", "bs", "fut", "fs", "stream",
+                 "req", "sent_charge")
 
-    def __init__(self, flow: Hashable, body: dict[str, Any], endpoint: str, est: Estimate | None, cost: float,
-                 pool: Pool, t_enq: float, need: float) -> None:
+    def __init__(self, flow: Hashable, key: Flow, body: dict[str, Any], endpoint: str, est: Estimate | None,
+                 pool: Pool, t_enq: float) -> None:
         self.flow = flow
+        self.key = key  # the flow in the engine: (flow, the default class, the pool)
         self.body = body
         self.endpoint = endpoint
         self.est = est
-        self.cost = cost
         self.pool = pool
         self.t_enq = t_enq
-        self.t_loop = 0.0  # loop time at admission when its pool was down (for unavailable_timeout)
-        self.need = need
-        self.idempotent = False
-        self.fixed = False  # the caller gave the cost: charged as given, never re-estimated or corrected
-        self.charged = 0.0  # cost units charged for this request so far (once dispatched)
-        self.working = False  # reported to the scheduler with work_started() and not yet work_done()
-        self.tokens = 0.0  # output tokens counted so far (charge="served", streams)
         self.stream = False
-        self.epoch = -1  # the estimator's calibration epoch of ``est``
-        self.fs: FlowStats = None  # type: ignore[assignment]  # set once enqueued
-        self.ticket = 0
+        self.fs: FlowStats = None  # type: ignore[assignment]  # set once admitted
         self.state = WAITING
         self.bs: BState | None = None
         self.fut: asyncio.Future[None] | None = None
-        self.start = 0.0
-        self.finish = 0.0
-        self.record: DispatchRecord | None = None  # made at send when a hook wants it
+        self.req: Request = None  # type: ignore[assignment]  # set once admitted
+        self.sent_charge = 0.0  # cost units charged when it was sent (the stats add the corrections)
 
 
 class DispatcherBase:
     """Attributes and cross-module methods of ``Dispatcher``, declared once.
 
     Each job module (admission, placement, health, stats, calls, lifecycle) is a mixin over
-    this base; ``Dispatcher`` combines them. Nothing here does any work.
+    this base; ``Dispatcher`` combines them. Nothing here does any work: the decisions are the
+    request engine's (``_engine``), the I/O the modules'.
     """
 
     estimator: CostEstimator
     charge: str
-    _served: bool
-    _seed: bool
     clock: Callable[[], float]
     overtake: int
     backoff: float
@@ -188,11 +167,12 @@ class DispatcherBase:
     unavailable_timeout: float | None
     max_pause: float
     on_dispatch: Callable[[DispatchRecord], None] | None
-    hooks: DispatchHooks | None
+    _engine: PolicyEngine
     _window: int
     _max_flow_stats: int
     _pools: dict[str | None, Pool]
     _bstates: list[BState]
+    _by_name: dict[str, BState]
     _default: Pool | None
     _only: Pool | None
     _flows: dict[Hashable, FlowStats]
@@ -202,9 +182,13 @@ class DispatcherBase:
     _in_flight: int
     _drained: asyncio.Event | None
     _close_task: asyncio.Task[None] | None
+    _timer: asyncio.TimerHandle | None
+    _timer_at: float
+    _pumping: bool
 
     # admission
-    def _admit(self, flow: Hashable, body: Mapping[str, Any], cost: float | None, streaming: bool) -> Job:
+    def _admit(self, flow: Hashable, body: Mapping[str, Any], cost: float | None, streaming: bool,
+               idempotent: bool, timeout: float | None = None) -> Job:
         raise NotImplementedError
 
     async def _wait_placed(self, job: Job) -> None:
@@ -214,27 +198,19 @@ class DispatcherBase:
         raise NotImplementedError
 
     # placement
-    def _pump(self, pool: Pool) -> None:
+    def _pump(self) -> None:
         raise NotImplementedError
 
     def _finish(self, job: Job, outcome: int, err: BackendError | None = None,
-                usage: Mapping[str, Any] | None = None) -> None:
+                usage: Mapping[str, Any] | None = None, text_chars: int | None = None,
+                retryable: bool = True) -> float | None:
         raise NotImplementedError
 
-    def _unhold(self, job: Job) -> None:
-        raise NotImplementedError
-
-    def _work_over(self, job: Job) -> None:
-        raise NotImplementedError
-
-    def _served_tokens(self, job: Job, event: Mapping[str, Any]) -> None:
+    async def _retry(self, job: Job, delay: float) -> None:
         raise NotImplementedError
 
     # health
     def _mark_unhealthy(self, bs: BState, reason: str | None = None) -> None:
-        raise NotImplementedError
-
-    async def _probe_loop(self, bs: BState) -> None:
         raise NotImplementedError
 
     def _note_reply(self, bs: BState, err: BackendError | None, flow: Hashable = None) -> None:

@@ -1,26 +1,28 @@
-"""Admission: validate a request, estimate it (to route it and check its size), enqueue it at a
-lower bound of its cost (the charge is estimated at dispatch); and the way back out for a
-caller that gives up before its request is dispatched (withdrawn, uncharged)."""
+"""Admission: validate a request, estimate it (to route it and check its size) and hand it to
+the request engine; and the way back out for a caller that gives up before its request is
+placed (withdrawn, uncharged). The engine decides when it goes and what it is charged."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Hashable, Mapping
 from typing import Any
 
 from .._common import unhashable_flow
 from ..backends.base import CHAT_COMPLETIONS, COMPLETIONS
-from ..errors import DispatcherClosed, NoHealthyBackend, RequestTooLarge, UnknownModel
-from ._state import ABORTED, CANCELLED, EXPIRED, HELD, PLACED, REJECTED, TAKEN, WAITING, DispatcherBase, Job
+from ..errors import BadRequest, DispatcherClosed, NoHealthyBackend, RequestTooLarge, UnknownModel
+from ..policy.classify import Flow
+from ._state import ABORTED, CANCELLED, DEFAULT_CLASS, EXPIRED, PLACED, REJECTED, WAITING, DispatcherBase, Job
 
 
 class PlacementFuture(asyncio.Future):  # type: ignore[type-arg]
     """The future a waiting request's task awaits until the request is placed.
 
     ``Task.cancel()`` cancels the future the task waits on synchronously, before the task runs
-    again; a pump that runs in between (another request completes) must not select a request
+    again; a pump that runs in between (another request completes) must not place a request
     whose caller has already given up. So ``cancel()`` withdraws a still-waiting request from
-    the scheduler at once, uncharged.
+    the engine at once, uncharged.
     """
 
     __slots__ = ("_dispatcher", "_job")
@@ -37,8 +39,11 @@ class PlacementFuture(asyncio.Future):  # type: ignore[type-arg]
 
 
 class Admission(DispatcherBase):
-    def _admit(self, flow: Hashable, body: Mapping[str, Any], cost: float | None, streaming: bool) -> Job:
-        """Validate, estimate, enqueue and pump. The job comes back placed or waiting."""
+    def _admit(self, flow: Hashable, body: Mapping[str, Any], cost: float | None, streaming: bool,
+               idempotent: bool, timeout: float | None = None) -> Job:
+        """Validate, estimate, hand to the engine and pump. The job comes back placed or waiting.
+        ``timeout``: its deadline, seconds from now (the engine ends it if it runs out while it
+        waits)."""
         if self._closed:
             raise DispatcherClosed("this dispatcher is closed")
         if type(body) is not dict:
@@ -50,19 +55,25 @@ class Admission(DispatcherBase):
         elif "prompt" in body:
             endpoint = COMPLETIONS
         else:
-            raise ValueError("the request body has neither 'prompt' (/v1/completions) nor 'messages' "
+            raise BadRequest("the request body has neither 'prompt' (/v1/completions) nor 'messages' "
                              "(/v1/chat/completions)")
         s = body.get("stream")
         if streaming:
             if s is not None and s is not True:
-                raise ValueError(f"stream() takes a streaming body: 'stream' must be true or absent, got {s!r}")
+                raise BadRequest(f"stream() takes a streaming body: 'stream' must be true or absent, got {s!r}",
+                                 param="stream")
         elif s is not None and s is not False:
-            raise ValueError(f"submit() takes a non-streaming body ('stream' is {s!r}); use stream()")
+            raise BadRequest(f"submit() takes a non-streaming body ('stream' is {s!r}); use stream()", param="stream")
         try:
             hash(flow)
         except TypeError:
             raise unhashable_flow(flow) from None
-        est = self.estimator.estimate(body, flow)
+        try:
+            est = self.estimator.estimate(body, flow)
+        except BadRequest:
+            raise
+        except (TypeError, ValueError) as exc:
+            raise BadRequest(str(exc)) from None
         pool = self._only
         if pool is None:
             pool = self._pools.get(est.model or None)
@@ -78,74 +89,51 @@ class Admission(DispatcherBase):
                 f"the request needs about {need:.0f} tokens (prompt {est.prompt_tokens:.0f} + max_tokens "
                 f"{per_seq}), more than any backend of pool {pool.model!r} takes "
                 f"(largest max_context {pool.largest_context:.0f})")
-        if cost is None:
-            # the charge is estimated at dispatch (the calibration may learn in between): enqueued at
-            # a lower bound, the prompt's cost; SFQ selects by the flows' meters, not by their heads'
-            # costs, so this changes no order, and the dispatch corrects the meter at once. When
-            # nothing waits it is (almost always) dispatched at once: enqueued at what it will be
-            # charged, so that no correction is needed (one would be exact either way)
-            e = self.estimator
-            c = e.input_weight * est.prompt_tokens
-            if c < e.min_cost:
-                c = e.min_cost
-            if not pool.waiting and not (streaming and self._served):
-                c = est.cost
-        else:
-            c = cost
-        job = Job(flow, body, endpoint, est, c, pool, self.clock(), need)
-        job.fixed = cost is not None
+        deadline = None
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
+                    timeout > 0 and math.isfinite(timeout)):
+                raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
+            deadline = self.clock() + float(timeout)
+        key = Flow(flow, DEFAULT_CLASS, pool.name)  # type: ignore[arg-type]  # the caller's flow id is the org
+        job = Job(flow, key, body, endpoint, est, pool, self.clock())
         job.stream = streaming
-        job.epoch = self.estimator.epoch
-        if pool.down_since is not None:  # arrives during an outage: its own unavailable_timeout
-            job.t_loop = asyncio.get_running_loop().time()
-        ticket = pool.sched.enqueue(flow, c, job)  # checks the cost; nothing changed if it raises
+        # the engine checks a given cost, estimates the rest at dispatch; nothing changed if it raises
+        job.req = self._engine.submit(key, cost=cost, estimate=est, need=need, item=job, streaming=streaming,
+                                      deadline=deadline, idempotency_key="idempotent" if idempotent else None)
         fs = self._flows.get(flow)
         if fs is None or fs.idle:
             fs = self._flow_stats(flow)
         job.fs = fs
-        job.ticket = ticket
         fs.waiting += 1
-        pool.waiting[ticket] = job
-        self._pump(pool)
+        self._pump()
         return job
 
     async def _wait_placed(self, job: Job) -> None:
         if job.state == REJECTED:
             raise DispatcherClosed("the dispatcher closed before this request was sent")
         if job.state == EXPIRED:
-            raise NoHealthyBackend(f"no backend of pool {job.pool.model!r} was healthy")
+            raise self._engine.ended_error(job.req)
         fut = job.fut = PlacementFuture(self, job, asyncio.get_running_loop())
         try:
             await fut
         except asyncio.CancelledError:
-            pool = job.pool
-            if job.state in (WAITING, HELD, CANCELLED):  # never dispatched: uncharged
+            if job.state == WAITING or job.state == CANCELLED:  # never placed: uncharged
                 self._withdraw(job)  # (already done when the cancellation went through the future)
-                self._pump(pool)  # the head may have changed (overtake / stalls)
-            elif job.state == TAKEN:  # dispatched by a hook's own choice and charged, not sent
-                pool.taken.remove(job)
-                job.state = CANCELLED
-                job.fs.held -= 1
-                job.fs.aborted += 1
-                self._work_over(job)
-                self._maybe_idle(job.fs)
-                self._pump(pool)
             elif job.state == PLACED:  # placed while the cancellation was on its way
                 self._finish(job, ABORTED)
             raise
+        finally:
+            job.fut = None
 
     def _withdraw(self, job: Job) -> None:
-        """Remove a job still in its pool's scheduler (waiting, or held aside), uncharged (its caller
-        gave up)."""
-        if job.state != WAITING and job.state != HELD:
+        """Take back a job still waiting in the engine (queued, set aside or between retries),
+        uncharged (its caller gave up)."""
+        if job.state != WAITING:
             return
-        pool = job.pool
-        pool.sched.cancel(job.ticket)
-        del pool.waiting[job.ticket]
-        if job.state == HELD:
-            self._unhold(job)
-        else:
-            job.fs.waiting -= 1
         job.state = CANCELLED
+        self._engine.cancel(job.req)
+        job.fs.waiting -= 1
         job.fs.cancelled += 1
         self._maybe_idle(job.fs)
+        self._pump()  # the head may have changed

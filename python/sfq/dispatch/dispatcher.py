@@ -1,32 +1,77 @@
 """``Dispatcher``: the constructor (validation and wiring) and the small public controls; the
-work is done by the job modules it combines (see the package docstring)."""
+work is done by the job modules it combines (see the package docstring), the decisions by the
+request engine (``sfq.engine``) over a policy made from the fleet."""
 
 from __future__ import annotations
 
+import math
+import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from .._core import Scheduler
 from ..backends.base import Backend
+from ..backends.health import BackendMonitor
 from ..backends.openai import OpenAIBackend
 from ..cost import CostEstimator
+from ..engine import NO_METRICS, PolicyEngine
+from ..policy.classify import Flow
+from ..policy.config import BackendSpec, ClassSpec, CostSpec, OrgSpec, Policy, PoolSpec, RetrySpec
 from .admission import Admission
 from .calls import Calls
-from .health import Health
-from .hooks import DispatchHooks
+from .health import BackendEvents, Health
 from .lifecycle import Lifecycle
 from .placement import Placement
 from ..policy.charge import CHARGE_MODES
-from ._state import BState, DispatchRecord, FlowStats, Pool
+from ._state import DEFAULT_CLASS, BState, DispatchRecord, FlowStats, Pool
 from .stats import Statistics
 
 __all__ = ["Dispatcher"]
 
+#: every flow of a dispatcher: one class, FIFO within the flow
+_CLASS = ClassSpec(DEFAULT_CLASS, small_cost=None)
+_ANY_ORG = OrgSpec("*", (), (DEFAULT_CLASS,))
+
+
+@dataclass(frozen=True)
+class FleetPolicy(Policy):
+    """The policy a ``Dispatcher`` runs its fleet under: one pool per model, one class, and
+    every flow id its own org, weighted by ``Dispatcher.set_weight`` (default 1): the
+    degenerate case of a policy file, applied by the same request engine."""
+
+    weights: dict[Hashable, float] = field(default_factory=dict, compare=False)
+
+    def org(self, name: str) -> OrgSpec | None:
+        w = self.weights.get(name)
+        return _ANY_ORG if w is None else OrgSpec("*", (), (DEFAULT_CLASS,), w)
+
 
 class Dispatcher(Calls, Admission, Placement, Health, Statistics, Lifecycle):
-    """Fair dispatch of OpenAI-style requests to a fleet of backends.
+    """Shares a fleet of OpenAI-compatible servers fairly between flows you name, on asyncio.
+
+    Every request says whose it is (a flow: any hashable id, e.g. the tenant your own
+    authentication found; never read from the body); each flow gets a share of the fleet in
+    proportion to its weight, measured in tokens (prompt + output), however many or large its
+    requests are. It is the library's driver of sfq's request engine (the same engine as
+    ``sfq serve``'s, under a policy made from the fleet: one pool per model, one class, each
+    flow its own org): the engine decides whose request goes next and on which backend, and
+    what the flow is charged; the dispatcher sends it to that backend, streams or returns the
+    reply, and tells the engine what was served::
+
+        async with sfq.Dispatcher(["http://127.0.0.1:8001"]) as d:
+            reply = await d.submit("team-a", {"model": "m", "prompt": "hi", "max_tokens": 32})
+            async with d.stream("team-b", {"model": "m", "prompt": "hi", "stream": True}) as events:
+                async for event in events:
+                    ...
+
+    Cancelling the awaiting task before dispatch removes the request uncharged; after, it
+    aborts the backend call. Errors are :class:`sfq.SFQError` s (``http_status``,
+    ``to_openai()``); a malformed body is :class:`sfq.errors.BadRequest`. For flows under a
+    policy file (orgs, classes, limits, retries) use :class:`sfq.PolicyDispatcher`.
 
     Parameters
     ----------
@@ -40,7 +85,7 @@ class Dispatcher(Calls, Admission, Placement, Health, Statistics, Lifecycle):
         estimated at admission (to route it and check its size) and again at dispatch, where
         it is charged: the calibration may have learned in between.
     charge:
-        what a request is charged (see the package docstring): ``"served"`` (default): a
+        what a request is charged (``sfq.policy.charge``; see the package docstring): ``"served"`` (default): a
         stream its prompt at dispatch and its output tokens as they are delivered, a
         non-streamed request its estimate at dispatch; both reconciled with the server's
         ``usage`` at completion. ``"settle"``: the estimate at dispatch, corrected to the
@@ -68,15 +113,17 @@ class Dispatcher(Calls, Admission, Placement, Health, Statistics, Lifecycle):
     max_pause:
         a 429 pauses its backend for its ``Retry-After`` (1 s without one), at most this (default 60).
     scheduler:
-        the scheduler class/factory (default ``sfq.Scheduler``); one per pool. The dispatcher
-        uses its ``enqueue``, ``peek``, ``dispatch``, ``cancel``, ``adjust``, ``meter``,
-        ``work_started``/``work_done``, ``set_weight``, ``virtual_time``, ``len``, and with
-        ``overtake > 0`` ``suspend``/``resume``.
+        the scheduler class/factory (default ``sfq.Scheduler``); one per pool.
     on_dispatch:
         called with a ``DispatchRecord`` each time a request is sent (synchronously: keep it short).
-    hooks:
-        a ``DispatchHooks``: the per-pool decisions of a policy layer (whose request goes next,
-        concurrency and rate limits); default: plain SFQ order, no limits.
+    max_attempts:
+        tries per request, the first included (default 3; 1: never retried). A failure before
+        any byte of the reply (a connection error, an upstream 408, 409, 429 or 5xx) is tried
+        again in the request's own flow, preferably on another backend, after an exponential
+        backoff with jitter (never shorter than the upstream's ``Retry-After``), within a retry
+        budget of 10 % of the flow's requests over the last minute (one always allowed).
+    rng:
+        the random source of the retries' jitter (a seeded ``random.Random`` for reproducible runs).
     wait_window:
         the last this-many waits per flow are kept for the percentiles in ``stats()``.
     close_grace:
@@ -99,7 +146,6 @@ class Dispatcher(Calls, Admission, Placement, Health, Statistics, Lifecycle):
         max_backoff: float = 2.0,
         scheduler: Callable[[], Any] | None = None,
         on_dispatch: Callable[[DispatchRecord], None] | None = None,
-        hooks: DispatchHooks | None = None,
         wait_window: int = 10_000,
         close_grace: float = 30.0,
         max_flow_stats: int = 100_000,
@@ -108,6 +154,8 @@ class Dispatcher(Calls, Admission, Placement, Health, Statistics, Lifecycle):
         transport_failures: int = 3,
         unavailable_timeout: float | None = 30.0,
         max_pause: float = 60.0,
+        max_attempts: int = 3,
+        rng: random.Random | None = None,
     ) -> None:
         fleet: list[Backend] = [OpenAIBackend(b) if isinstance(b, str) else b for b in backends]
         if not fleet:
@@ -144,13 +192,11 @@ class Dispatcher(Calls, Admission, Placement, Health, Statistics, Lifecycle):
             raise TypeError(f"clock must be callable, got {clock!r}")
         if estimator is not None and not isinstance(estimator, CostEstimator):
             raise TypeError(f"estimator must be a CostEstimator, got {estimator!r}")
-        if hooks is not None and not isinstance(hooks, DispatchHooks):
-            raise TypeError(f"hooks must be a DispatchHooks, got {hooks!r}")
+        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+            raise ValueError(f"max_attempts must be an integer >= 1, got {max_attempts!r}")
         self._max_flow_stats = max_flow_stats
         self.estimator = estimator if estimator is not None else CostEstimator()
         self.charge = charge
-        self._served = charge == "served"
-        self._seed = charge == "seed"
         self.clock = clock
         self.overtake = overtake
         self.backoff = float(backoff)
@@ -162,23 +208,39 @@ class Dispatcher(Calls, Admission, Placement, Health, Statistics, Lifecycle):
         self.unavailable_timeout = None if unavailable_timeout is None else float(unavailable_timeout)
         self.max_pause = float(max_pause)
         self.on_dispatch = on_dispatch
-        self.hooks = hooks
         self._window = wait_window
         make = scheduler if scheduler is not None else Scheduler
         self._pools = {}
         self._bstates = []
+        events, options = BackendEvents(self), self._health_options()
         for i, b in enumerate(fleet):
             pool = self._pools.get(b.model)
             if pool is None:
-                pool = self._pools[b.model] = Pool(b.model, make())
-            bs = BState(b, pool, i, self.backoff, error_window)
+                pool = self._pools[b.model] = Pool(b.model)
+            bs = BState(b, pool, i, BackendMonitor(b, events, options))
             pool.backends.append(bs)
             self._bstates.append(bs)
+        self._by_name = {bs.name: bs for bs in self._bstates}
         for pool in self._pools.values():
             ctx = [bs.max_context for bs in pool.backends]
-            pool.limited = any(c is not None for c in ctx)
             sizes = [c for c in ctx if c is not None]
             pool.largest_context = float("inf") if len(sizes) < len(ctx) else float(max(sizes))
+        e = self.estimator
+        self.policy = FleetPolicy(
+            pools=MappingProxyType({p.name: PoolSpec(p.name, () if p.model is None else (p.model,), tuple(
+                BackendSpec(bs.backend.name, bs.max_in_flight, bs.name, bs.max_context) for bs in p.backends))
+                for p in self._pools.values()}),
+            classes=MappingProxyType({DEFAULT_CLASS: _CLASS}), orgs=MappingProxyType({}),
+            cost=CostSpec(e.input_weight, e.output_weight, e.default_max_tokens, e.prior_ratio, charge),
+            retry=RetrySpec(max_attempts=max_attempts), source="<sfq.Dispatcher>")
+        self._engine = PolicyEngine(self.policy, clock=clock, scheduler=make, rng=rng, metrics=NO_METRICS,
+                                    estimator=e, max_pause=self.max_pause)
+        for q in self._engine.queues.values():
+            q.overtake = overtake
+            q.unavailable_timeout = math.inf if unavailable_timeout is None else float(unavailable_timeout)
+        self._timer = None
+        self._timer_at = math.inf
+        self._pumping = False
         self._default = self._pools.get(None)
         self._only = self._default if len(self._pools) == 1 else None
         self._flows: dict[Hashable, FlowStats] = {}
@@ -198,15 +260,30 @@ class Dispatcher(Calls, Admission, Placement, Health, Statistics, Lifecycle):
 
     def set_weight(self, flow: Hashable, weight: float) -> None:
         """Set ``flow``'s weight (> 0, default 1) in every pool, for its future charges."""
-        pools = list(self._pools.values())
-        pools[0].sched.set_weight(flow, weight)  # validates; raises before anything changed
-        for pool in pools[1:]:
-            pool.sched.set_weight(flow, weight)
+        queues = list(self._engine.queues.values())
+        queues[0].sched.set_weight(Flow(flow, DEFAULT_CLASS, queues[0].name), weight)  # type: ignore[arg-type]
+        # (validated: raises before anything changed)
+        for q in queues[1:]:
+            q.sched.set_weight(Flow(flow, DEFAULT_CLASS, q.name), weight)  # type: ignore[arg-type]
+        self.policy.weights[flow] = float(weight)
 
-    def scheduler_of(self, model: str | None) -> Any:
-        """The scheduler of the pool serving ``model`` (``None``: the default pool), for hooks that
-        suspend, resume or peek. ``KeyError`` when no pool has that name."""
+    def _queue_of(self, model: str | None) -> Any:
         try:
-            return self._pools[model].sched
+            return self._engine.queues[self._pools[model].name]
         except (KeyError, TypeError):
             raise KeyError(f"no pool serves model {model!r}; pools: {sorted(str(m) for m in self._pools)}") from None
+
+    def scheduler_of(self, model: str | None) -> Any:
+        """The SFQ core of the pool serving ``model`` (``None``: the default pool), to look at
+        (its flows are ``sfq.Flow(flow, "default", pool)``; :meth:`meter` reads one by the
+        caller's id). ``KeyError`` when no pool has that name."""
+        return self._queue_of(model).sched
+
+    def flow_key(self, flow: Hashable, model: str | None = None) -> Flow:
+        """The engine's (and the core's) id of ``flow`` in the pool serving ``model``."""
+        return Flow(flow, DEFAULT_CLASS, self._queue_of(model).name)  # type: ignore[arg-type]
+
+    def meter(self, flow: Hashable, model: str | None = None) -> float:
+        """``flow``'s meter (cost units) in the pool serving ``model`` (``None``: the default pool)."""
+        q = self._queue_of(model)
+        return float(q.sched.meter(Flow(flow, DEFAULT_CLASS, q.name)))  # type: ignore[arg-type]

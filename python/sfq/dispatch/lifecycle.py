@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from ..errors import DispatcherClosed
-from ._state import HELD, REJECTED, DispatcherBase, Job
+from ._state import REJECTED, WAITING, DispatcherBase, Job
 
 
 class Lifecycle(DispatcherBase):
@@ -19,12 +19,11 @@ class Lifecycle(DispatcherBase):
         self._started = True
         await asyncio.gather(*(bs.backend.start() for bs in self._bstates))
         for bs in self._bstates:
-            if bs.backend.probe is not None:
-                bs.probe_task = asyncio.create_task(self._probe_loop(bs), name=f"sfq-probe-{bs.name}")
+            bs.monitor.start()  # its saturation probe, when the backend has one
 
     async def close(self) -> None:
-        """Stop accepting requests; reject those not yet sent (``DispatcherClosed``; uncharged
-        unless a hook had dispatched them); wait up to ``close_grace`` seconds for requests in flight;
+        """Stop accepting requests; reject those not yet sent (``DispatcherClosed``, uncharged);
+        wait up to ``close_grace`` seconds for requests in flight;
         then stop the probes and close the backends (aborting what is still running)."""
         if self._close_task is None:
             self._close_task = asyncio.ensure_future(self._close())
@@ -32,42 +31,27 @@ class Lifecycle(DispatcherBase):
 
     async def _close(self) -> None:
         self._closed = True
-        for bs in self._bstates:
-            if bs.pause_handle is not None:
-                bs.pause_handle.cancel()
-                bs.pause_handle = None
-        for pool in self._pools.values():
-            if pool.down_timer is not None:
-                pool.down_timer.cancel()
-                pool.down_timer = None
-            for ticket, job in list(pool.waiting.items()):
-                pool.sched.cancel(ticket)
-                if job.state == HELD:
-                    self._unhold(job)  # (resumes its flow: nothing stays suspended)
-                else:
-                    job.fs.waiting -= 1
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for r in self._engine.close():  # every waiting request (and every one between retries), uncharged
+            job: Job = r.item
+            if job.state == WAITING:
+                job.fs.waiting -= 1
                 self._reject(job)
-            pool.waiting.clear()
-            for job in pool.taken:
-                job.fs.held -= 1
-                self._work_over(job)
-                self._reject(job)
-            pool.taken.clear()
         if self._in_flight:
             self._drained = asyncio.Event()
             try:
                 await asyncio.wait_for(self._drained.wait(), self.close_grace)
             except asyncio.TimeoutError:
                 pass
-        tasks = [t for bs in self._bstates for t in (bs.recover_task, bs.probe_task) if t is not None]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(bs.monitor.close() for bs in self._bstates), return_exceptions=True)
         await asyncio.gather(*(bs.backend.close() for bs in self._bstates), return_exceptions=True)
 
     def _reject(self, job: Job) -> None:
         job.state = REJECTED
         job.fs.rejected += 1
+        self._maybe_idle(job.fs)
         if job.fut is not None and not job.fut.done():
             job.fut.set_exception(DispatcherClosed("the dispatcher closed before this request was sent"))
 

@@ -1,38 +1,55 @@
-"""``PolicyDispatcher``: the policy in front of a fleet, on asyncio, built on ``sfq.Dispatcher``.
+"""``PolicyDispatcher``: a policy file in front of a fleet of OpenAI-compatible servers, on asyncio.
 
-The request's path is one-way: **policy** (classification, admission, org/class/pool limits,
-rate buckets, strict classes, size buckets, deadlines, retries) -> **estimator**
-(``sfq.CostEstimator``) -> **scheduler** (the SFQ core inside each pool's
-:class:`~sfq.engine.PolicyQueue`) -> **dispatcher** -> **backend**. The policy decides
-who goes next and on which backend; each backend is driven by its own one-backend
-``sfq.Dispatcher``, which does the calls, streaming, health checks and the cancellation of
-aborted calls. A request reaches a dispatcher only when the policy has started it, so that
-dispatcher places it at once.
+The request engine (:class:`sfq.engine.PolicyEngine`) decides everything: who the flow is,
+every limit, who goes next and on which backend, what the request is charged and how the
+charge is settled, retries, deadlines. This module is its asyncio driver and does only the
+I/O, in the style of h11's drivers: it tells the engine what happened (a request arrived; it
+started; it passed n output tokens to its client; it ended with this usage; it failed with
+this error; its caller left; a backend went down, came back, was paused or saturated) and
+carries out what the engine answers (start this request on that backend; answer this one
+with that error; wake me at t). It calls the backends (:mod:`sfq.backends`) itself, streams
+their events through, applies the pool's upstream timeouts, and keeps one
+:class:`~sfq.backends.health.BackendMonitor` per backend, which reports health to the engine.
+
+Two primitives are the core, and every call is built on them:
+
+* :meth:`PolicyDispatcher.acquire`: wait your turn and learn where to send the request (an
+  embedder's own HTTP client does the call); :meth:`submit` / :meth:`submit_flow` are
+  ``acquire`` plus this module's own call, with retries.
+* :meth:`PolicyDispatcher.open_stream`: a stream admitted and answered by its upstream before
+  it returns, so a refusal is still an HTTP status; :meth:`stream` / :meth:`stream_flow`
+  return the same :class:`EventStream`, opened on first use.
 
 Usage::
 
     async with PolicyDispatcher(load_policy("policy.yaml")) as pd:
         reply = await pd.submit("sk-product-1", {"model": "llama-3-8b", "prompt": "hi"},
                                 cls="interactive", timeout=30)
-        async for event in pd.stream("sk-analytics-1", {..., "stream": True}):
-            ...
+        async with pd.stream("sk-analytics-1", {..., "stream": True}) as events:
+            async for event in events:
+                ...
     pd.registry    # the Prometheus registry (mount it: prometheus_client.generate_latest)
     pd.stats()     # cheap snapshot
 
-Errors: ``Refused`` (``reason``: unauthenticated, class_not_allowed, unknown_model,
-bad_request, too_large, rate_limited, queue_full, queue_timeout, deadline, closed; with
-``retry_after`` where trying later helps), ``DeadlineExceeded`` (the deadline ran out while
-running), ``BackendError`` subclasses (the backends failed after the retries allowed).
-Cancelling the awaiting task cancels the request: before start it never reaches a backend;
-after, the backend call is aborted.
+Errors are :class:`sfq.errors.SFQError` s: ``Refused`` (``reason``: unauthenticated,
+class_not_allowed, unknown_model, bad_request (``BadRequest``), too_large, rate_limited,
+queue_full, queue_timeout, deadline, closed; with ``retry_after`` where trying later helps),
+``NoHealthyBackend`` (no backend of the pool is in rotation; with ``retry_after``),
+``DeadlineExceeded`` (the deadline ran out while running), ``BackendError`` subclasses (the
+backends failed after the retries allowed). Cancelling the awaiting task cancels the request:
+while it waits it never reaches a backend and is not charged; after, the backend call is
+aborted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import logging
 import math
 import os
+import random
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
@@ -41,87 +58,135 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from ..backends import Backend, OpenAIBackend
-from ..cost import CostEstimator
-from .dispatcher import Dispatcher
-from ..errors import BackendError, DeadlineExceeded, NoHealthyBackend, PolicyError, Refused
-from ..policy.classify import Flow
-from ..policy.config import Policy, load_policy
+from ..backends.health import BackendMonitor, HealthOptions
+from ..cost import CostEstimator, Estimate
 from ..engine import PolicyEngine
-from ..engine.pool import RUNNING, Request
+from ..engine.pool import BACKOFF, RUNNING, Request
+from ..errors import (
+    BackendError,
+    BackendTimeout,
+    BadRequest,
+    DeadlineExceeded,
+    NoHealthyBackend,
+    PolicyError,
+    Refused,
+)
+from ..policy.classify import Flow
+from ..policy.config import Policy, UpstreamTimeouts, load_policy
 from ..policy.retry import IdempotencyIndex
 from ..state import SharedState, local_policy, state_for
+from .policy_calls import BackendAddress, Grant, PolicyEventStream, Reply, _endpoint, _Expired, _text_chars, _within
+from .stream import EventStream
 
-__all__ = ["PolicyDispatcher"]
+__all__ = ["BackendAddress", "EventStream", "Grant", "PolicyDispatcher"]
 
-#: seconds between re-checks of backend health while some backend is out of rotation
-HEALTH_TICK = 0.25
+log = logging.getLogger("sfq.dispatch")
+
+
+class _Joined:
+    """A request running under an ``Idempotency-Key``, and how many callers wait for it."""
+
+    __slots__ = ("task", "waiters")
+
+    def __init__(self, task: asyncio.Task[Reply]) -> None:
+        self.task = task
+        self.waiters = 0
+
+
+class _Listener:
+    """What the backend monitors of one pool report, passed on to the engine in force."""
+
+    __slots__ = ("pd", "pool")
+
+    def __init__(self, pd: PolicyDispatcher, pool: str) -> None:
+        self.pd = pd
+        self.pool = pool
+
+    def backend_down(self, name: str, reason: str) -> None:
+        self.pd.engine.backend_down(self.pool, name, reason)
+        self.pd._pump()
+
+    def backend_up(self, name: str) -> None:
+        self.pd.engine.backend_up(self.pool, name)
+        self.pd._pump()
+
+    def backend_paused(self, name: str, seconds: float) -> None:
+        self.pd.engine.backend_paused(self.pool, name, seconds)
+
+    def backend_unpaused(self, name: str) -> None:
+        self.pd._pump()
+
+    def backend_saturated(self, name: str, saturated: bool) -> None:
+        self.pd.engine.backend_saturated(self.pool, name, saturated)
+        self.pd._pump()
 
 
 class PolicyDispatcher:
-    """Parameters
-    ----------
-    policy:
-        a :class:`Policy`, or the path of a policy file.
-    backends:
-        optional ``{backend name: Backend}`` overriding the ``OpenAIBackend`` built from the
-        file for that name (a custom transport, or a test double); names default to the URL.
-    clock:
-        seconds (default ``time.monotonic``, the event loop's clock); deadlines and queue
-        ages are measured on it.
-    estimator:
-        the ``CostEstimator`` (default: from the file's ``cost`` section).
-    registry:
-        the Prometheus registry for the policy's metrics (default: a new one, ``.registry``).
-    dispatcher_options:
-        keyword arguments for every per-backend ``sfq.Dispatcher`` (``backoff``,
-        ``unavailable_timeout``, ``close_grace``, ...).
-    rng, scheduler:
-        the retry jitter's random source; the core factory (default ``sfq.Scheduler``).
-    state:
-        where the policy's state lives (``sfq.state``): default, what the file's ``state:``
-        section asks for (Redis, shared with the other gateways of the same prefix) or, without
-        it, memory (nothing is consulted: no cost).
+    """A policy file applied in front of a fleet: fair queueing, limits, retries and the charge
+    of delivered service, for ``sfq serve`` and for embedders with their own server.
+
+    ``policy``: a :class:`Policy`, or the path of a policy file. ``backends``: optional
+    ``{backend name: Backend}`` overriding the ``OpenAIBackend`` built from the file for that
+    name (a custom transport, or a test double); names default to the URL. ``clock``: seconds
+    (default ``time.monotonic``, the event loop's clock); deadlines and queue ages are measured
+    on it. ``estimator``: the ``CostEstimator`` (default: from the file's ``cost`` section).
+    ``registry``: the Prometheus registry for the policy's metrics (default: a new one,
+    ``.registry``). ``health``: the backends' health rules (``HealthOptions``: the 5xx and
+    transport thresholds, the health checks' backoff, and ``max_pause``, the longest an
+    upstream's ``Retry-After`` may pause one of its backends, default 60 s). ``close_grace``: seconds :meth:`close` lets running requests finish.
+    ``rng``, ``scheduler``: the retry jitter's random source; the core factory (default
+    ``sfq.Scheduler``). ``state``: where the policy's state lives (``sfq.state``): default,
+    what the file's ``state:`` section asks for (Redis, shared with the other gateways of the
+    same prefix) or, without it, memory (nothing is consulted: no cost).
     """
 
     def __init__(self, policy: Policy | str | Path, *, backends: Mapping[str, Backend] | None = None,
                  clock: Callable[[], float] = time.monotonic, estimator: CostEstimator | None = None,
-                 registry: CollectorRegistry | None = None, dispatcher_options: Mapping[str, Any] | None = None,
-                 rng: Any = None, scheduler: Callable[[], Any] | None = None,
-                 state: SharedState | None = None) -> None:
+                 registry: CollectorRegistry | None = None, health: HealthOptions | None = None,
+                 close_grace: float = 30.0, rng: random.Random | None = None,
+                 scheduler: Callable[[], Any] | None = None, state: SharedState | None = None) -> None:
         if not isinstance(policy, Policy):
             policy = load_policy(policy)
+        if isinstance(close_grace, bool) or not isinstance(close_grace, (int, float)) or not (
+                math.isfinite(close_grace) and close_grace >= 0):
+            raise ValueError(f"close_grace must be a finite number of seconds >= 0, got {close_grace!r}")
+        if health is None:
+            health = HealthOptions()
+        if not isinstance(health, HealthOptions):
+            raise TypeError(f"health must be an sfq.backends.health.HealthOptions, got {health!r}")
         self.policy = policy
         self.clock = clock
+        self.close_grace = float(close_grace)
         if state is None:
             state = state_for(policy, clock=clock)
         if not isinstance(state, SharedState):
             raise TypeError(f"state must be an sfq.state.SharedState, got {state!r}")
         self.state: SharedState = state
         self._shared = bool(state.shared)
-        # shared: the engine orders each flow's requests and hands them on; the shared state
-        # applies the limits and the order over every gateway
-        self.engine = PolicyEngine(local_policy(policy) if self._shared else policy, clock=clock,
-                                   scheduler=scheduler, rng=rng, registry=registry)
-        self.registry = self.engine.metrics.registry
         cs = policy.cost
         self.estimator = estimator if estimator is not None else CostEstimator(
             cs.input_weight, cs.output_weight, default_max_tokens=cs.default_max_tokens, prior_ratio=cs.prior_ratio)
+        # shared: the engine orders each flow's requests and hands them on; the shared state
+        # applies the limits and the order over every gateway
+        self.engine = PolicyEngine(local_policy(policy) if self._shared else policy, clock=clock,
+                                   scheduler=scheduler, rng=rng, registry=registry, estimator=self.estimator,
+                                   max_pause=health.max_pause)
+        reg = self.engine.metrics.registry
+        assert reg is not None  # a PolicyEngine built without NoMetrics keeps Prometheus series
+        #: the Prometheus registry of the policy's metrics
+        self.registry: CollectorRegistry = reg
         given = dict(backends or {})
         known = {b.name for p in policy.pools.values() for b in p.backends}
         extra = sorted(set(given) - known)
         if extra:
             raise ValueError(f"backends {extra} are not in the policy; its backends: {sorted(known)}")
-        opts = dict(dispatcher_options or {})
-        # the pool-level bound on a wait with no backend in rotation (the per-backend
-        # dispatchers never see such a request: it waits here, in the policy's queue)
-        ut = opts.get("unavailable_timeout", 30.0)
-        self._unavailable_timeout = float("inf") if ut is None else float(ut)
-        for q in self.engine.queues.values():
-            q.unavailable_timeout = self._unavailable_timeout
-        self._dispatchers: dict[str, Dispatcher] = {}
+        self._backends: dict[str, Backend] = {}
+        self._addresses: dict[str, BackendAddress] = {}
+        self._monitors: dict[str, BackendMonitor] = {}
         self._pool_of: dict[str, str] = {}
-        probed = False
         for pool in policy.pools.values():
+            listener = _Listener(self, pool.name)
+            t = pool.timeouts
             for i, spec in enumerate(pool.backends):
                 key = None
                 if spec.api_key_env is not None and spec.name not in given:
@@ -129,21 +194,29 @@ class PolicyDispatcher:
                     if not key:
                         raise PolicyError(f"pools.{pool.name}.backends[{i}].api_key_env",
                                           f"the environment variable {spec.api_key_env!r} is not set (or empty)")
-                be = given.get(spec.name) or OpenAIBackend(spec.url, name=spec.name, max_in_flight=spec.max_in_flight,
-                                                           max_context=spec.max_context, api_key=key)
-                probed = probed or be.probe is not None
-                self._dispatchers[spec.name] = Dispatcher([be], estimator=self.estimator, clock=clock, **opts)
+                be = given.get(spec.name)
+                if be is None:
+                    # the driver bounds first byte, silence and total itself (the pool's timeouts)
+                    be = OpenAIBackend(spec.url, name=spec.name, max_in_flight=spec.max_in_flight,
+                                       max_context=spec.max_context, api_key=key, connect_timeout=t.connect,
+                                       timeout=None, stream_timeout=None)
+                if isinstance(be, OpenAIBackend):
+                    address = BackendAddress(spec.name, be.url, be.headers)
+                else:
+                    address = BackendAddress(spec.name, spec.url.rstrip("/").removesuffix("/v1"), {})
+                self._backends[spec.name] = be
+                self._addresses[spec.name] = address
+                self._monitors[spec.name] = BackendMonitor(be, listener, health, clock=clock)
                 self._pool_of[spec.name] = pool.name
-        self._waiters: dict[int, asyncio.Future[None]] = {}
-        self._health_dirty = True  # a failure happened since the last look at the backends' health
-        self._down: set[str] = set()  # backends out of rotation at the last look
-        self._probed = probed  # some backend has a saturation probe: look at every pump
-        self._idem: IdempotencyIndex[asyncio.Future[dict[str, Any]]] = IdempotencyIndex()
+        self._waiters: dict[int, asyncio.Future[None]] = {}  # request id -> wakes its task
+        self._idem: IdempotencyIndex[_Joined] = IdempotencyIndex()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
+        self._drained: asyncio.Event | None = None
         self._started = False
         self._closed = False
         self._pumping = False
+        self._again = False
         if self._shared:
             self.engine.on_attempt_over = state.attempt_over
             self.engine.on_end = state.ended
@@ -152,31 +225,49 @@ class PolicyDispatcher:
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
+        """Start the backends and their monitors (``async with`` does this)."""
         if self._closed:
             raise Refused("closed", "this dispatcher is closed")
-        if not self._started:
-            if self._shared:
-                await self.state.start()  # PolicyError: the other gateways of the prefix run another policy
-            self._started = True
-            await asyncio.gather(*(d.start() for d in self._dispatchers.values()))
+        if self._started:
+            return
+        if self._shared:
+            await self.state.start()  # PolicyError: the other gateways of the prefix run another policy
+        self._started = True
+        await asyncio.gather(*(b.start() for b in self._backends.values()))
+        for m in self._monitors.values():
+            m.start()
 
     async def close(self) -> None:
         """Refuse new requests; end every waiting one as refused (``closed``); let the running
-        ones finish within each dispatcher's ``close_grace``; close the backends."""
+        ones finish within ``close_grace`` seconds; then close the backends (aborting what
+        still runs)."""
         if self._closed:
             return
         self._closed = True
         for r in self.engine.close():
-            fut = self._waiters.pop(r.id, None)
-            if fut is not None and not fut.done():
-                fut.set_exception(Refused("closed", "the dispatcher closed before this request started"))
+            self._wake(r)
+        for rid in list(self._waiters):  # those waiting out a retry's backoff end now
+            fut = self._waiters.pop(rid)
+            if not fut.done():
+                fut.set_result(None)
         if self._shared:
             self.state.refuse_waiting()  # those the engine started that wait for the shared state's grant
         if self._timer is not None:
             self._timer.cancel()
-        await asyncio.gather(*(d.close() for d in self._dispatchers.values()), return_exceptions=True)
+            self._timer = None
+        if self._running():
+            self._drained = asyncio.Event()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._drained.wait(), self.close_grace)
+        await asyncio.gather(*(m.close() for m in self._monitors.values()), return_exceptions=True)
+        await asyncio.gather(*(b.close() for b in self._backends.values()), return_exceptions=True)
         if self._shared:
             await self.state.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (new requests are refused)."""
+        return self._closed
 
     async def __aenter__(self) -> PolicyDispatcher:
         await self.start()
@@ -185,62 +276,38 @@ class PolicyDispatcher:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def _running(self) -> int:
+        return sum(q.in_flight for q in self.engine.queues.values())
+
     # ------------------------------------------------------------ the pump
-    def _sync_health(self) -> bool:
-        """Mirror each backend's rotation state (its dispatcher's) into the policy's queues, when
-        it may have changed: after a failure, while some backend is out of rotation, and always
-        when a backend has a saturation probe. Returns whether one is out of rotation (or
-        saturated) now."""
-        if not (self._health_dirty or self._down or self._probed):
-            return False
-        self._health_dirty = False
-        down = set()
-        in_rotation: dict[str, bool] = {}
-        for name, d in self._dispatchers.items():
-            b = d.stats()["backends"][name]
-            ok = bool(b["healthy"]) and not b["saturated"]
-            pool = self._pool_of[name]
-            self.engine.queues[pool].set_healthy(name, ok)
-            in_rotation[pool] = in_rotation.get(pool, False) or bool(b["healthy"])
-            if not ok:
-                down.add(name)
-        for pool, up in in_rotation.items():
-            self.engine.queues[pool].set_available(up)
-        self._down = down
-        return bool(down)
+    def _wake(self, r: Request) -> None:
+        fut = self._waiters.pop(r.id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
 
     def _pump(self) -> None:
-        """Start what may start; fail the waiters of what was dropped; arm the next timer."""
+        """Start what may start, wake the tasks of what started or ended, arm the next timer."""
         if self._pumping:
+            self._again = True
             return
         self._pumping = True
         try:
-            down = self._sync_health()
-            for r in self.engine.poll():
-                fut = self._waiters.pop(r.id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(None)
-            for r in self.engine.dropped:
-                fut = self._waiters.pop(r.id, None)
-                if fut is not None and not fut.done() and r.reason == "unavailable":
-                    fut.set_exception(NoHealthyBackend(
-                        f"no backend of pool {r.flow.pool!r} was in rotation for {self._unavailable_timeout:g} s"))
-                elif fut is not None and not fut.done():
-                    fut.set_exception(Refused(r.reason or "queue_timeout",
-                                              f"the request's {'deadline' if r.reason == 'deadline' else 'queue age'}"
-                                              " ran out before it started"))
-            at = self.engine.wake_at()
-            if down:
-                tick = self.clock() + HEALTH_TICK
-                at = tick if at is None else min(at, tick)
-            self._arm(at)
+            while True:
+                self._again = False
+                for r in self.engine.poll():
+                    self._wake(r)
+                for r in self.engine.dropped:
+                    self._wake(r)
+                if not self._again:
+                    break
+            self._arm(self.engine.wake_at())
         finally:
             self._pumping = False
 
     def _arm(self, at: float | None) -> None:
         if at is None or self._closed:
             return
-        if self._timer is not None and self._timer_at <= at and not self._timer.cancelled():
+        if self._timer is not None and self._timer_at <= at:
             return
         if self._timer is not None:
             self._timer.cancel()
@@ -252,6 +319,12 @@ class PolicyDispatcher:
         self._timer = None
         self._timer_at = math.inf
         self._pump()
+
+    def _settled(self) -> None:
+        """An attempt let go of its slot: start what may start (and tell close() when none runs)."""
+        self._pump()
+        if self._drained is not None and not self._running():
+            self._drained.set()
 
     # ------------------------------------------------------------ admission
     def _deadline(self, timeout: float | None) -> float | None:
@@ -265,56 +338,92 @@ class PolicyDispatcher:
     def classify(self, credential: str | None, body: Mapping[str, Any], cls: str | None = None) -> Flow:
         """The flow of a request (``Refused`` when the key, the class or the model is refused)."""
         if not isinstance(body, Mapping):
-            raise TypeError(f"the request body must be a mapping (a JSON object), got {type(body).__name__}")
+            raise BadRequest(f"the request body must be a mapping (a JSON object), got {type(body).__name__}")
         return self.engine.classify(credential, cls, body.get("model"))
 
-    def _admit(self, flow: Flow, body: Mapping[str, Any], deadline: float | None, key: str | None) -> Request:
-        if self._closed:
-            self.engine.refuse(flow, "closed")
-            raise Refused("closed", "this dispatcher is closed")
-        try:
-            est = self.estimator.estimate(body, flow)
-        except (TypeError, ValueError) as exc:
-            self.engine.refuse(flow, "bad_request")
-            raise Refused("bad_request", str(exc)) from None
-        per_seq = est.max_tokens // max(1, est.copies)
-        r = self.engine.submit(flow, cost=est.cost, tokens=est.prompt_tokens + est.max_tokens,
-                               need=est.prompt_tokens + per_seq, deadline=deadline, idempotency_key=key)
-        self._waiters[r.id] = asyncio.get_running_loop().create_future()
-        self._pump()
-        return r
+    def _check_flow(self, flow: Flow) -> Flow:
+        if not isinstance(flow, tuple) or len(flow) != 3:
+            raise TypeError(f"flow must be an sfq.Flow(org, cls, pool), got {flow!r}")
+        flow = Flow(*flow)
+        if flow.pool not in self.policy.pools:
+            raise Refused("unknown_model", f"flow {tuple(flow)!r}: no pool {flow.pool!r}; pools: "
+                                           f"{', '.join(self.policy.pools)}")
+        org = self.policy.org(flow.org)
+        if org is None:
+            raise Refused("class_not_allowed", f"org {flow.org!r} is not in the policy (and it has no template for "
+                                               "orgs it does not name)")
+        if flow.cls not in org.classes:
+            raise Refused("class_not_allowed", f"org {flow.org!r} may not use class {flow.cls!r}; allowed: "
+                                               f"{', '.join(org.classes)}")
+        return flow
 
-    async def _admit_any(self, flow: Flow, body: Mapping[str, Any], deadline: float | None,
-                         key: str | None) -> Request:
-        """``_admit``, asking the shared state first (org rates, queue lengths) when there is one."""
-        if not self._shared:
-            return self._admit(flow, body, deadline, key)
-        if self._closed:
-            self.engine.refuse(flow, "closed")
-            raise Refused("closed", "this dispatcher is closed")
+    def _checked(self, flow: Flow) -> Flow:
+        """``flow`` as an ``sfq.Flow`` the policy allows; a refusal (recorded) otherwise."""
         try:
-            ticket = await self.state.admit(flow)
+            return self._check_flow(flow)
         except Refused as exc:
             self.engine.refuse(flow, exc.reason)
             raise
+
+    def _estimate(self, body: Mapping[str, Any], flow: Flow) -> Estimate:
         try:
-            r = self._admit(flow, body, deadline, key)
+            return self.estimator.estimate(body, flow)
+        except (TypeError, ValueError, OverflowError) as exc:
+            self.engine.refuse(flow, "bad_request")
+            raise BadRequest(str(exc)) from None
+
+    async def _admit(self, flow: Flow, body: Mapping[str, Any], timeout: float | None, key: str | None,
+                     streaming: bool) -> Request:
+        """Everything that can refuse the request, then its place in its flow's queue."""
+        if not self._started:
+            await self.start()
+        flow = self._checked(flow)
+        if self._closed:
+            self.engine.refuse(flow, "closed")
+            raise Refused("closed", "this dispatcher is closed")
+        deadline = self._deadline(timeout)
+        est = self._estimate(body, flow)
+        ticket = None
+        if self._shared:
+            try:
+                ticket = await self.state.admit(flow)  # org rates, queue lengths over every gateway
+            except Refused as exc:
+                self.engine.refuse(flow, exc.reason)
+                raise
+        try:
+            r = self.engine.submit(flow, estimate=est, streaming=streaming, deadline=deadline, idempotency_key=key)
+        except OverflowError as exc:  # a figure too large for the scheduler: the body's fault
+            if self._shared:
+                self.state.drop(ticket)
+            self.engine.refuse(flow, "bad_request")
+            raise BadRequest(f"the request is too large to schedule: {exc}") from None
         except BaseException:
-            self.state.drop(ticket)
+            if self._shared:
+                self.state.drop(ticket)
             raise
-        self.state.bind(ticket, r)
+        if self._shared:
+            self.state.bind(ticket, r)
+        self._pump()
         return r
 
-    async def _retry_allowed(self, r: Request) -> bool:
-        """The shared state's word on a retry the engine planned (the flow's retry budget over
-        every gateway); when it says no, the request ends as failed (``budget``)."""
-        if not self._shared:
-            return True
-        if await self.state.retry_allowed(r):
-            return True
-        if r.outcome is None:
-            self.engine.end_retry(r, "budget")
-        return False
+    def _ended_error(self, r: Request) -> Exception:
+        """The error for a request the engine ended before (or between) its attempts."""
+        return self.engine.ended_error(r)
+
+    async def _turn(self, r: Request) -> None:
+        """Wait until the engine starts ``r`` (and the shared state grants it); the error the
+        engine ended it with otherwise. Cancelling the task here removes it uncharged."""
+        try:
+            while r.state != RUNNING:
+                if r.outcome is not None:
+                    raise self._ended_error(r)
+                fut = self._waiters[r.id] = asyncio.get_running_loop().create_future()
+                await fut  # bounded: the timer drops it when its queue age or deadline runs out
+            if self._shared:
+                await self._granted(r)
+        except asyncio.CancelledError:
+            self._gave_up(r)
+            raise
 
     async def _granted(self, r: Request) -> None:
         """The shared state's grant of the start the engine decided for ``r``: global slots,
@@ -323,7 +432,8 @@ class PolicyDispatcher:
         now = self.clock()
         limit = {b.name: b.max_in_flight for b in self.policy.pools[r.flow.pool].backends}  # the real ones
         fits = [(b.name, limit[b.name]) for b in q.backends.values()
-                if b.healthy and b.paused_until <= now and (b.max_context is None or r.need <= b.max_context)]
+                if b.healthy and not b.saturated and b.paused_until <= now
+                and (b.max_context is None or r.need <= b.max_context)]
         if not fits:  # the one the engine chose (it was fit then)
             assert r.backend is not None
             fits = [(r.backend, limit[r.backend])]
@@ -331,270 +441,362 @@ class PolicyDispatcher:
         try:
             backend = await self.state.acquire(r, fits, until)
         except Refused as exc:
-            self.engine.abandon(r, "refused" if r.tries <= 1 else "failed", exc.reason)
-            self._pump()
+            if r.state == RUNNING:
+                self.engine.abandon(r, "refused" if r.tries <= 1 else "failed", exc.reason)
+                self._settled()
             raise
         except BaseException:
             if r.state == RUNNING:
                 self.engine.abandon(r, "cancelled_before_start" if r.tries <= 1 else "cancelled_during_execution")
-                self._pump()
+                self._settled()
             raise
         if backend != r.backend and backend in q.backends:
             q.move(r, backend)
         self.engine.granted(r)
 
-    async def _until_started(self, r: Request) -> None:
-        fut = self._waiters.get(r.id)
-        if fut is None:
-            if r.state == RUNNING:
-                if self._shared:
-                    await self._granted(r)
-                return
-            fut = self._waiters[r.id] = asyncio.get_running_loop().create_future()
-            self._pump()
-        await fut  # bounded: the pump's timer drops it when its queue age or deadline runs out
-        if self._shared:
-            await self._granted(r)
-
-    def _remaining(self, r: Request) -> float | None:
-        return None if r.deadline is None else r.deadline - self.clock()
-
-    def _gave_up(self, r: Request, work_tokens: float | None = None) -> None:
-        """The caller's task was cancelled (or the generator closed): end the request."""
+    # ------------------------------------------------------------ endings
+    def _gave_up(self, r: Request) -> None:
+        """The caller left (its task was cancelled, or its stream closed early)."""
         self._waiters.pop(r.id, None)
         if r.outcome is None:
-            self.engine.cancel(r, work_tokens=work_tokens)
-            self._pump()
+            running = r.state == RUNNING
+            self.engine.cancel(r, work_tokens=r.delivered if running else None)
+            if running:
+                self._settled()
+            else:
+                self._pump()
 
-    async def _retried(self, r: Request, exc: BaseException, *, retryable: bool = True) -> bool:
-        """A backend error ended this attempt of ``r``: ``True`` once it is back in its flow
-        after its backoff (the caller tries again), ``False`` when the caller should raise."""
-        self._health_dirty = True
-        decision = self.engine.fail(r, exc, retryable=retryable)
-        self._pump()
-        if not decision.retry or not await self._retry_allowed(r):
-            return False
-        await self._backoff(r, decision.delay)
-        return True
-
-    def _failed_otherwise(self, r: Request, exc: BaseException) -> None:
-        """Any other error while ``r`` ran: it ends as failed, never retried."""
+    def _abort(self, r: Request, exc: BaseException) -> None:
+        """An error that is no backend's (a bug, an error of the caller's own code) ended the
+        call of ``r``: it ends as failed, never retried; its backend's health is untouched."""
+        self._waiters.pop(r.id, None)
         if r.state == RUNNING:
             self.engine.fail(r, exc, retryable=False)
-            self._pump()
+            self._settled()
+        elif r.outcome is None:
+            self._gave_up(r)
 
-    async def _backoff(self, r: Request, delay: float) -> None:
-        """Wait out a retry's delay, then put the request back into its flow. ``close()`` (or a
-        reload that ends the request) ends the wait at once through its waiter."""
+    def _completed(self, r: Request, usage: Mapping[str, Any] | None, text_chars: int | None) -> None:
+        if r.state != RUNNING:
+            return
+        assert r.backend is not None
+        self._monitors[r.backend].replied(r.flow, None)
+        self.engine.complete(r, usage if isinstance(usage, Mapping) else None,
+                             output_text_chars=None if isinstance(usage, Mapping) else text_chars)
+        self._settled()
+
+    def _deadline_hit(self, r: Request, what: str) -> DeadlineExceeded:
+        """``r``'s deadline ran out while it ran: the attempt ends, never retried."""
+        err = DeadlineExceeded(f"the request's deadline ran out while it was {what}; the backend call was aborted")
+        if r.state == RUNNING:
+            self.engine.fail(r, err, deadline_hit=True)
+            self._settled()
+        return err
+
+    def _attempt_failed(self, r: Request, exc: BaseException, *, retryable: bool) -> float | None:
+        """An attempt of ``r`` failed with ``exc``: its backend's health hears of it and the
+        engine plans a retry: the seconds to wait before it, or ``None`` (``r`` ended)."""
+        if r.state != RUNNING:
+            return None
+        assert r.backend is not None
+        self._monitors[r.backend].replied(r.flow, exc)
+        decision = self.engine.fail(r, exc, retryable=retryable and not self._closed)
+        self._settled()
+        return decision.delay if decision.retry else None
+
+    async def _retry(self, r: Request, exc: BaseException, *, retryable: bool = True) -> None:
+        """Fail the attempt; return once ``r`` is back in its flow after its backoff (the caller
+        waits its turn again), or raise ``exc`` (no retry) or the error that ended ``r``."""
+        delay = self._attempt_failed(r, exc, retryable=retryable)
+        if delay is None:
+            raise exc
+        if self._shared and not await self._retry_allowed(r):
+            raise exc
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters[r.id] = fut
+        self._waiters[r.id] = fut  # close() (or a reload that ends it) ends the wait at once
         try:
             await asyncio.wait_for(asyncio.shield(fut), delay)
         except asyncio.TimeoutError:
             pass
+        except asyncio.CancelledError:
+            self._gave_up(r)
+            raise
         finally:
             if self._waiters.get(r.id) is fut:
                 del self._waiters[r.id]
-        if r.outcome is None:  # (close() ends it as failed, reason closed)
+        if r.outcome is None and r.state == BACKOFF:  # (close() ends it as failed, reason closed)
             self.engine.requeue(r)
-        if r.outcome is not None:  # its deadline passed meanwhile, or a reload took its flow away
-            if r.reason == "deadline":
-                raise DeadlineExceeded("the request's deadline ran out while it waited to be retried")
-            raise Refused(r.reason or "closed", f"the request ended ({r.reason}) while it waited to be retried")
-        self._waiters[r.id] = asyncio.get_running_loop().create_future()
+        if r.outcome is not None:  # its deadline passed meanwhile, or the pool lost its backends
+            raise self._ended_error(r) from exc
         self._pump()
 
-    # ------------------------------------------------------------ calls
+    async def _retry_allowed(self, r: Request) -> bool:
+        """The shared state's word on a retry the engine planned (the flow's retry budget over
+        every gateway); when it says no, the request ends as failed (``budget``)."""
+        if await self.state.retry_allowed(r):
+            return True
+        if r.outcome is None:
+            self.engine.end_retry(r, "budget")
+        return False
+
+    # ------------------------------------------------------------ the upstream's time
+    def _timeouts(self, r: Request) -> UpstreamTimeouts:
+        return self.policy.pools[r.flow.pool].timeouts
+
+    def _bound(self, r: Request, step: float | None, total_until: float | None) -> tuple[float | None, str]:
+        """Seconds the next wait on the upstream may take, and what bounds it: ``deadline``
+        (the request's own), ``total`` (the attempt's), ``step`` (first byte or between events)."""
+        now = self.clock()
+        best: float | None = None
+        why = "step"
+        if step is not None:
+            best = step
+        if total_until is not None and (best is None or total_until - now < best):
+            best, why = total_until - now, "total"
+        if r.deadline is not None and (best is None or r.deadline - now <= best):
+            best, why = r.deadline - now, "deadline"
+        return (None if best is None else max(best, 0.0)), why
+
+    def _upstream_timeout(self, r: Request, why: str, what: str, limit: float | None) -> BackendTimeout:
+        name = r.backend or ""
+        if why == "total":
+            return BackendTimeout(f"backend {name!r}: the attempt passed the pool's total upstream timeout "
+                                  f"({self._timeouts(r).total:g} s) while {what}", backend=name, unhealthy=False)
+        return BackendTimeout(f"backend {name!r}: nothing within the pool's upstream timeout ({limit:g} s) while "
+                              f"{what}", backend=name)
+
+    def _total_until(self, r: Request) -> float | None:
+        total = self._timeouts(r).total
+        return None if total is None else self.clock() + total
+
+    def _wrap(self, r: Request, exc: Exception) -> BackendError:
+        """A backend's failure as a ``BackendError`` (a transport's own bug is one too)."""
+        if isinstance(exc, BackendError):
+            return exc
+        name = r.backend or ""
+        err = BackendError(f"backend {name!r} raised {type(exc).__name__}: {exc}", backend=name)
+        err.__cause__ = exc
+        return err
+
+    # ------------------------------------------------------------ acquire
+    def acquire(self, flow: Flow, body: Mapping[str, Any], *,
+                timeout: float | None = None) -> contextlib.AbstractAsyncContextManager[Grant]:
+        """Wait for ``flow``'s turn for ``body`` and learn where to send it, for an embedder
+        who makes the call with its own HTTP client::
+
+            async with pd.acquire(flow, body, timeout=30) as grant:
+                reply = await my_client.post(grant.url, json=body, headers=grant.backend.headers)
+                grant.finish(reply["usage"])
+
+        Entering is where everything that can refuse the request happens (``BadRequest``,
+        limits, queue age, ``timeout``, ``NoHealthyBackend``); cancelling the task while it
+        waits there removes the request uncharged, and nothing reaches an upstream. Leaving
+        without :meth:`Grant.finish` settles the charge from the estimate (or from what
+        :meth:`Grant.delivered` reported); an exception inside the block is a failure that
+        frees the slot and counts toward the backend's health; nobody retries it but you.
+        """
+        return self._acquire(flow, body, timeout)
+
+    @contextlib.asynccontextmanager
+    async def _acquire(self, flow: Flow, body: Mapping[str, Any], timeout: float | None) -> AsyncIterator[Grant]:
+        r = await self._admit(flow, body, timeout, None,
+                              streaming=isinstance(body, Mapping) and bool(body.get("stream")))
+        await self._turn(r)
+        assert r.backend is not None
+        grant = Grant(self, r, self._addresses[r.backend], _endpoint(body))
+        try:
+            yield grant
+        except (asyncio.CancelledError, GeneratorExit):
+            grant._ended = True
+            self._gave_up(r)
+            raise
+        except BaseException as exc:
+            grant._ended = True
+            self._attempt_failed(r, exc, retryable=False)
+            raise
+        if not grant._ended:
+            grant._ended = True
+            self._completed(r, None, None)
+
+    # ------------------------------------------------------------ submit
     async def submit(self, credential: str | None, body: Mapping[str, Any], *, cls: str | None = None,
                      timeout: float | None = None, idempotency_key: str | None = None,
-                     on_admit: Callable[[Request], None] | None = None) -> dict[str, Any]:
+                     on_admit: Callable[[Request], None] | None = None) -> Reply:
         """Classify, admit, wait for the turn, call the backend; the backend's JSON reply.
 
         ``cls``: the class the client states (default: its org's first); ``timeout``: the
         request's deadline in seconds from now; ``idempotency_key``: a second request with the
-        same key from the same org while the first runs joins it (same reply, not sent again).
-        ``on_admit``: called with the policy's :class:`Request` once it is accepted (its
-        ``flow``, ``cost``, ``queued_at``, ``started_at``, ``tries``, ``outcome`` and ``reason``
-        are filled in as it goes: an access log reads them at the end); not called for a
-        request that joined another (``idempotency_key``) or was refused.
+        same key from the same org while the first runs joins it (same reply, not sent again;
+        each caller waits at most its own ``timeout``, and the request goes on while one of
+        them waits). ``on_admit``: called with the engine's :class:`Request` once it is
+        accepted (its ``flow``, ``cost``, ``queued_at``, ``started_at``, ``tries``,
+        ``outcome`` and ``reason`` are filled in as it goes: an access log reads them at the
+        end); not called for a request that joined another or was refused. A failure before
+        the reply is retried by the policy's ``retry`` rules, preferably on another backend.
         """
-        if not self._started:
-            await self.start()
         flow = self.classify(credential, body, cls)
         return await self.submit_flow(flow, body, timeout=timeout, idempotency_key=idempotency_key,
                                       on_admit=on_admit)
 
     async def submit_flow(self, flow: Flow, body: Mapping[str, Any], *, timeout: float | None = None,
                           idempotency_key: str | None = None,
-                          on_admit: Callable[[Request], None] | None = None) -> dict[str, Any]:
-        """``submit`` for an embedder that classified the request itself (``flow`` must be one
-        the policy allows)."""
-        if not self._started:
-            await self.start()
+                          on_admit: Callable[[Request], None] | None = None) -> Reply:
+        """:meth:`submit` for a request the embedder classified itself (``flow``: an
+        ``sfq.Flow`` the policy allows; no credential needed)."""
         if idempotency_key:
-            first = self._idem.get(flow.org, idempotency_key)
-            if first is not None:
-                return dict(await asyncio.shield(first))
-        deadline = self._deadline(timeout)
-        r = await self._admit_any(flow, body, deadline, idempotency_key)
+            return await self._joined(flow, body, timeout, idempotency_key, on_admit)
+        return await self._submit(flow, body, timeout, None, on_admit)
+
+    async def _joined(self, flow: Flow, body: Mapping[str, Any], timeout: float | None, key: str,
+                      on_admit: Callable[[Request], None] | None) -> Reply:
+        """A request under an ``Idempotency-Key``: the first runs it in a task of its own, so
+        that it goes on while any of its callers waits; each caller waits its own timeout."""
+        self._deadline(timeout)  # a bad timeout is refused before anything runs
+        flow = self._checked(flow)
+        org = flow.org
+        entry = self._idem.get(org, key)
+        first = entry is None
+        if entry is None:
+            task = asyncio.get_running_loop().create_task(self._submit(flow, body, timeout, key, on_admit))
+            entry = _Joined(task)
+            self._idem.add(org, key, entry)
+            task.add_done_callback(functools.partial(self._joined_done, org, key, entry))
+        entry.waiters += 1
+        try:
+            if first or timeout is None:  # the first's deadline is the request's own
+                reply = await asyncio.shield(entry.task)
+            else:
+                try:
+                    reply = await asyncio.wait_for(asyncio.shield(entry.task), timeout)
+                except asyncio.TimeoutError:
+                    raise DeadlineExceeded("this request's deadline ran out while it waited for the running "
+                                           "request with the same Idempotency-Key") from None
+            return dict(reply)
+        finally:
+            entry.waiters -= 1
+            if entry.waiters == 0 and not entry.task.done():
+                entry.task.cancel()  # the last caller left: so does the request
+
+    def _joined_done(self, org: str, key: str, entry: _Joined, task: asyncio.Task[Reply]) -> None:
+        self._idem.discard(org, key, entry)
+        if not task.cancelled():
+            task.exception()  # retrieved: no "never retrieved" warning when every caller left
+
+    async def _submit(self, flow: Flow, body: Mapping[str, Any], timeout: float | None, key: str | None,
+                      on_admit: Callable[[Request], None] | None) -> Reply:
+        r = await self._admit(flow, body, timeout, key, streaming=False)
         if on_admit is not None:
             on_admit(r)
-        joined: asyncio.Future[dict[str, Any]] | None = None
-        if idempotency_key:
-            joined = asyncio.get_running_loop().create_future()
-            self._idem.add(flow.org, idempotency_key, joined)
-        try:
-            reply = await self._submit(r, body)
-        except BaseException as exc:
-            if joined is not None and not joined.done():
-                if isinstance(exc, asyncio.CancelledError):
-                    joined.cancel()
-                else:
-                    joined.set_exception(exc)
-                    joined.exception()  # retrieved: no "never retrieved" warning when nobody joined
-            raise
-        else:
-            if joined is not None and not joined.done():
-                joined.set_result(reply)
-            return reply
-        finally:
-            if joined is not None:
-                self._idem.discard(flow.org, idempotency_key or "", joined)
-
-    async def _submit(self, r: Request, body: Mapping[str, Any]) -> dict[str, Any]:
+        endpoint = _endpoint(body)
+        send = dict(body)
         try:
             while True:
-                await self._until_started(r)
-                assert r.backend is not None
-                d = self._dispatchers[r.backend]
-                left = self._remaining(r)
+                await self._turn(r)
                 try:
-                    call = d.submit(r.flow, body, cost=r.cost, idempotent=bool(r.idempotency_key))
-                    reply = await (call if left is None else asyncio.wait_for(call, max(left, 0.0)))
-                except asyncio.TimeoutError:
-                    self.engine.fail(r, DeadlineExceeded("deadline"), deadline_hit=True)
-                    self._pump()
-                    raise DeadlineExceeded("the request's deadline ran out while it was running; the backend "
-                                           "call was aborted") from None
-                except (BackendError, NoHealthyBackend) as exc:
-                    if not await self._retried(r, exc):
-                        raise
+                    reply = await self._call(r, endpoint, send)
+                except BackendError as exc:
+                    await self._retry(r, exc)
                     continue
-                except Exception as exc:
-                    self._failed_otherwise(r, exc)
-                    raise
-                self.engine.complete(r, reply.get("usage") if isinstance(reply, dict) else None)
-                self._pump()
+                usage = reply.get("usage")
+                self._completed(r, usage if isinstance(usage, Mapping) else None, _text_chars(reply.get("choices")))
                 return reply
         except asyncio.CancelledError:
             self._gave_up(r)
             raise
-        finally:
-            if r.outcome is None and r.state != RUNNING:  # e.g. an unexpected error while waiting
-                self._gave_up(r)
-
-    def stream(self, credential: str | None, body: Mapping[str, Any], *, cls: str | None = None,
-               timeout: float | None = None,
-               on_admit: Callable[[Request], None] | None = None) -> AsyncIterator[dict[str, Any]]:
-        """Like ``submit`` for a streaming body; yields the backend's events. Stopping early
-        (``break`` then ``aclose()``, or ``contextlib.aclosing``) cancels the request. A failed
-        attempt is retried (by the same rules) only while no event has been yielded.
-        ``on_admit``: as in ``submit``."""
-        return self._stream(credential, body, cls, timeout, on_admit)
-
-    async def _stream(self, credential: str | None, body: Mapping[str, Any], cls: str | None,
-                      timeout: float | None,
-                      on_admit: Callable[[Request], None] | None = None) -> AsyncIterator[dict[str, Any]]:
-        if not self._started:
-            await self.start()
-        flow = self.classify(credential, body, cls)
-        r = await self._admit_any(flow, body, self._deadline(timeout), None)
-        if on_admit is not None:
-            on_admit(r)
-        so = body.get("stream_options")
-        wants_usage = isinstance(so, Mapping) and bool(so.get("include_usage"))
-        b2 = dict(body)
-        b2["stream_options"] = {**(so if isinstance(so, Mapping) else {}), "include_usage": True}
-        chunks = 0
-        try:
-            while True:
-                await self._until_started(r)
-                assert r.backend is not None
-                d = self._dispatchers[r.backend]
-                usage: Mapping[str, Any] | None = None
-                it = d.stream(r.flow, b2, cost=r.cost).__aiter__()
-                try:
-                    while True:
-                        left = self._remaining(r)
-                        try:
-                            nxt = it.__anext__()
-                            event = await (nxt if left is None else asyncio.wait_for(nxt, max(left, 0.0)))
-                        except StopAsyncIteration:
-                            break
-                        u = event.get("usage")
-                        if u:
-                            usage = u
-                            if not wants_usage and not event.get("choices"):
-                                continue
-                        chunks += 1
-                        yield event
-                except asyncio.TimeoutError:
-                    self.engine.fail(r, DeadlineExceeded("deadline"), deadline_hit=True)
-                    self._pump()
-                    raise DeadlineExceeded("the request's deadline ran out while it was streaming; the backend "
-                                           "call was aborted") from None
-                except (BackendError, NoHealthyBackend) as exc:
-                    if not await self._retried(r, exc, retryable=chunks == 0):
-                        raise
-                    continue
-                except Exception as exc:
-                    self._failed_otherwise(r, exc)
-                    raise
-                finally:
-                    with contextlib.suppress(Exception):
-                        await it.aclose()
-                self.engine.complete(r, usage)
-                self._pump()
-                return
-        except (asyncio.CancelledError, GeneratorExit):
-            self._gave_up(r, work_tokens=float(chunks))
+        except BaseException as exc:
+            self._abort(r, exc)
             raise
-        finally:
-            if r.outcome is None and r.state != RUNNING:
-                self._gave_up(r)
+
+    async def _call(self, r: Request, endpoint: str, body: dict[str, Any]) -> Reply:
+        """One attempt of a plain request, bounded by the pool's upstream timeouts and the
+        request's deadline (a plain reply comes whole: its first byte is its end)."""
+        assert r.backend is not None
+        t = self._timeouts(r)
+        limit, why = self._bound(r, t.first_byte, self._total_until(r))
+        try:
+            return await _within(self._backends[r.backend].complete(endpoint, body), limit)
+        except _Expired:
+            if why == "deadline":
+                raise self._deadline_hit(r, "running") from None
+            raise self._upstream_timeout(r, why, "waiting for the reply", limit) from None
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise self._wrap(r, exc) from exc
+
+    # ------------------------------------------------------------ streams
+    def stream(self, credential: str | None, body: Mapping[str, Any], *, cls: str | None = None,
+               timeout: float | None = None, on_admit: Callable[[Request], None] | None = None) -> EventStream:
+        """Like :meth:`submit` for a streaming body: the backend's events, as an
+        :class:`EventStream`. It opens when entered (``async with``) or at the first
+        iteration; every refusal raises there. Closing it early (``aclose()``, leaving the
+        ``async with``) cancels the request. A failed attempt is retried (by the same rules)
+        only while no event has been passed on. ``on_admit``: as in ``submit``."""
+        return PolicyEventStream(self, None, credential, cls, body, timeout, on_admit)
+
+    def stream_flow(self, flow: Flow, body: Mapping[str, Any], *, timeout: float | None = None,
+                    on_admit: Callable[[Request], None] | None = None) -> EventStream:
+        """:meth:`stream` for a request the embedder classified itself."""
+        return PolicyEventStream(self, flow, None, None, body, timeout, on_admit)
+
+    def open_stream(self, flow: Flow, body: Mapping[str, Any], *, timeout: float | None = None) -> EventStream:
+        """A stream that is admitted, and answered by its upstream, before the ``async with``
+        body runs, so that every refusal can still be an HTTP status::
+
+            async with pd.open_stream(flow, body, timeout=30) as events:
+                ...                     # the first event is in hand: send 200 now
+                async for event in events:
+                    ...
+
+        Entering raises what can refuse the request (``BadRequest``, limits, queue age,
+        ``timeout``, ``NoHealthyBackend``) and the upstream's error before its first event
+        (after the retries the policy allows), all ``SFQError`` s. Cancelling the task while
+        it waits there removes the request uncharged, and nothing reaches an upstream."""
+        return PolicyEventStream(self, flow, None, None, body, timeout, None)
 
     # ------------------------------------------------------------ reload
     def reload(self, policy: Policy | str | Path) -> list[Request]:
-        """Put a new policy in force (keys, weights, classes, orgs, limits, retries) without
-        losing a request: waiting ones keep their place in arrival order and their queue age,
-        running ones keep their slots (see :meth:`PolicyEngine.reloaded`). The waiting
-        requests of a flow the new policy no longer allows are refused (``unauthenticated``
-        or ``class_not_allowed``) and returned. A bad file or a change that needs a restart
-        (pools' backends, ``cost``, ``state``) raises ``PolicyError`` (or ``OSError``) and the
-        policy in force stays as it was."""
+        """Put a new policy in force (keys, weights, classes, orgs, limits, retries, upstream
+        timeouts) without losing a request: waiting ones keep their place in arrival order and
+        their queue age, running ones keep their slots (see :meth:`PolicyEngine.reloaded`).
+        The waiting requests of a flow the new policy no longer allows are refused
+        (``unauthenticated`` or ``class_not_allowed``) and returned. A bad file or a change
+        that needs a restart (pools' backends, ``cost``, ``state``) raises ``PolicyError`` (or
+        ``OSError``) and the policy in force stays as it was."""
         if not isinstance(policy, Policy):
             policy = load_policy(policy)
         if self._closed:
             raise Refused("closed", "this dispatcher is closed")
         engine, ended = self.engine.reloaded(local_policy(policy) if self._shared else policy)
         self.engine = engine
-        self._health_dirty = True  # the new queues start with every backend healthy: look again
         self.policy = policy
+        for name, m in self._monitors.items():  # the monitors' word stands in the new engine
+            pool = self._pool_of[name]
+            if not m.healthy:
+                engine.backend_down(pool, name, m.down_reason)
+            if m.saturated:
+                engine.backend_saturated(pool, name, True)
         if self._shared:
             self.state.reloaded(policy)
         for r in ended:
-            fut = self._waiters.pop(r.id, None)
-            if fut is not None and not fut.done():
-                fut.set_exception(Refused(r.reason or "closed", f"the policy was reloaded and no longer allows "
-                                                                f"flow {r.flow.org}/{r.flow.cls}/{r.flow.pool}"))
+            self._wake(r)
         self._pump()
         return ended
 
     # ------------------------------------------------------------ views
     def stats(self) -> dict[str, Any]:
-        """The policy's snapshot (``PolicyEngine.stats``) plus each backend's dispatcher view."""
+        """The engine's snapshot (``PolicyEngine.stats``: ``flows``, ``pools``, ``limits``,
+        ``unclassified``, ...) plus ``backends[name]``: ``pool``, ``in_flight``,
+        ``max_in_flight`` and the monitor's view (``BackendMonitor.stats``: ``healthy``,
+        ``saturated``, ``paused_for``, ``recent_5xx``, ``down_reason``, ...)."""
         s = self.engine.stats()
-        s["backends"] = {name: d.stats()["backends"][name] for name, d in self._dispatchers.items()}
+        backends: dict[str, Any] = {}
+        for name, m in self._monitors.items():
+            pool = self._pool_of[name]
+            running = self.engine.queues[pool].backends[name].in_flight
+            limit = next(x.max_in_flight for x in self.policy.pools[pool].backends if x.name == name)
+            backends[name] = {"pool": pool, "in_flight": running, "max_in_flight": limit, **m.stats()}
+        s["backends"] = backends
         if self._shared:  # the limits in force are the shared state's; requests it has not granted yet wait
             st = self.state.stats()
             s["state"] = st
@@ -610,6 +812,10 @@ class PolicyDispatcher:
             s["limits"] = {}
         return s
 
-    def dispatcher_of(self, backend: str) -> Dispatcher:
-        """The one-backend ``sfq.Dispatcher`` driving ``backend``."""
-        return self._dispatchers[backend]
+    def monitor_of(self, backend: str) -> BackendMonitor:
+        """The health monitor of ``backend`` (a name of the policy's backends)."""
+        return self._monitors[backend]
+
+    def backend_of(self, backend: str) -> Backend:
+        """The transport the dispatcher calls ``backend`` with."""
+        return self._backends[backend]

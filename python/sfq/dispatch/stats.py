@@ -4,16 +4,17 @@ number of flows: ``flows`` is a read-only view that builds a flow's row when it 
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
-from ._state import DispatcherBase, FlowStats
+from ..policy.classify import Flow
+from ._state import DEFAULT_CLASS, DispatcherBase, FlowStats
 
 
 def flow_row(fs: FlowStats) -> dict[str, Any]:
-    """One flow's counters as a plain dict (a snapshot)."""
+    """One flow's counters as a plain dict (a snapshot; ``held`` is filled in by ``FlowsView``)."""
     p50: float | None
     p95: float | None
     p99: float | None
@@ -23,9 +24,10 @@ def flow_row(fs: FlowStats) -> dict[str, Any]:
     else:
         p50 = p95 = p99 = None
     return {
-        "waiting": fs.waiting, "held": fs.held, "in_flight": fs.in_flight, "dispatched": fs.dispatched,
+        "waiting": fs.waiting, "held": 0, "in_flight": fs.in_flight, "dispatched": fs.dispatched,
         "completed": fs.completed, "failed": fs.failed, "cancelled": fs.cancelled, "aborted": fs.aborted,
-        "rejected": fs.rejected, "unavailable": fs.unavailable, "charged_cost": fs.charged,
+        "rejected": fs.rejected, "unavailable": fs.unavailable, "expired": fs.expired, "retried": fs.retried,
+        "charged_cost": fs.charged,
         "wait_p50": p50, "wait_p95": p95, "wait_p99": p99,
     }
 
@@ -37,13 +39,21 @@ class FlowsView(Mapping[Hashable, dict[str, Any]]):
     a snapshot of that moment. ``len`` is O(1); iterating walks every flow (do it off the
     request path, or read the flows you need)."""
 
-    __slots__ = ("_flows",)
+    __slots__ = ("_flows", "_held")
 
-    def __init__(self, flows: dict[Hashable, FlowStats]) -> None:
+    def __init__(self, flows: dict[Hashable, FlowStats], held: Callable[[Hashable], int]) -> None:
         self._flows = flows
+        self._held = held
 
     def __getitem__(self, flow: Hashable) -> dict[str, Any]:
-        return flow_row(self._flows[flow])
+        fs = self._flows[flow]
+        row = flow_row(fs)
+        if fs.waiting:
+            held = self._held(flow)  # its requests first in line that fit no backend with room
+            if held:
+                row["waiting"] -= held
+                row["held"] = held
+        return row
 
     def __contains__(self, flow: object) -> bool:
         return flow in self._flows
@@ -74,7 +84,7 @@ class Statistics(DispatcherBase):
     def _maybe_idle(self, fs: FlowStats) -> None:
         """Call after a flow's waiting/held/in-flight count dropped: an idle flow joins the
         idle list (newest last), from which ``max_flow_stats`` forgets the oldest."""
-        if not (fs.idle or fs.waiting or fs.held or fs.in_flight) and fs.flow in self._flows:
+        if not (fs.idle or fs.waiting or fs.in_flight) and fs.flow in self._flows:
             fs.idle = True
             self._idle[fs.flow] = None  # it left the list when it got busy: this appends
 
@@ -88,15 +98,16 @@ class Statistics(DispatcherBase):
             fs = flows.get(f)
             if fs is not None:
                 fs.idle = False
-                if not (fs.waiting or fs.held or fs.in_flight):
+                if not (fs.waiting or fs.in_flight):
                     del flows[f]
 
     def stats(self) -> dict[str, Any]:
         """A snapshot; its cost grows with the number of backends and pools, not of flows.
 
         ``flows``: a read-only ``Mapping`` flow -> row, each row built when read (see
-        ``FlowsView``): ``waiting`` (queued), ``held`` (next in line, waiting aside, uncharged,
-        for a backend that fits), ``in_flight``, ``dispatched``, ``completed``, ``failed``,
+        ``FlowsView``): ``waiting`` (queued, or between retries), ``held`` (next in line,
+        waiting aside, uncharged, for a backend that fits), ``in_flight``, ``dispatched``,
+        ``completed``, ``failed`` (after the retries), ``retried`` (attempts tried again),
         ``cancelled`` (before dispatch, uncharged), ``aborted`` (after dispatch), ``rejected``
         (at close), ``unavailable`` (removed after ``unavailable_timeout`` with no healthy
         backend), ``charged_cost`` (cost units: at dispatch plus the
@@ -113,20 +124,29 @@ class Statistics(DispatcherBase):
         """
         backends = {}
         for bs in self._bstates:
+            m = bs.monitor
             backends[bs.name] = {
                 "model": bs.pool.model, "in_flight": bs.in_flight, "max_in_flight": bs.max_in_flight,
-                "healthy": bs.healthy, "saturated": bs.saturated, "paused": bs.paused,
+                "healthy": m.healthy, "saturated": m.saturated, "paused": m.paused,
                 "dispatched": bs.dispatched, "completed": bs.completed, "errors": bs.errors,
-                "aborted": bs.aborted, "rate_limited": bs.rate_limited, "recent_5xx": bs.reply_errors,
-                "last_error": bs.last_error, "down_reason": bs.down_reason, "unhealthy_spells": bs.unhealthy_spells,
-                "check_interval": bs.check_delay,
-                "probe": bs.reading._asdict() if bs.reading is not None else None, "probe_errors": bs.probe_errors,
+                "aborted": bs.aborted, "rate_limited": m.rate_limited, "recent_5xx": m.window.errors,
+                "last_error": bs.last_error, "down_reason": m.down_reason, "unhealthy_spells": m.unhealthy_spells,
+                "check_interval": m.check_delay,
+                "probe": m.reading._asdict() if m.reading is not None else None, "probe_errors": m.probe_errors,
             }
-        pools = {
-            model: {"waiting": len(p.waiting) - len(p.aside) - (p.stalled is not None),
-                    "held": len(p.aside) + (p.stalled is not None) + len(p.taken),
-                    "in_flight": sum(bs.in_flight for bs in p.backends), "virtual_time": p.sched.virtual_time,
-                    "backends": [bs.name for bs in p.backends], "healthy": sum(bs.healthy for bs in p.backends)}
-            for model, p in self._pools.items()
-        }
-        return {"flows": FlowsView(self._flows), "backends": backends, "pools": pools}
+        e = self._engine
+        pools = {}
+        for model, p in self._pools.items():
+            q = e.queues[p.name]
+            held = len(q.aside) + int(q.stalled is not None and q.stalled.state == "waiting")
+            pools[model] = {"waiting": len(q) - held, "held": held,
+                            "in_flight": sum(bs.in_flight for bs in p.backends), "virtual_time": q.sched.virtual_time,
+                            "backends": [bs.name for bs in p.backends], "healthy": sum(bs.healthy for bs in p.backends)}
+        return {"flows": FlowsView(self._flows, self._held_of), "backends": backends, "pools": pools}
+
+    def _held_of(self, flow: Hashable) -> int:
+        """Requests of ``flow`` first in line that fit no backend with room, in every pool."""
+        n = 0
+        for q in self._engine.queues.values():
+            n += q.held(Flow(flow, DEFAULT_CLASS, q.name))  # type: ignore[arg-type]
+        return n

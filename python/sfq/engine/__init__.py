@@ -9,8 +9,8 @@ the simulator drive it. See ``docs/design.md`` for the rules it applies.
 
 from __future__ import annotations
 
-from .engine import UNKNOWN, PolicyEngine
+from .engine import NO_METRICS, UNKNOWN, NoMetrics, PolicyEngine
 from .pool import BACKOFF, ENDED, RUNNING, WAITING, PolicyQueue, Request, SharedLimits
 
-__all__ = ["BACKOFF", "ENDED", "RUNNING", "UNKNOWN", "WAITING", "PolicyEngine", "PolicyQueue", "Request",
-           "SharedLimits"]
+__all__ = ["BACKOFF", "ENDED", "NO_METRICS", "RUNNING", "UNKNOWN", "WAITING", "NoMetrics", "PolicyEngine",
+           "PolicyQueue", "Request", "SharedLimits"]

@@ -1,14 +1,19 @@
-"""The policy as one synchronous state machine over every pool (no asyncio, injected clock).
+"""The request engine: the policy as one synchronous state machine over every pool (no
+asyncio, no sockets, an injected clock), in the style of h11: it is told what happened and
+answers what to do next.
 
 :class:`PolicyEngine` ties the pieces together: classification, org admission rate limits,
-one :class:`~sfq.engine.PolicyQueue` per pool (with the limits shared between pools),
-the retry planner and outcome accounting. An event loop (``sfq.policy.PolicyDispatcher``),
-the simulator or a test drives it with four calls::
+one :class:`~sfq.engine.PolicyQueue` per pool (with the limits shared between pools), the
+estimator, the charge mode, the retry planner and outcome accounting. Its drivers
+(``sfq.PolicyDispatcher`` under ``sfq serve``, ``sfq.Dispatcher``, the simulator's ``sfq``
+discipline) call it like this::
 
-    r = engine.submit(flow, cost=..., tokens=...)   # accepted (or Refused, recorded)
-    for r in engine.poll(): ...                     # start these now, on r.backend
+    r = engine.submit(flow, estimate=est, streaming=True)  # accepted (or refused, recorded)
+    for r in engine.poll(): ...                            # start these now, on r.backend
+    engine.delivered(r, engine.event_tokens(r, event))     # a stream's event passed to its client
     engine.complete(r, usage) / engine.fail(r, error) / engine.cancel(r)
-    engine.wake_at()                                 # call poll() again at this time at the latest
+    engine.backend_down(pool, name) / backend_up / backend_paused / backend_saturated
+    engine.wake_at()                                       # poll() again at this time at the latest
 
 Every accepted request ends as exactly one outcome (completed, failed,
 cancelled_before_start, cancelled_during_execution, refused) and the engine refuses to end
@@ -17,6 +22,7 @@ one twice; ``live`` holds the ones not yet ended, so nothing accepted can be los
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import time
@@ -25,18 +31,74 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from ..errors import BackendHTTPError, BackendTimeout, Refused
+from .._common import MAX_COST, check_cost
+from ..cost import MAX_PROMPT_SURPRISE, PRIOR_CHARS, CostEstimator, Estimate
+from ..errors import BackendHTTPError, BackendTimeout, DeadlineExceeded, NoHealthyBackend, Refused
+from ..policy.charge import ChargeMode
 from ..policy.classify import Classifier, Flow
 from ..policy.config import Policy
 from ..policy.limits import TokenBucket
 from ..policy.metrics import PolicyMetrics
-from .pool import BACKOFF, ENDED, RUNNING, WAITING, PolicyQueue, Request, SharedLimits
 from ..policy.retry import RetryDecision, RetryPlanner, retry_after_of, retry_safe
+from .pool import BACKOFF, ENDED, RUNNING, WAITING, Fits, PolicyQueue, Request, SharedLimits
 
-__all__ = ["PolicyEngine", "UNKNOWN"]
+__all__ = ["NO_METRICS", "NoMetrics", "PolicyEngine", "UNKNOWN"]
 
 #: label value for what a refused request's flow did not get as far as (e.g. an unknown key)
 UNKNOWN = ""
+log = logging.getLogger("sfq.engine")
+
+
+def _count(x: object) -> float | None:
+    """A token count from a usage report as a float (``inf`` for one too large for a float),
+    or ``None`` when it is not a number >= 0."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    try:
+        v = float(x)
+    except OverflowError:
+        return math.inf
+    return v if v >= 0 else None  # (NaN fails too)
+
+
+class NoMetrics:
+    """Metrics that count nothing: for a driver that keeps its own statistics and may see any
+    number of flows (``sfq.Dispatcher``: flow ids are the caller's, unbounded), where a
+    Prometheus series per flow would grow without end."""
+
+    registry = None
+
+    def _get(self, key: Any) -> None:
+        return None
+
+    def queued(self, key: Any, n: int = 1) -> None:
+        pass
+
+    def started(self, key: Any, wait: float, cost: float, retry: bool) -> None:
+        pass
+
+    def attempt_ended(self, key: Any, *, served_cost: float | None = None, upstream_429: bool = False,
+                      timeout: bool = False) -> None:
+        pass
+
+    def left_queue(self, key: Any) -> None:
+        pass
+
+    def timeout(self, key: Any) -> None:
+        pass
+
+    def cancelled_work_tokens(self, key: Any, tokens: float) -> None:
+        pass
+
+    def ended(self, key: Any, outcome: str, reason: str | None = None) -> None:
+        pass
+
+    def snapshot(self) -> dict[Any, dict[str, Any]]:
+        return {}
+
+
+#: the one :class:`NoMetrics` (``PolicyEngine(..., metrics=NO_METRICS)``)
+NO_METRICS = NoMetrics()
 
 
 class PolicyEngine:
@@ -46,18 +108,32 @@ class PolicyEngine:
 
     def __init__(self, policy: Policy, *, clock: Callable[[], float] = time.monotonic,
                  scheduler: Callable[[], Any] | None = None, rng: random.Random | None = None,
-                 registry: CollectorRegistry | None = None, metrics: PolicyMetrics | None = None) -> None:
+                 registry: CollectorRegistry | None = None, metrics: PolicyMetrics | NoMetrics | None = None,
+                 estimator: CostEstimator | None = None, max_pause: float = 60.0) -> None:
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be an sfq.policy.Policy, got {policy!r}")
         if not callable(clock):
             raise TypeError(f"clock must be callable, got {clock!r}")
+        if estimator is not None and not isinstance(estimator, CostEstimator):
+            raise TypeError(f"estimator must be an sfq.CostEstimator, got {estimator!r}")
+        if isinstance(max_pause, bool) or not isinstance(max_pause, (int, float)) or not max_pause >= 0:
+            raise ValueError(f"max_pause must be a number of seconds >= 0, got {max_pause!r}")
         self.policy = policy
         self.clock = clock
         self._scheduler = scheduler
+        cs = policy.cost
+        #: prices requests, re-prices them at dispatch, learns from their usage
+        self.estimator = estimator if estimator is not None else CostEstimator(
+            cs.input_weight, cs.output_weight, default_max_tokens=cs.default_max_tokens, prior_ratio=cs.prior_ratio)
+        #: the charge mode (the policy file's ``cost.charge``)
+        self.charge = ChargeMode(cs.charge)
+        #: seconds: the longest an upstream's ``Retry-After`` may pause one of its backends
+        self.max_pause = float(max_pause)
         self.classifier = Classifier(policy)
         self.shared = SharedLimits(policy)
         self.queues: dict[str, PolicyQueue] = {
-            p: PolicyQueue(policy, p, clock=clock, shared=self.shared, scheduler=scheduler) for p in policy.pools}
+            p: PolicyQueue(policy, p, clock=clock, shared=self.shared, scheduler=scheduler, estimator=self.estimator)
+            for p in policy.pools}
         now = clock()
         self.org_rate: dict[str, TokenBucket] = {
             o.name: TokenBucket(o.requests_per_minute, now) for o in policy.orgs.values()
@@ -65,7 +141,7 @@ class PolicyEngine:
         self.retry = RetryPlanner(policy.retry, rng)
         if metrics is None:
             metrics = PolicyMetrics(registry, policy.flows())
-        else:  # a reload: the series go on; the new file's flows show from the start
+        elif isinstance(metrics, PolicyMetrics):  # a reload: the series go on; the new file's flows show from the start
             for k in policy.flows():
                 metrics._get(k)
         self.metrics = metrics
@@ -80,6 +156,8 @@ class PolicyEngine:
         #: a start the engine decides is only a candidate until the shared state grants it
         #: (:meth:`granted`); until then the request counts as waiting
         self.defer_start = False
+        #: seconds a refusal for a pool with no backend in rotation tells the client to wait
+        self.unavailable_retry_after = 1.0
 
     # ------------------------------------------------------------ admission
     def classify(self, credential: str | None, stated_class: str | None, model: object) -> Flow:
@@ -111,27 +189,52 @@ class PolicyEngine:
         self.submitted += 1
         self.metrics.ended(tuple(flow), "refused", reason)  # type: ignore[arg-type]
 
-    def submit(self, flow: Flow, *, cost: float, tokens: float = 0.0, need: float = 0.0,
-               deadline: float | None = None, item: Any = None, idempotency_key: str | None = None) -> Request:
+    def submit(self, flow: Flow, *, cost: float | None = None, tokens: float | None = None,
+               need: float | None = None, deadline: float | None = None, item: Any = None,
+               idempotency_key: str | None = None, estimate: Estimate | None = None,
+               streaming: bool = False) -> Request:
         """Accept a request of ``flow`` (from :meth:`classify`) into its pool's queue.
 
-        ``cost``: cost units (> 0); ``tokens``: the estimate debited from the pool's
-        ``tokens_per_minute``; ``need``: prompt + max_tokens (backends' ``max_context``);
-        ``deadline``: absolute clock time. Raises ``Refused`` (recorded) with reason
-        ``rate_limited`` (the org's ``requests_per_minute``), ``queue_full``, ``deadline``
-        (already past) or ``too_large`` (no backend's ``max_context`` fits ``need``), with
-        ``retry_after`` where trying later can help;
-        ``ValueError`` for a flow the policy does not allow or a bad number (nothing recorded).
+        ``estimate``: the request's estimate (``CostEstimator.estimate``); with it the request
+        is re-estimated at dispatch and its charge corrected from what it delivered, as the
+        charge mode says, and ``cost``, ``tokens`` and ``need`` default to its figures.
+        Without it, or given with it, ``cost`` (cost units, > 0) is a fixed charge, never
+        re-estimated or corrected (the estimate then only bounds the usage it learns from).
+        ``tokens``: the estimate debited from the pool's ``tokens_per_minute``; ``need``:
+        prompt + max_tokens of one sequence (backends' ``max_context``); ``deadline``: absolute
+        clock time; ``streaming``: the reply is a stream (``served`` charges its output as it
+        is delivered, :meth:`delivered`).
+
+        Raises ``Refused`` (recorded) with reason ``rate_limited`` (the org's
+        ``requests_per_minute``), ``queue_full``, ``deadline`` (already past) or ``too_large``
+        (no backend's ``max_context`` fits ``need``), with ``retry_after`` where trying later
+        can help; ``NoHealthyBackend`` (recorded as refused, ``unavailable``) when no backend
+        of the pool is in rotation; ``ValueError`` for a flow the policy does not allow or a
+        bad number (nothing recorded).
         """
         if not isinstance(flow, Flow):
             flow = Flow(*flow)
         q = self.queues.get(flow.pool)
-        if q is None or flow.org not in self.policy.orgs or flow.cls not in self.policy.orgs[flow.org].classes:
+        if q is None or not self.policy.allows(flow):
             raise ValueError(f"flow {tuple(flow)!r} is not allowed by the policy")
-        for what, v in (("cost", cost), ("tokens", tokens), ("need", need)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (
-                    what == "cost" and v == 0):
-                raise ValueError(f"{what} must be a finite number {'> 0' if what == 'cost' else '>= 0'}, got {v!r}")
+        fixed = cost is not None
+        if estimate is not None:
+            if not isinstance(estimate, Estimate):
+                raise TypeError(f"estimate must be an sfq.cost.Estimate, got {estimate!r}")
+            if cost is None:
+                cost = estimate.cost
+            if tokens is None:
+                tokens = estimate.prompt_tokens + estimate.max_tokens
+            if need is None:
+                need = estimate.prompt_tokens + estimate.max_tokens // max(1, estimate.copies)
+        if cost is None:
+            raise TypeError("submit() needs cost= or estimate=")
+        tokens = 0.0 if tokens is None else tokens
+        need = 0.0 if need is None else need
+        cost = check_cost(cost)  # the core's own check and message (TypeError, ValueError, OverflowError)
+        for what, v in (("tokens", tokens), ("need", need)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{what} must be a finite number >= 0, got {v!r}")
         if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
                                      or math.isnan(deadline)):
             raise ValueError(f"deadline must be a clock time (a number) or None, got {deadline!r}")
@@ -153,14 +256,22 @@ class PolicyEngine:
             self.submitted += 1
             self.metrics.ended(key, "refused", exc.reason)  # type: ignore[arg-type]
             raise
-        bucket = self.org_rate.get(flow.org)
+        if not q.available and q.unavailable_timeout <= 0:
+            self.submitted += 1
+            self.metrics.ended(key, "refused", "unavailable")  # type: ignore[arg-type]
+            down = NoHealthyBackend(f"no backend of pool {flow.pool!r} is in rotation")
+            down.retry_after = self.unavailable_retry_after
+            raise down
+        bucket = self._org_bucket(flow.org, now)
         if bucket is not None and not bucket.take(1, now):
             self.submitted += 1
             self.metrics.ended(key, "refused", "rate_limited")  # type: ignore[arg-type]
             raise Refused("rate_limited", f"org {flow.org!r} is over its requests_per_minute "
                                           f"({bucket.capacity:g})", retry_after=bucket.wait(1, now))
         r = Request(flow, float(cost), float(tokens), now, deadline=deadline, item=item, need=float(need),
-                    idempotency_key=idempotency_key)
+                    idempotency_key=idempotency_key, est=estimate,
+                    epoch=self.estimator.epoch if estimate is not None else -1, streaming=bool(streaming))
+        r.fixed = fixed
         q.push(r, check_length=False)
         self.submitted += 1
         self.live[r.id] = r
@@ -168,33 +279,43 @@ class PolicyEngine:
         self.retry.first_attempt(flow, now)
         return r
 
+    def _org_bucket(self, org: str, now: float) -> TokenBucket | None:
+        b = self.org_rate.get(org)
+        if b is None and org not in self.policy.orgs:  # an org of the template: its own bucket, on first use
+            o = self.policy.org(org)
+            if o is not None and o.requests_per_minute is not None:
+                b = self.org_rate[org] = TokenBucket(o.requests_per_minute, now)
+        return b
+
     # ------------------------------------------------------------ the loop
-    def poll(self) -> list[Request]:
+    def poll(self, fits: Fits | None = None) -> list[Request]:
         """Start everything that may start now: returns the requests to send (each on
         ``r.backend``), after ending as refused those whose queue age or deadline ran out
-        (:attr:`dropped` lists them until the next ``poll``)."""
+        (:attr:`dropped` lists them until the next ``poll``). ``fits(request, backend)``:
+        the driver's own check that a backend can take a request now (see
+        :meth:`PolicyQueue.pop`)."""
         self.dropped = []
         starts: list[Request] = []
         for q in self.queues.values():
             while True:
-                r = self._pop(q)
+                r = self._pop(q, fits)
                 if r is None:
                     break
                 starts.append(r)
         return starts
 
-    def next_start(self) -> Request | None:
+    def next_start(self, fits: Fits | None = None) -> Request | None:
         """Start one request, the next of the first pool (in file order) that has one; ``None``
         when none may start now. For a caller that places one request at a time (the
         simulator); drops are ended and added to :attr:`dropped` as in :meth:`poll`."""
         for q in self.queues.values():
-            r = self._pop(q)
+            r = self._pop(q, fits)
             if r is not None:
                 return r
         return None
 
-    def _pop(self, q: PolicyQueue) -> Request | None:
-        r = q.pop()
+    def _pop(self, q: PolicyQueue, fits: Fits | None = None) -> Request | None:
+        r = q.pop(fits)
         for d in q.expire():
             self._dropped(d)
             self.dropped.append(d)
@@ -250,17 +371,111 @@ class PolicyEngine:
         self.metrics.attempt_ended(tuple(r.flow), served_cost=served_cost,  # type: ignore[arg-type]
                                    upstream_429=upstream_429, timeout=timeout)
 
-    def complete(self, r: Request, usage: Mapping[str, Any] | None = None) -> None:
-        """A running request completed; ``usage`` (OpenAI ``usage``) corrects the token bucket
-        and measures the cost actually served."""
+    # ------------------------------------------------------------ delivered service
+    def delivered(self, r: Request, tokens: float) -> float:
+        """The running request ``r`` passed ``tokens`` more output tokens to its client (a
+        stream's events as they go through). In ``served`` mode the flow is charged them now.
+        Capped at the request's ``max_tokens``; returns the tokens counted. ``ValueError`` for
+        a request that is not running or a count that is not a finite number >= 0."""
+        return self.queues[r.flow.pool].delivered(r, tokens)
+
+    def event_tokens(self, r: Request, event: Mapping[str, Any]) -> float:
+        """The output tokens one parsed SSE event of ``r`` carries beyond those already
+        :meth:`delivered`: a usage report in the event (``completion_tokens`` so far) is
+        taken as the running count; otherwise each choice's text counts
+        ``max(1, chars / chars_per_token)`` tokens (the estimator's calibration)."""
+        u = event.get("usage")
+        if u:
+            ct = u.get("completion_tokens") if isinstance(u, Mapping) else None
+            if type(ct) is int and ct >= 0:
+                return max(0.0, float(ct) - r.delivered)
+            return 0.0
+        choices = event.get("choices")
+        if not choices or not isinstance(choices, list):
+            return 0.0
+        cpt = 0.0
+        n = 0.0
+        for ch in choices:
+            if not isinstance(ch, Mapping):
+                continue
+            text = ch.get("text")
+            if text is None:
+                delta = ch.get("delta")
+                if isinstance(delta, Mapping):
+                    text = delta.get("content") or delta.get("reasoning_content")
+            if isinstance(text, str) and text:
+                if not cpt:
+                    cpt = self.estimator.chars_per_token_of(r.est.model if r.est is not None else "")
+                t = len(text) / cpt
+                n += t if t > 1.0 else 1.0
+        return n
+
+    def _actual(self, r: Request, usage: Mapping[str, Any] | None,
+                text_chars: int | None) -> tuple[float | None, float | None]:
+        """``(tokens, cost units)`` the attempt of ``r`` really used, clamped to what it could
+        have cost: output within ``[0, max_tokens]``, the prompt within a factor 4 of its
+        estimate (plus 64 for a chat template's tokens), so one absurd report moves no meter
+        or bucket by more than the request was worth. From ``usage``; without a usable one,
+        from the tokens :meth:`delivered` or the returned text's length; ``(None, None)`` when
+        nothing is known (the charge at dispatch stands)."""
+        p: float | None = None
+        c: float | None = None
+        if isinstance(usage, Mapping):
+            c = _count(usage.get("completion_tokens"))
+            p = _count(usage.get("prompt_tokens"))
+        e = r.est
+        if c is None:
+            if r.delivered > 0:
+                c = r.delivered
+            elif text_chars is not None and e is not None:
+                c = text_chars / self.estimator.chars_per_token_of(e.model)
+            else:
+                return None, None
+        if e is not None:
+            if c > e.max_tokens:
+                c = float(e.max_tokens)
+            lo = e.prompt_tokens / MAX_PROMPT_SURPRISE
+            hi = e.prompt_tokens * MAX_PROMPT_SURPRISE + PRIOR_CHARS
+            p = e.prompt_tokens if p is None else lo if p < lo else hi if p > hi else p
+        else:  # a fixed cost: the tokens are bounded by the request's own token estimate
+            limit = max(r.tokens, 1.0) * MAX_PROMPT_SURPRISE + PRIOR_CHARS
+            p = 0.0 if p is None else min(p, limit)
+            c = min(c, limit)
+            if p + c > limit:
+                scale = limit / (p + c)
+                p, c = p * scale, c * scale
+        est = self.estimator
+        cost = est.input_weight * p + est.output_weight * c
+        cost = est.min_cost if cost < est.min_cost else MAX_COST if cost > MAX_COST else cost
+        return p + c, cost
+
+    def complete(self, r: Request, usage: Mapping[str, Any] | None = None, *,
+                 output_text_chars: int | None = None) -> None:
+        """A running request completed. Its charge is settled as the charge mode says (not in
+        ``seed``, not for a fixed cost) to what it really cost: from ``usage`` (OpenAI
+        ``usage``), or without one from the tokens it :meth:`delivered` or from
+        ``output_text_chars`` (the length of the text it returned), clamped (:meth:`_actual`);
+        the token bucket is corrected by the same figure and the estimator learns from the
+        usage report."""
         if r.state != RUNNING:
             raise ValueError(f"complete({r!r}): the request is not running")
-        tokens, served = self.usage_cost(usage)
+        if output_text_chars is not None and (isinstance(output_text_chars, bool) or not isinstance(
+                output_text_chars, int) or output_text_chars < 0):
+            raise ValueError(f"output_text_chars must be an integer >= 0, got {output_text_chars!r}")
+        tokens, served = self._actual(r, usage, output_text_chars)
+        if served is not None:
+            self.queues[r.flow.pool].settle(r, served)
+        if r.est is not None and isinstance(usage, Mapping):
+            try:
+                self.estimator.observe(r.est, usage, r.flow)
+            except Exception:  # a bad usage report must not fail a served request
+                log.exception("sfq: calibrating from the usage of a request of flow %r failed; ignored", r.flow)
         self._attempt_over(r, actual_tokens=tokens, served_cost=served)
         self._end(r, "completed")
 
     def usage_cost(self, usage: Mapping[str, Any] | None) -> tuple[float | None, float | None]:
-        """``(tokens, cost units)`` of an OpenAI ``usage`` report (``None`` when absent or bad)."""
+        """``(tokens, cost units)`` of an OpenAI ``usage`` report as it stands (``None`` when
+        absent or bad), unclamped: for reports; the engine charges :meth:`_actual`."""
         if not isinstance(usage, Mapping):
             return None, None
         p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
@@ -269,6 +484,73 @@ class PolicyEngine:
             return None, None
         cs = self.policy.cost
         return float(p) + float(c), cs.input_weight * float(p) + cs.output_weight * float(c)  # type: ignore[arg-type]
+
+    def ended_error(self, r: Request) -> Exception:
+        """The error a driver raises for ``r``, which the engine ended before (or between) its
+        attempts: one table for every driver (``NoHealthyBackend`` for ``unavailable``,
+        ``DeadlineExceeded`` for a deadline that ran out between retries, else ``Refused``)."""
+        reason = r.reason or "closed"
+        if reason == "unavailable":
+            err: Exception = NoHealthyBackend(f"no backend of pool {r.flow.pool!r} is in rotation")
+            err.retry_after = self.unavailable_retry_after  # type: ignore[attr-defined]
+            return err
+        if reason == "deadline" and r.tries:
+            return DeadlineExceeded("the request's deadline ran out while it waited to be retried")
+        if reason in ("queue_timeout", "deadline"):
+            what = "deadline" if reason == "deadline" else "queue age"
+            return Refused(reason, f"the request's {what} ran out before it started")
+        if reason in ("unauthenticated", "class_not_allowed"):
+            return Refused(reason, f"the policy was reloaded and no longer allows flow "
+                                   f"{r.flow.org}/{r.flow.cls}/{r.flow.pool}")
+        if reason == "closed":
+            return Refused("closed", "the dispatcher closed while this request waited to be retried" if r.tries
+                           else "the dispatcher closed before this request started")
+        return Refused(reason, f"the request ended ({reason}) before it started")
+
+    # ------------------------------------------------------------ backends
+    def _queue(self, pool: str) -> PolicyQueue:
+        q = self.queues.get(pool)
+        if q is None:
+            raise ValueError(f"unknown pool {pool!r}; pools: {', '.join(self.queues)}")
+        return q
+
+    def _backend(self, pool: str, name: str) -> PolicyQueue:
+        q = self._queue(pool)
+        if name not in q.backends:
+            raise ValueError(f"unknown backend {name!r} of pool {pool!r}; its backends: {', '.join(q.backends)}")
+        return q
+
+    def backend_up(self, pool: str, name: str) -> None:
+        """Backend ``name`` of ``pool`` is in rotation (its health check passed)."""
+        self._backend(pool, name).set_healthy(name, True)
+
+    def backend_down(self, pool: str, name: str, reason: str | None = None) -> None:
+        """Backend ``name`` of ``pool`` left the rotation (``reason``: for the log). When it was
+        the pool's last, the pool is unavailable: new requests are refused at once
+        (``NoHealthyBackend``) and waiting ones end at the next :meth:`poll` (``unavailable``)."""
+        q = self._backend(pool, name)
+        if q.backends[name].healthy:
+            log.warning("sfq: backend %r of pool %r left the rotation%s", name, pool, f" ({reason})" if reason else "")
+        q.set_healthy(name, False)
+
+    def backend_saturated(self, pool: str, name: str, saturated: bool = True) -> None:
+        """Backend ``name`` is in rotation but full by its own report (a saturation probe): it
+        takes nothing new until it says otherwise; the pool stays available."""
+        self._backend(pool, name).set_saturated(name, saturated)
+
+    def backend_paused(self, pool: str, name: str, seconds: float) -> float:
+        """An upstream 429: send nothing to backend ``name`` for ``seconds`` (its
+        ``Retry-After``), capped at :attr:`max_pause`; returns the pause applied."""
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (
+                math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"seconds must be a finite number >= 0, got {seconds!r}")
+        s = min(float(seconds), self.max_pause)
+        self._backend(pool, name).pause_backend(name, s)
+        return s
+
+    def pool_available(self, pool: str) -> bool:
+        """Whether some backend of ``pool`` is in rotation."""
+        return self._queue(pool).available
 
     def fail(self, r: Request, error: BaseException, *, deadline_hit: bool = False,
              retryable: bool = True) -> RetryDecision:
@@ -283,6 +565,8 @@ class PolicyEngine:
         now = self.clock()
         is429 = isinstance(error, BackendHTTPError) and error.status == 429
         ra = retry_after_of(error)
+        if ra is not None and ra > self.max_pause:
+            ra = self.max_pause
         timeout = deadline_hit or isinstance(error, BackendTimeout)
         self._attempt_over(r, retry_after=ra if is429 else None, upstream_429=is429, timeout=timeout)
         if r.retrying:
@@ -297,6 +581,8 @@ class PolicyEngine:
         if decision.retry:
             r.state = BACKOFF
             r.retrying = True
+            r.avoid = r.backend
+            decision = decision._replace(avoid=r.backend)
         else:
             self._end(r, "failed", "deadline" if deadline_hit else None)
         return decision
@@ -311,11 +597,15 @@ class PolicyEngine:
         if r.deadline is not None and r.deadline <= self.clock():
             self._end(r, "failed", "deadline")
             return
-        org = self.policy.orgs.get(r.flow.org)
+        org = self.policy.org(r.flow.org)
         if org is None or r.flow.cls not in org.classes:  # a reload took its flow away meanwhile
             self._end(r, "failed", "unauthenticated" if org is None else "class_not_allowed")
             return
-        self.queues[r.flow.pool].push(r, check_length=False)
+        q = self.queues[r.flow.pool]
+        if not q.available and q.unavailable_timeout <= 0:
+            self._end(r, "failed", "unavailable")
+            return
+        q.push(r, check_length=False)
         self.metrics.queued(tuple(r.flow))  # type: ignore[arg-type]
 
     def cancel(self, r: Request, *, work_tokens: float | None = None) -> None:
@@ -403,7 +693,9 @@ class PolicyEngine:
         for section in ("cost", "state"):
             if getattr(policy, section) != getattr(old, section):
                 raise PolicyError(section, "a reload cannot change this section; restart for that")
-        new = PolicyEngine(policy, clock=self.clock, scheduler=self._scheduler, metrics=self.metrics)
+        new = PolicyEngine(policy, clock=self.clock, scheduler=self._scheduler, metrics=self.metrics,
+                           estimator=self.estimator, max_pause=self.max_pause)
+        new.unavailable_retry_after = self.unavailable_retry_after
         new.retry = self.retry
         new.on_attempt_over, new.on_end = self.on_attempt_over, self.on_end
         new.defer_start = self.defer_start
@@ -427,7 +719,7 @@ class PolicyEngine:
                     nq._starts[cls] = starts
         ended: list[Request] = []
         for r in sorted(self.live.values(), key=lambda x: x.id):
-            allowed = (r.flow.org in policy.orgs and r.flow.cls in policy.orgs[r.flow.org].classes)
+            allowed = policy.allows(r.flow)
             if r.state == RUNNING:
                 new.queues[r.flow.pool].adopt_running(r)
             elif r.state == WAITING and not allowed:
@@ -435,7 +727,7 @@ class PolicyEngine:
                 r.state = ENDED
                 new.metrics.left_queue(key)  # type: ignore[arg-type]
                 new._end(r, "refused" if r.tries == 0 else "failed",
-                         "unauthenticated" if r.flow.org not in policy.orgs else "class_not_allowed")
+                         "unauthenticated" if policy.org(r.flow.org) is None else "class_not_allowed")
                 ended.append(r)
                 continue
             elif r.state == WAITING:

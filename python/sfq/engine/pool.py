@@ -1,9 +1,21 @@
-"""One pool's queue under a policy: strict FIFOs, the SFQ core, limits and deadlines.
+"""One pool's queue under a policy: strict FIFOs, the SFQ core, limits, deadlines, the charge.
 
-A :class:`PolicyQueue` answers two questions, synchronously and on an injected clock:
-"which request may start now, and on which backend?" (:meth:`PolicyQueue.pop`) and "this
-request ended" (:meth:`PolicyQueue.finish`). It is the same code under the asyncio
-dispatcher, the simulator and the tests.
+A :class:`PolicyQueue` answers, synchronously and on an injected clock: "which request may
+start now, and on which backend?" (:meth:`PolicyQueue.pop`), "it delivered this much"
+(:meth:`PolicyQueue.delivered`, :meth:`PolicyQueue.settle`) and "this attempt ended"
+(:meth:`PolicyQueue.finish`). The gateway's driver, the library's ``Dispatcher`` and the
+simulator all run this code; none of them drives the SFQ core itself.
+
+The request's charge (``sfq.policy.charge``): a flow's entry in the core is enqueued at a lower
+bound of its head's cost (the prompt's); the request is estimated again and charged when it
+is dispatched (the calibration may have learned meanwhile), and only once a backend takes it:
+the pool *looks before it pops* (``peek``), so a request that fits no backend with room
+waits uncharged, first in line (or, with ``overtake``, set aside while later ones go). In
+``settle`` and ``served`` its work is reported as its flow's (``work_started(flow)``) until
+its attempt ends, so the busy period stays open while the fleet works and a flow whose
+request runs keeps its meter (its lag) when its next request arrives; ``served`` charges a
+stream's output tokens as they are delivered; both settle to the clamped usage at the end
+(docs/design.md §4-§5).
 
 Order within a pool:
 
@@ -36,18 +48,23 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
+import logging
+
 from .._core import Scheduler
+from ..cost import CostEstimator, Estimate
 from ..errors import Refused
+from ..policy.charge import ChargeMode
 from ..policy.classify import Flow
 from ..policy.config import ClassSpec, Policy, PoolSpec
 from ..policy.limits import Slots, TokenBucket
 
-__all__ = ["PolicyQueue", "Request", "SharedLimits", "WAITING", "RUNNING", "BACKOFF", "ENDED"]
+__all__ = ["Fits", "PolicyQueue", "Request", "SharedLimits", "WAITING", "RUNNING", "BACKOFF", "ENDED"]
 
 # request states
 WAITING, RUNNING, BACKOFF, ENDED = "waiting", "running", "backoff", "ended"
 _INF = math.inf
 _ids = itertools.count(1)
+log = logging.getLogger("sfq.engine")
 
 
 class Request:
@@ -57,10 +74,12 @@ class Request:
 
     __slots__ = ("id", "flow", "cost", "tokens", "need", "arrival", "queued_at", "deadline", "drop_at",
                  "drop_reason", "item", "state", "backend", "started_at", "tries", "idempotency_key",
-                 "outcome", "reason", "small", "retrying")
+                 "outcome", "reason", "small", "retrying", "est", "epoch", "streaming", "charged", "delivered",
+                 "work_flow", "working", "in_core", "avoid", "start_tag", "fixed")
 
     def __init__(self, flow: Flow, cost: float, tokens: float, arrival: float, *, deadline: float | None = None,
-                 item: Any = None, need: float = 0.0, idempotency_key: str | None = None) -> None:
+                 item: Any = None, need: float = 0.0, idempotency_key: str | None = None,
+                 est: Estimate | None = None, epoch: int = -1, streaming: bool = False) -> None:
         self.id = next(_ids)
         self.flow = flow
         self.cost = cost
@@ -81,6 +100,17 @@ class Request:
         self.reason: str | None = None
         self.small = True
         self.retrying = False  # the current attempt is a retry (counted in the retry budget)
+        self.est = est  # the estimate (None: ``cost`` is a fixed charge, never corrected)
+        self.epoch = epoch  # the estimator's calibration epoch ``est`` was made in
+        self.streaming = streaming  # a stream: in ``served`` mode its output is charged as delivered
+        self.charged = 0.0  # cost units charged to the flow's meter for the current attempt
+        self.delivered = 0.0  # output tokens the current attempt passed to its client
+        self.work_flow: Hashable = None  # the flow its work in flight is reported as (None: the pool's)
+        self.working = False  # its work in flight is reported to the core (work_started, not yet done)
+        self.in_core = False  # the current attempt was dispatched by the SFQ core (a weighted class)
+        self.avoid: str | None = None  # a backend a retry should avoid when another can take it
+        self.start_tag = 0.0  # cost units: its flow's meter when the core dispatched it (= v then)
+        self.fixed = est is None  # ``cost`` is charged as given, never re-estimated or corrected
 
     def __repr__(self) -> str:
         return (f"Request(#{self.id} {self.flow.org}/{self.flow.cls}/{self.flow.pool} cost={self.cost:g} "
@@ -100,8 +130,14 @@ class SharedLimits:
             if c.max_in_flight is not None:
                 self.slots[("class", c.name)] = Slots(f"classes.{c.name}.max_in_flight", c.max_in_flight)
         self.queues: list[PolicyQueue] = []
+        self.policy = policy
 
     def groups(self, flow: Flow) -> tuple[tuple[str, str], ...]:
+        g = ("org", flow.org)
+        if g not in self.slots:  # an org the file does not name (its template's limit applies)
+            o = self.policy.org(flow.org)
+            if o is not None and o.max_in_flight is not None and o.name not in self.policy.orgs:
+                self.slots[g] = Slots(f"org_template.max_in_flight ({flow.org})", o.max_in_flight)
         return tuple(g for g in (("org", flow.org), ("class", flow.cls)) if g in self.slots)
 
     def room(self, flow: Flow) -> bool:
@@ -131,11 +167,15 @@ class SharedLimits:
                     q._group_free(g)
 
 
+#: the driver's check that a backend (by name) can take a request now (``PolicyQueue.pop``)
+Fits = Callable[["Request", str], bool]
+
+
 class _FlowQ:
     """A weighted flow's waiting requests in two size buckets (both FIFO), and its entry in
     the core (``token``: the core's ticket, ``None`` when it has none)."""
 
-    __slots__ = ("flow", "spec", "small", "large", "n", "run", "token", "token_cost", "groups")
+    __slots__ = ("flow", "spec", "small", "large", "n", "run", "token", "token_cost", "groups", "aside", "named")
 
     def __init__(self, flow: Flow, spec: ClassSpec, groups: tuple[tuple[str, str], ...]) -> None:
         self.flow = flow
@@ -147,6 +187,8 @@ class _FlowQ:
         self.token: int | None = None
         self.token_cost = 0.0
         self.groups = groups
+        self.aside = False  # its head fits no backend with room: suspended so that others overtake
+        self.named = True  # its org is named in the policy file (else it is forgotten when empty)
 
     @staticmethod
     def _head(d: deque[Request]) -> Request | None:
@@ -177,28 +219,41 @@ class _FlowQ:
 
 
 class _Backend:
-    __slots__ = ("name", "limit", "in_flight", "paused_until", "healthy", "max_context")
+    __slots__ = ("name", "limit", "in_flight", "paused_until", "healthy", "saturated", "max_context")
 
     def __init__(self, name: str, limit: int, max_context: int | None) -> None:
         self.name = name
-        self.limit = limit
-        self.in_flight = 0
-        self.paused_until = -_INF
-        self.healthy = True
-        self.max_context = max_context
+        self.limit = limit  # requests at once
+        self.in_flight = 0  # requests running there
+        self.paused_until = -_INF  # clock seconds: an upstream 429 pauses it until then
+        self.healthy = True  # in rotation (the driver's health checks say so)
+        self.saturated = False  # in rotation but full by its own report (a saturation probe)
+        self.max_context = max_context  # tokens one sequence may need (None: no limit)
+
+    def open(self, now: float) -> bool:
+        """Whether it may take a request now (healthy, not saturated, not paused, a free slot)."""
+        return self.healthy and not self.saturated and self.in_flight < self.limit and self.paused_until <= now
 
 
 class PolicyQueue:
     """A pool's queue and limits. ``clock`` gives seconds; ``scheduler`` makes the core
-    (default ``sfq.Scheduler``). Not thread-safe; call it from one thread (one event loop)."""
+    (default ``sfq.Scheduler``); ``charge``: the charge mode (``sfq.policy.charge``);
+    ``estimator``: re-estimates a request at dispatch and prices delivered tokens. Not
+    thread-safe; call it from one thread (one event loop)."""
 
     def __init__(self, policy: Policy, pool: str, *, clock: Callable[[], float],
-                 shared: SharedLimits | None = None, scheduler: Callable[[], Any] | None = None) -> None:
+                 shared: SharedLimits | None = None, scheduler: Callable[[], Any] | None = None,
+                 charge: str | None = None, estimator: CostEstimator | None = None) -> None:
         if pool not in policy.pools:
             raise ValueError(f"unknown pool {pool!r}; pools: {', '.join(policy.pools)}")
         if not callable(clock):
             raise TypeError(f"clock must be callable, got {clock!r}")
         self.policy = policy
+        self.charge = ChargeMode(policy.cost.charge if charge is None else charge)
+        self.served = self.charge is ChargeMode.SERVED
+        cs = policy.cost
+        self.estimator = estimator if estimator is not None else CostEstimator(
+            cs.input_weight, cs.output_weight, default_max_tokens=cs.default_max_tokens, prior_ratio=cs.prior_ratio)
         self.spec: PoolSpec = policy.pools[pool]
         self.name = pool
         self.clock = clock
@@ -221,26 +276,42 @@ class PolicyQueue:
         self._group_members: dict[tuple[str, str], list[_FlowQ]] = {}
         for org, cls, _ in policy.flows(pool):
             f = Flow(org, cls, pool)
-            spec = policy.classes[cls]
-            if spec.strict:
-                continue
-            fq = self.flows[f] = _FlowQ(f, spec, self.shared.groups(f))
-            self.sched.set_weight(f, policy.flow_weight(org, cls))
-            for g in fq.groups:
-                self._group_members.setdefault(g, []).append(fq)
-                if self.shared.slots[g].full:
-                    self.sched.suspend(f)
+            if not policy.classes[cls].strict:
+                self._flow_queue(f)
         self.waiting_by_class = dict.fromkeys(policy.classes, 0)
         self.in_flight = 0
         self._drops: list[tuple[float, int, Request]] = []  # (drop_at, id, request), lazily cleaned
         self._dropped: list[Request] = []  # dropped by pop(), not yet handed out by expire()
         #: seconds a waiting request may wait while no backend of the pool is in rotation
         #: before it is answered (reason ``unavailable``); counted from its arrival or from the
-        #: start of the outage, whichever is later
-        self.unavailable_timeout = 30.0
+        #: start of the outage, whichever is later (0: at once)
+        self.unavailable_timeout = 0.0
         self.down_since: float | None = None  # when the pool lost its last backend in rotation
         self._starts: dict[str, deque[float]] = {c: deque() for c in policy.classes}  # last minute's starts
         self.blocked_until = -_INF  # when a bucket or a paused backend next allows a start
+        #: how many flows whose head fits no backend with room may be set aside (suspended,
+        #: uncharged) so that later ones go out; 0: everything waits behind such a head
+        self.overtake = 0
+        self.aside: list[_FlowQ] = []  # the flows set aside, oldest first
+        #: the request first in line that fits no backend with room, as the last pop() found it
+        #: (everything waits behind it, uncharged); None when there is none
+        self.stalled: Request | None = None
+
+    def _flow_queue(self, f: Flow) -> _FlowQ:
+        """The weighted flow's queue, made on first use (a flow of an org the file does not
+        name, from its template, joins then)."""
+        fq = self.flows.get(f)
+        if fq is not None:
+            return fq
+        spec = self.policy.classes[f.cls]
+        fq = self.flows[f] = _FlowQ(f, spec, self.shared.groups(f))
+        fq.named = f.org in self.policy.orgs
+        self.sched.set_weight(f, self.policy.flow_weight(f.org, f.cls))
+        for g in fq.groups:
+            self._group_members.setdefault(g, []).append(fq)
+            if self.shared.slots[g].full:
+                self.sched.suspend(f)
+        return fq
 
     # ------------------------------------------------------------ admission
     def __len__(self) -> int:
@@ -290,7 +361,7 @@ class PolicyQueue:
         if flow.pool != self.name:
             raise ValueError(f"request of pool {flow.pool!r} pushed to pool {self.name!r}")
         spec = self.policy.classes.get(flow.cls)
-        if spec is None or (not spec.strict and flow not in self.flows):
+        if spec is None or not self.policy.allows(flow):
             raise ValueError(f"flow {flow!r} is not allowed by the policy")
         if r.need > self.largest_context:
             raise ValueError(f"the request needs about {r.need:.0f} tokens, more than any backend of pool "
@@ -311,7 +382,7 @@ class PolicyQueue:
             self.strict[flow.cls].append(r)
             self._strict_n[flow.cls] += 1
         else:
-            fq = self.flows[flow]
+            fq = self._flow_queue(flow)
             r.small = spec.small_cost is None or r.cost <= spec.small_cost
             (fq.small if r.small else fq.large).append(r)
             fq.n += 1
@@ -322,10 +393,22 @@ class PolicyQueue:
             heapq.heappush(self._drops, (r.drop_at, r.id, r))
 
     def _enter(self, fq: _FlowQ) -> None:
+        """Give the flow its entry in the core (its next turn), at a lower bound of its head's
+        charge: the prompt's cost (the charge is estimated at dispatch, when the calibration may
+        have learned more; SFQ selects by the flows' meters, not by their heads' costs, so this
+        changes no order, and the dispatch corrects the meter at once). A fixed cost as given."""
         head = fq.preferred()
         assert head is not None
-        fq.token_cost = head.cost
-        fq.token = self.sched.enqueue(fq.flow, head.cost, fq)
+        e = head.est
+        if e is None or head.fixed:
+            c = head.cost
+        else:
+            est = self.estimator
+            c = est.input_weight * e.prompt_tokens
+            if c < est.min_cost:
+                c = est.min_cost
+        fq.token_cost = c
+        fq.token = self.sched.enqueue(fq.flow, c, fq)
 
     def _unqueue(self, r: Request) -> None:
         """Bookkeeping for a waiting request that leaves without starting."""
@@ -341,6 +424,7 @@ class PolicyQueue:
         if fq.n == 0 and fq.token is not None:
             self.sched.cancel(fq.token)
             fq.token = None
+            self._emptied(fq)
             fq.small.clear()
             fq.large.clear()
 
@@ -408,8 +492,31 @@ class PolicyQueue:
     def _group_free(self, g: tuple[str, str]) -> None:
         slots = self.shared.slots
         for fq in self._group_members.get(g, ()):
-            if not any(slots[h].full for h in fq.groups):
+            if not fq.aside and not any(slots[h].full for h in fq.groups):
                 self.sched.resume(fq.flow)
+
+    def _emptied(self, fq: _FlowQ) -> None:
+        """``fq`` has no waiting request left: it leaves the aside; a flow of an org the file
+        does not name is forgotten (its meter lives on in the core, which forgets it once
+        ``v`` passes it), so that memory follows the flows with work, not every id ever seen."""
+        if fq.aside:
+            self._unaside(fq)
+        if not fq.named and not fq.groups:
+            del self.flows[fq.flow]
+
+    def _unaside(self, fq: _FlowQ) -> None:
+        fq.aside = False
+        self.aside.remove(fq)
+        slots = self.shared.slots
+        if not any(slots[h].full for h in fq.groups):
+            self.sched.resume(fq.flow)
+
+    def _release_aside(self, now: float, fits: Fits | None) -> None:
+        """Put back in the competition the flows set aside whose head now fits a backend."""
+        for fq in list(self.aside):
+            head = fq.preferred()
+            if head is not None and self._backend_for(head, now, fits) is not None:
+                self._unaside(fq)
 
     def pause_backend(self, name: str, seconds: float) -> None:
         """An upstream 429: send nothing to backend ``name`` for ``seconds`` (its Retry-After)."""
@@ -419,18 +526,35 @@ class PolicyQueue:
         b.paused_until = max(b.paused_until, self.clock() + seconds)
 
     def set_healthy(self, name: str, healthy: bool) -> None:
+        """Whether backend ``name`` is in rotation; the pool is available while one is."""
         self.backends[name].healthy = bool(healthy)
+        self.set_available(any(b.healthy for b in self.backends.values()))
 
-    def _backend_for(self, r: Request, now: float) -> _Backend | None:
+    def set_saturated(self, name: str, saturated: bool) -> None:
+        """Backend ``name`` is in rotation but says it is full (its saturation probe)."""
+        self.backends[name].saturated = bool(saturated)
+
+    @property
+    def available(self) -> bool:
+        """Whether some backend of the pool is in rotation (saturated or paused ones count)."""
+        return self.down_since is None
+
+    def _backend_for(self, r: Request, now: float, fits: Fits | None = None) -> _Backend | None:
+        """The least-loaded backend that may take ``r`` now; one other than ``r.avoid`` (the
+        backend its last attempt failed on) when there is such a one."""
         best: _Backend | None = None
         load = 2.0
+        avoided: _Backend | None = None
         for b in self.backends.values():
-            if (b.healthy and b.in_flight < b.limit and b.paused_until <= now
-                    and (b.max_context is None or r.need <= b.max_context)):
+            if b.open(now) and (b.max_context is None or r.need <= b.max_context) and (
+                    fits is None or fits(r, b.name)):
+                if b.name == r.avoid:
+                    avoided = b
+                    continue
                 x = b.in_flight / b.limit
                 if x < load:
                     best, load = b, x
-        return best
+        return best if best is not None else avoided
 
     def _pool_room(self, now: float) -> bool:
         if self.slots.full:
@@ -439,9 +563,10 @@ class PolicyQueue:
             self.blocked_until = now + self.rpm.wait(1, now)
             return False
         for b in self.backends.values():
-            if b.healthy and b.in_flight < b.limit and b.paused_until <= now:
+            if b.open(now):
                 return True
-        paused = [b.paused_until for b in self.backends.values() if b.healthy and b.in_flight < b.limit]
+        paused = [b.paused_until for b in self.backends.values()
+                  if b.healthy and not b.saturated and b.in_flight < b.limit]
         if paused:
             self.blocked_until = min(paused)
         return False
@@ -453,13 +578,17 @@ class PolicyQueue:
         return False
 
     # ------------------------------------------------------------ start and end
-    def pop(self) -> Request | None:
+    def pop(self, fits: Fits | None = None) -> Request | None:
         """The next request that may start now, marked RUNNING on its backend (``backend``),
-        with every counter and bucket debited; ``None`` when nothing may start now. Drop
-        expired requests first (:meth:`expire`): ``pop`` never starts one past its time."""
+        with every counter and bucket debited and its flow charged; ``None`` when nothing may
+        start now. Drop expired requests first (:meth:`expire`): ``pop`` never starts one
+        past its time. ``fits(request, backend)``: the driver's own check that the backend
+        can take the request now (the simulator's KV budget); the request the core names is
+        charged only once a backend takes it (look before you pop)."""
         now = self.clock()
         self._drop_expired(now)
         self.blocked_until = -_INF
+        self.stalled = None
         if not self._pool_room(now):
             return None
         shared = self.shared
@@ -474,39 +603,119 @@ class PolicyQueue:
                     continue  # its org is at its limit: it must not hold the others back
                 if not self._tokens_ok(r, now):
                     return None  # the pool's token bucket holds everyone, in order
-                b = self._backend_for(r, now)
+                b = self._backend_for(r, now, fits)
                 if b is None:
+                    self.stalled = r
                     return None  # no backend with room fits it: it waits first in line
                 d.remove(r)
                 self._strict_n[cls] -= 1
                 return self._start(r, b, now)
         sched = self.sched
-        peek = sched.peek()
-        if peek is None:
-            return None
-        fq: _FlowQ = peek.item
-        head = fq.preferred()
-        assert head is not None, "a flow in the core has a waiting request"
-        if not self._tokens_ok(head, now):
-            return None
-        b = self._backend_for(head, now)
-        if b is None:
-            return None
+        if self.aside:
+            self._release_aside(now, fits)
+        while True:
+            peek = sched.peek()
+            if peek is None:
+                return None
+            fq: _FlowQ = peek.item
+            head = fq.preferred()
+            assert head is not None, "a flow in the core has a waiting request"
+            if not self._tokens_ok(head, now):
+                return None
+            b = self._backend_for(head, now, fits)
+            if b is not None:
+                break
+            if len(self.aside) >= self.overtake:
+                self.stalled = head
+                return None  # it waits first in line, uncharged (look before you pop)
+            fq.aside = True  # set aside, uncharged: later selections may go out
+            self.aside.append(fq)
+            sched.suspend(fq.flow)
         r = head
-        sched.work_started()
+        # the work starts with the dispatch: reported first, so that taking the last waiting
+        # request does not close the busy period it opens; in the delivered-service modes it is
+        # reported as the flow's, so the flow keeps its meter (its lag) while its work runs
+        r.work_flow = None if self.charge is ChargeMode.SEED else fq.flow
+        sched.work_started(r.work_flow)
+        r.working = True
         disp = sched.dispatch()
         assert disp is not None and disp.item is fq
         fq.take(r)
         fq.token = None
-        delta = r.cost - fq.token_cost
-        if delta:
-            sched.adjust(fq.flow, delta)
+        r.in_core = True
+        r.start_tag = disp.start
+        r.charged = fq.token_cost
+        r.delivered = 0.0
+        self._adjust(r, self._dispatch_charge(r) - fq.token_cost)
         if fq.n:
             self._enter(fq)
         else:
             fq.small.clear()
             fq.large.clear()
+            self._emptied(fq)
         return self._start(r, b, now, core=True)
+
+    # ------------------------------------------------------------ the charge
+    def _dispatch_charge(self, r: Request) -> float:
+        """What ``r`` is charged as it is dispatched: its estimate as the estimator sees it now
+        (the calibration may have learned since it arrived); a stream in ``served`` mode only
+        its prompt (its output is charged as it is delivered); a fixed cost as given."""
+        e = r.est
+        if e is None or r.fixed:
+            return r.cost
+        est = self.estimator
+        if est.epoch != r.epoch:
+            try:
+                e = r.est = est.reestimate(e, r.flow)
+                r.epoch = est.epoch
+            except Exception:  # an estimator subclass's own failure: the estimate at arrival stands
+                log.exception("sfq: re-estimating a request of flow %r at dispatch failed", r.flow)
+        if self.served and r.streaming:
+            c = est.input_weight * e.prompt_tokens
+            cost = c if c > est.min_cost else est.min_cost
+        else:
+            cost = e.cost
+        r.cost = cost
+        return cost
+
+    def _adjust(self, r: Request, delta: float) -> None:
+        """Move the meter of ``r``'s flow by ``delta`` cost units (a charge mode's correction)."""
+        if not delta:
+            return
+        try:
+            self.sched.adjust(r.flow, delta)
+        except (OverflowError, ValueError):
+            log.exception("sfq: correcting the charge of flow %r by %g failed; ignored", r.flow, delta)
+            return
+        r.charged += delta
+
+    def delivered(self, r: Request, tokens: float) -> float:
+        """The running request ``r`` passed ``tokens`` more output tokens to its client; in
+        ``served`` mode a stream is charged them now. Capped at what its ``max_tokens`` allows;
+        returns the tokens counted."""
+        if r.state != RUNNING or r.flow.pool != self.name:
+            raise ValueError(f"delivered({r!r}): the request is not running in pool {self.name!r}")
+        if isinstance(tokens, bool) or not isinstance(tokens, (int, float)) or not (
+                math.isfinite(tokens) and tokens >= 0):
+            raise ValueError(f"tokens must be a finite number >= 0, got {tokens!r}")
+        e = r.est
+        n = float(tokens)
+        if e is not None:
+            room = e.max_tokens - r.delivered
+            if n > room:
+                n = room if room > 0 else 0.0
+        if not n:
+            return 0.0
+        r.delivered += n
+        if self.served and r.in_core and r.streaming and not r.fixed:
+            self._adjust(r, self.estimator.output_weight * n)
+        return n
+
+    def settle(self, r: Request, actual_cost: float) -> None:
+        """Correct the charge of the running request ``r`` to ``actual_cost`` (cost units: what
+        it really cost, clamped by the caller); nothing in ``seed`` mode or for a fixed cost."""
+        if r.in_core and not r.fixed and self.charge is not ChargeMode.SEED:
+            self._adjust(r, actual_cost - r.charged)
 
     def _start(self, r: Request, b: _Backend, now: float, core: bool = False) -> Request:
         cls = r.flow.cls
@@ -525,6 +734,9 @@ class PolicyQueue:
         self.shared.acquire(r.flow)
         self._starts[cls].append(now)
         if not core:
+            r.in_core = False
+            r.work_flow = None
+            r.working = True
             self.sched.work_started()
         return r
 
@@ -544,6 +756,9 @@ class PolicyQueue:
             if sl.full:
                 for q in self.shared.queues:
                     q._group_full(g)
+        r.in_core = False  # charged by the queue it started in, whose core is gone
+        r.work_flow = None
+        r.working = True
         self.sched.work_started()
 
     def move(self, r: Request, backend: str) -> None:
@@ -577,7 +792,10 @@ class PolicyQueue:
                 self.tpm.debit(diff, now)
         if retry_after is not None:
             self.pause_backend(b.name, retry_after)
-        self.sched.work_done()
+        if r.working:  # after every correction: a flow with work in flight is adjusted exactly
+            r.working = False
+            self.sched.work_done(r.work_flow)
+        r.in_core = False
         self.shared.release(r.flow)
 
     # ------------------------------------------------------------ views
@@ -587,6 +805,13 @@ class PolicyQueue:
         t = self.next_drop()
         cands = [x for x in (t, self.blocked_until if self.blocked_until > -_INF else None) if x is not None]
         return min(cands) if cands else None
+
+    def held(self, flow: Flow) -> int:
+        """Requests of ``flow`` first in line that fit no backend with room (stalled or set aside)."""
+        fq = self.flows.get(flow)
+        n = 1 if fq is not None and fq.aside else 0
+        st = self.stalled
+        return n + int(st is not None and st.state == WAITING and st.flow == flow and not n)
 
     def waiting(self, flow: Flow) -> int:
         if flow.cls in self.strict:

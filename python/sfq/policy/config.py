@@ -14,10 +14,10 @@ import hashlib
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
@@ -33,7 +33,9 @@ __all__ = [
     "PoolLimits",
     "PoolSpec",
     "RetrySpec",
+    "ServerSpec",
     "StateSpec",
+    "UpstreamTimeouts",
     "BACKOFFS",
     "PolicyErrors",
     "load_policy",
@@ -73,13 +75,30 @@ class PoolLimits:
 
 
 @dataclass(frozen=True)
+class UpstreamTimeouts:
+    """How long a pool's backends may take, in seconds (``None``: no limit). ``connect``: to
+    open a connection; ``first_byte``: from sending a request to its first event (a stream)
+    or its reply (a plain request, which engines send whole when the generation ends);
+    ``between_events``: the longest silence between two events of a stream; ``total``: one
+    attempt, start to end. A request past one of them fails as a backend timeout (retried by
+    the retry rules while nothing reached its client)."""
+
+    connect: float | None = 5.0
+    first_byte: float | None = 300.0
+    between_events: float | None = 60.0
+    total: float | None = 1800.0
+
+
+@dataclass(frozen=True)
 class PoolSpec:
-    """A resource pool: the models it serves, its backends, its limits; its own queue."""
+    """A resource pool: the models it serves, its backends, its limits, its upstream
+    timeouts; its own queue."""
 
     name: str
     models: tuple[str, ...]
     backends: tuple[BackendSpec, ...]
     limits: PoolLimits = PoolLimits()
+    timeouts: UpstreamTimeouts = UpstreamTimeouts()
 
 
 @dataclass(frozen=True)
@@ -104,7 +123,10 @@ class ClassSpec:
 class OrgSpec:
     """An organisation: its credentials, the classes it may use (the first is its default),
     its weight and its own limits. ``key_digests`` holds the SHA-256 (hex) of every key, the
-    plain ``keys`` hashed at load time plus ``key_sha256``; the plain keys are not kept."""
+    plain ``keys`` hashed at load time plus ``key_sha256``; the plain keys are not kept. An
+    org without keys is one an embedder classifies itself (``sfq.Flow(org, cls, pool)``):
+    ``sfq serve`` cannot authenticate it. Orgs made from the file's ``org_template`` have no
+    keys either."""
 
     name: str
     key_digests: tuple[str, ...]
@@ -153,8 +175,33 @@ class StateSpec:
 
 
 @dataclass(frozen=True)
+class ServerSpec:
+    """The gateway's edge (``sfq serve``): how long a client may take, how much it may send,
+    how many connections it may hold. ``max_connections`` ``None``: what the process's
+    file-descriptor limit leaves after the backends' share. ``pool_max_body_bytes``: a pool's
+    own body limit where it differs from ``max_body_bytes``."""
+
+    header_timeout_seconds: float = 10.0
+    body_timeout_seconds: float = 30.0
+    idle_timeout_seconds: float = 15.0
+    send_timeout_seconds: float = 30.0
+    max_connections: int | None = None
+    max_header_bytes: int = 32 << 10
+    max_body_bytes: int = 32 << 20
+    pool_max_body_bytes: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+
+    def body_limit(self, pool: str) -> int:
+        """The largest body a request for ``pool`` may have, bytes."""
+        return self.pool_max_body_bytes.get(pool, self.max_body_bytes)
+
+
+@dataclass(frozen=True)
 class Policy:
-    """A validated policy: build it with :func:`load_policy` or :func:`parse_policy`."""
+    """A validated policy: build it with :func:`load_policy` or :func:`parse_policy`.
+
+    ``orgs`` are the orgs the file names; ``org_template`` (``None`` without one) the spec of
+    every other org, which :meth:`org` makes on first use. Ask :meth:`org`, not ``orgs``, for
+    the org of a request."""
 
     pools: Mapping[str, PoolSpec]
     classes: Mapping[str, ClassSpec]
@@ -163,6 +210,12 @@ class Policy:
     retry: RetrySpec = RetrySpec()
     state: StateSpec | None = None
     source: str = field(default="<mapping>", compare=False)
+    #: the settings of an org the file does not name (its ``name`` is ``"*"``; no keys)
+    org_template: OrgSpec | None = None
+    _made: dict[str, OrgSpec] = field(default_factory=dict, init=False, repr=False, compare=False)
+    #: the gateway's own edge limits (not the policy's): left out of ``repr``, so gateways
+    #: sharing one queue may set them differently
+    server: ServerSpec = field(default_factory=ServerSpec, repr=False)
 
     # ------------------------------------------------------------ derived facts
     def pool_of(self, model: str) -> PoolSpec | None:
@@ -173,9 +226,20 @@ class Policy:
         return None
 
     def org(self, name: str) -> OrgSpec | None:
-        """The org called ``name`` (``None``: the policy does not know it). Every rule that
-        needs an org's spec asks here, so an org the file does not list can be given one."""
-        return self.orgs.get(name)
+        """The org called ``name``: the file's entry, else one made from ``org_template`` (made
+        once, then kept: the same object every time), else ``None`` (the policy does not know
+        it). Every rule that needs an org's spec asks here."""
+        o = self.orgs.get(name)
+        if o is not None:
+            return o
+        o = self._made.get(name)
+        if o is None and self.org_template is not None and isinstance(name, str) and name:
+            o = self._made[name] = replace(self.org_template, name=name)
+        return o
+
+    def made_orgs(self) -> list[OrgSpec]:
+        """The orgs :meth:`org` has made from the template so far, in the order they were made."""
+        return list(self._made.values())
 
     def allows(self, flow: tuple[str, str, str]) -> bool:
         """Whether ``flow`` ``(org, class, pool)`` is one the policy allows."""
@@ -192,17 +256,21 @@ class Policy:
         return o.weight * (1.0 if c.strict else c.weight)
 
     def flows(self, pool: str | None = None) -> list[tuple[str, str, str]]:
-        """Every flow ``(org, class, pool)`` the file allows, in file order."""
+        """Every flow ``(org, class, pool)`` of the orgs the file names, in file order (an org
+        made from the template has flows too, once used; they are not listed here)."""
         pools = [pool] if pool is not None else list(self.pools)
         return [(o.name, c, p) for p in pools for o in self.orgs.values() for c in o.classes]
 
     def share(self, flow: tuple[str, str, str]) -> float | None:
-        """The flow's share of its pool's weighted capacity when every weighted flow of the
-        pool is backlogged (``None`` for a strict class's flow)."""
+        """The flow's share of its pool's weighted capacity when it and every weighted flow of
+        the orgs the file names are backlogged (``None`` for a strict class's flow)."""
         org, cls, pool = flow
         if self.classes[cls].strict:
             return None
-        total = sum(self.flow_weight(o, c) for o, c, _ in self.flows(pool) if not self.classes[c].strict)
+        flows = self.flows(pool)
+        if (org, cls, pool) not in flows:
+            flows.append((org, cls, pool))
+        total = sum(self.flow_weight(o, c) for o, c, _ in flows if not self.classes[c].strict)
         return self.flow_weight(org, cls) / total
 
     @property
@@ -356,7 +424,7 @@ def policy_from_mapping(data: object, *, source: str = "<mapping>") -> Policy:
     """Validate a policy given as plain data (what ``yaml.safe_load`` returns). Every entry
     (pool, class, org) and section is checked, so one call names every bad field: a single
     error is raised as itself, several as one :class:`PolicyErrors`."""
-    sections = ("pools", "classes", "orgs", "cost", "retry", "state")
+    sections = ("pools", "classes", "orgs", "org_template", "cost", "retry", "state", "server")
     top = data if data is not None else {}
     if not isinstance(top, dict):
         raise PolicyError("", f"must be a mapping, got {_desc(top)}")
@@ -364,9 +432,12 @@ def policy_from_mapping(data: object, *, source: str = "<mapping>") -> Policy:
     for k in top:
         if k not in sections:
             errs.add(PolicyError(k, f"unknown key (expected one of: {', '.join(sections)})"))
-    for need in ("pools", "classes", "orgs"):
+    for need in ("pools", "classes"):
         if need not in top:
             errs.add(PolicyError(need, "is required"))
+    has_template = top.get("org_template") is not None
+    if "orgs" not in top and not has_template:
+        errs.add(PolicyError("orgs", "is required (or an org_template for the orgs the file does not name)"))
     classes: dict[str, ClassSpec] = {}
     bad_classes: list[str] = []  # named but invalid: an org may still list them (no second error)
     try:
@@ -381,6 +452,7 @@ def policy_from_mapping(data: object, *, source: str = "<mapping>") -> Policy:
             errs.add(exc)
             bad_classes.append(name)
     pools: dict[str, PoolSpec] = {}
+    bad_pools: list[str] = []
     model_owner: dict[str, str] = {}
     backend_owner: dict[str, str] = {}
     try:
@@ -393,6 +465,7 @@ def policy_from_mapping(data: object, *, source: str = "<mapping>") -> Policy:
             p = _pool(name, v, f"pools.{name}")
         except PolicyError as exc:
             errs.add(exc)
+            bad_pools.append(name)
             continue
         for i, m in enumerate(p.models):
             if m in model_owner:
@@ -409,8 +482,10 @@ def policy_from_mapping(data: object, *, source: str = "<mapping>") -> Policy:
     orgs: dict[str, OrgSpec] = {}
     key_owner: dict[str, str] = {}
     known = {**classes, **{n: ClassSpec(n) for n in bad_classes}}
+    raw_orgs = top.get("orgs")
     try:
-        named = _named(top["orgs"], "orgs") if "orgs" in top else {}
+        named = ({} if (has_template and (raw_orgs is None or raw_orgs == {})) or "orgs" not in top
+                 else _named(raw_orgs, "orgs"))
     except PolicyError as exc:
         errs.add(exc)
         named = {}
@@ -425,7 +500,7 @@ def policy_from_mapping(data: object, *, source: str = "<mapping>") -> Policy:
                 errs.add(PolicyError(at, f"this key is already the key of org {key_owner[digest]!r}"))
             key_owner.setdefault(digest, name)
         orgs[name] = o
-    cost, retry, state = CostSpec(), RetrySpec(), None
+    cost, retry, state, template, server = CostSpec(), RetrySpec(), None, None, ServerSpec()
     try:
         cost = _cost(top.get("cost"), "cost") if "cost" in top else CostSpec()
     except PolicyError as exc:
@@ -438,9 +513,18 @@ def policy_from_mapping(data: object, *, source: str = "<mapping>") -> Policy:
         state = _state(top.get("state"), "state") if "state" in top else None
     except PolicyError as exc:
         errs.add(exc)
+    try:
+        template = _org_template(top["org_template"], "org_template", known) if has_template else None
+    except PolicyError as exc:
+        errs.add(exc)
+    try:  # a pool that is named but invalid is still a pool the section may name
+        named_pools = cast("Mapping[str, PoolSpec]", {**pools, **dict.fromkeys(bad_pools)})
+        server = _server(top.get("server"), "server", named_pools) if "server" in top else ServerSpec()
+    except PolicyError as exc:
+        errs.add(exc)
     errs.raise_any()
     return Policy(MappingProxyType(pools), MappingProxyType(classes), MappingProxyType(orgs), cost, retry, state,
-                  source)
+                  source, org_template=template, server=server)
 
 
 def _class(name: str, v: object, path: str) -> ClassSpec:
@@ -472,7 +556,7 @@ def _class(name: str, v: object, path: str) -> ClassSpec:
 
 
 def _pool(name: str, v: object, path: str) -> PoolSpec:
-    d = _section(v, path, ("models", "backends", "limits"))
+    d = _section(v, path, ("models", "backends", "limits", "timeouts"))
     for need in ("models", "backends"):
         if need not in d:
             raise PolicyError(f"{path}.{need}", "is required")
@@ -507,11 +591,22 @@ def _pool(name: str, v: object, path: str) -> PoolSpec:
             if _opt(ld, "tokens_per_minute") is not None else None,
             _integer(ld["max_in_flight"], f"{lp}.max_in_flight") if _opt(ld, "max_in_flight") is not None else None,
         )
-    return PoolSpec(name, models, tuple(backends), limits)
+    timeouts = UpstreamTimeouts()
+    if d.get("timeouts") is not None:
+        tp = f"{path}.timeouts"
+        fields = ("connect", "first_byte", "between_events", "total")
+        td = _section(d["timeouts"], tp, fields)
+        timeouts = UpstreamTimeouts(**{
+            k: (_number(td[k], f"{tp}.{k}") if td[k] is not None else None) if k in td else getattr(timeouts, k)
+            for k in fields})
+    return PoolSpec(name, models, tuple(backends), limits, timeouts)
+
+
+_ORG_SETTINGS = ("classes", "weight", "max_in_flight", "requests_per_minute")
 
 
 def _org(name: str, v: object, path: str, classes: Mapping[str, ClassSpec]) -> tuple[OrgSpec, list[str]]:
-    d = _section(v, path, ("keys", "key_sha256", "classes", "weight", "max_in_flight", "requests_per_minute"))
+    d = _section(v, path, ("keys", "key_sha256", *_ORG_SETTINGS))
     digests: list[str] = []
     where: list[str] = []
     if "keys" in d:
@@ -524,11 +619,24 @@ def _org(name: str, v: object, path: str, classes: Mapping[str, ClassSpec]) -> t
                 raise PolicyError(f"{path}.key_sha256[{i}]", f"must be 64 hexadecimal digits (a SHA-256), got {h!r}")
             digests.append(h.lower())
             where.append(f"{path}.key_sha256[{i}]")
-    if not digests:
-        raise PolicyError(f"{path}.keys", "an org needs at least one key (keys or key_sha256)")
     for i, dg in enumerate(digests):
         if dg in digests[:i]:
             raise PolicyError(where[i], "this key is listed twice")
+    return _org_settings(name, d, path, classes, tuple(digests)), where
+
+
+def _org_template(v: object, path: str, classes: Mapping[str, ClassSpec]) -> OrgSpec:
+    if isinstance(v, dict):
+        for k in ("keys", "key_sha256"):
+            if k in v:
+                raise PolicyError(f"{path}.{k}", "a template has no keys: the orgs made from it are the embedder's "
+                                                 "own (sfq.Flow(org, cls, pool)); give an org keys under orgs")
+    d = _section(v, path, _ORG_SETTINGS)
+    return _org_settings("*", d, path, classes, ())
+
+
+def _org_settings(name: str, d: Mapping[str, Any], path: str, classes: Mapping[str, ClassSpec],
+                  digests: tuple[str, ...]) -> OrgSpec:
     if "classes" not in d:
         raise PolicyError(f"{path}.classes", "is required (the classes the org may use; the first is its default)")
     cls = _strings(d["classes"], f"{path}.classes")
@@ -539,7 +647,7 @@ def _org(name: str, v: object, path: str, classes: Mapping[str, ClassSpec]) -> t
     mif = _integer(d["max_in_flight"], f"{path}.max_in_flight") if _opt(d, "max_in_flight") is not None else None
     rpm = (_number(d["requests_per_minute"], f"{path}.requests_per_minute")
            if _opt(d, "requests_per_minute") is not None else None)
-    return OrgSpec(name, tuple(digests), tuple(cls), weight, mif, rpm), where
+    return OrgSpec(name, digests, tuple(cls), weight, mif, rpm)
 
 
 def _cost(v: object, path: str) -> CostSpec:
@@ -583,3 +691,30 @@ def _state(v: object, path: str) -> StateSpec:
         raise PolicyError(f"{path}.prefix", f"must be a string, got {_desc(prefix)}")
     lease = _number(d["lease_seconds"], f"{path}.lease_seconds") if "lease_seconds" in d else 10.0
     return StateSpec(url, prefix, lease)
+
+
+def _server(v: object, path: str, pools: Mapping[str, PoolSpec]) -> ServerSpec:
+    keys = ("header_timeout_seconds", "body_timeout_seconds", "idle_timeout_seconds", "send_timeout_seconds",
+            "max_connections", "max_header_bytes", "max_body_bytes")
+    d = _section(v, path, (*keys, "pools"))
+    dflt = ServerSpec()
+    kw: dict[str, Any] = {}
+    for k in keys:
+        if _opt(d, k) is None:
+            continue
+        if k.endswith("_seconds"):
+            kw[k] = _number(d[k], f"{path}.{k}")
+        else:
+            kw[k] = _integer(d[k], f"{path}.{k}", 1024 if k.endswith("_bytes") else 1)
+    per_pool: dict[str, int] = {}
+    if _opt(d, "pools") is not None:
+        pp = d["pools"]
+        if not isinstance(pp, dict):
+            raise PolicyError(f"{path}.pools", f"must be a mapping of pool names to settings, got {_desc(pp)}")
+        for name, sv in pp.items():
+            if name not in pools:
+                raise PolicyError(f"{path}.pools.{name}", f"unknown pool (pools: {', '.join(pools)})")
+            sd = _section(sv, f"{path}.pools.{name}", ("max_body_bytes",))
+            if _opt(sd, "max_body_bytes") is not None:
+                per_pool[name] = _integer(sd["max_body_bytes"], f"{path}.pools.{name}.max_body_bytes", 1024)
+    return ServerSpec(**{**{k: getattr(dflt, k) for k in keys}, **kw}, pool_max_body_bytes=MappingProxyType(per_pool))

@@ -8,7 +8,7 @@ from typing import Any
 
 from .config import Policy
 
-__all__ = ["check_config", "policy_tables", "render_plain", "render_rich", "startup_checks"]
+__all__ = ["check_config", "policy_notes", "policy_tables", "render_plain", "render_rich", "startup_checks"]
 
 Table = tuple[str, list[str], list[list[str]]]
 
@@ -38,8 +38,13 @@ def policy_tables(policy: Policy) -> list[Table]:
                 _n(c.max_queue_length), _n(c.max_queue_age_seconds, " s"),
                 "off" if c.small_cost is None or c.strict else f"<= {c.small_cost:g}, {c.small_picks} in a row"]
                for c in policy.classes.values()]
+    listed = list(policy.orgs.values())
     orgs = [[o.name, str(len(o.key_digests)), ", ".join(o.classes), o.default_class, _n(o.weight),
-             _n(o.max_in_flight), _n(o.requests_per_minute)] for o in policy.orgs.values()]
+             _n(o.max_in_flight), _n(o.requests_per_minute)] for o in listed]
+    t = policy.org_template
+    if t is not None:
+        orgs.append(["(org_template)", "-", ", ".join(t.classes), t.default_class, _n(t.weight),
+                     _n(t.max_in_flight), _n(t.requests_per_minute)])
     r, cs = policy.retry, policy.cost
     other = [["cost", f"{cs.input_weight:g} x prompt + {cs.output_weight:g} x output tokens "
                       f"(default max_tokens {cs.default_max_tokens}, prior ratio {cs.prior_ratio:g})"],
@@ -60,6 +65,23 @@ def policy_tables(policy: Policy) -> list[Table]:
         ("Orgs", ["org", "keys", "classes", "default", "weight", "max_in_flight", "requests/min"], orgs),
         ("Cost and retries", ["section", "resolved"], other),
     ]
+
+
+def policy_notes(policy: Policy) -> list[str]:
+    """What an operator should know that the tables do not say: orgs ``sfq serve`` cannot
+    authenticate, and what the template gives the orgs the file does not name."""
+    notes = []
+    keyless = [o.name for o in policy.orgs.values() if not o.key_digests]
+    if keyless:
+        many = len(keyless) > 1
+        notes.append(f"org{'s' if many else ''} {', '.join(keyless)} ha{'ve' if many else 's'} no keys: sfq serve "
+                     f"cannot authenticate {'their' if many else 'its'} requests (an embedder names the org itself, "
+                     "sfq.Flow(org, cls, pool))")
+    if policy.org_template is not None:
+        notes.append("org_template: an org the file does not name gets the template's classes, weight and limits "
+                     "when an embedder names it (its own flows, not counted in the shares above; sfq serve "
+                     "authenticates only the orgs listed with keys)")
+    return notes
 
 
 def render_plain(tables: list[Table]) -> str:
@@ -164,7 +186,10 @@ def check_config(path: str, *, plain: bool = False) -> int:
         sys.stdout.write(render_plain(tables))
     else:
         render_rich(tables, console)
+    for note in policy_notes(policy):
+        sys.stdout.write(f"note: {note}\n")
+    template = ", an org template" if policy.org_template is not None else ""
     sys.stdout.write(f"{path}: valid ({len(policy.pools)} pools, {len(policy.classes)} classes, "
-                     f"{len(policy.orgs)} orgs, {len(policy.flows())} flows)"
+                     f"{len(policy.orgs)} orgs{template}, {len(policy.flows())} flows)"
                      f"{'; ' + str(len(warnings)) + ' warning(s) above' if warnings else ''}\n")
     return 0

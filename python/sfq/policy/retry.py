@@ -1,7 +1,9 @@
 """Retries by five rules, as a pure planner (times are passed in; randomness is injected).
 
-1. Only where it is safe: the request never reached a model (connection refused, 429, 503),
-   or it carries an ``Idempotency-Key``.
+1. Only where a client would retry, before any byte reached the client: a connection error,
+   an upstream 408, 409, 429 or 5xx (the rule of the official OpenAI client and of Envoy), or
+   any failure of a request that carries an ``Idempotency-Key``. A read timeout is not retried
+   (the model may still be working on it). The retry prefers another backend.
 2. Back into the request's own flow (the caller re-queues it there; it waits its turn).
 3. Exponential backoff with full jitter (uniform in ``[0, min(max, base * 2**(n-1))]``),
    never shorter than the upstream's ``Retry-After``.
@@ -26,8 +28,8 @@ from .config import RetrySpec
 
 __all__ = ["RetryDecision", "RetryPlanner", "IdempotencyIndex", "retry_safe", "retry_after_of"]
 
-#: HTTP statuses that say the request was not processed (it never reached a model)
-NOT_PROCESSED = frozenset({429, 503})
+#: upstream statuses a client retries (besides every 5xx): timeout, conflict, rate limit
+RETRYABLE_STATUS = frozenset({408, 409, 429})
 
 V = TypeVar("V")
 
@@ -62,17 +64,6 @@ def retry_after_of(error: BaseException, now_wall: float | None = None) -> float
     return None
 
 
-def _never_connected(error: BaseException) -> bool:
-    """True when a ``BackendUnavailable`` comes from a connection that was never made."""
-    cause = error.__cause__
-    try:
-        import aiohttp
-    except ImportError:  # pragma: no cover - aiohttp is a base dependency
-        return isinstance(cause, ConnectionRefusedError)
-    return isinstance(cause, (aiohttp.ClientConnectorError, ConnectionRefusedError)) or bool(
-        getattr(error, "never_sent", False))
-
-
 def retry_safe(error: BaseException, idempotency_key: str | None = None) -> bool:
     """Whether a failed attempt may be tried again (rule 1)."""
     if isinstance(error, NoHealthyBackend):  # it waited for a backend that never came back: never sent
@@ -82,21 +73,22 @@ def retry_safe(error: BaseException, idempotency_key: str | None = None) -> bool
     if idempotency_key:
         return True
     if isinstance(error, BackendHTTPError):
-        return error.status in NOT_PROCESSED
+        st = error.status
+        return st is not None and (st in RETRYABLE_STATUS or 500 <= st <= 599)
     if error.never_sent:  # the transport knows it never reached the server
         return True
-    if isinstance(error, BackendUnavailable):
-        return _never_connected(error)
-    return False
+    return isinstance(error, BackendUnavailable)  # a connection error
 
 
 class RetryDecision(NamedTuple):
     """``retry``: whether to try again; ``delay``: seconds to wait before re-queueing;
-    ``reason``: ``ok``, ``not_safe``, ``max_attempts``, ``budget`` or ``deadline``."""
+    ``reason``: ``ok``, ``not_safe``, ``max_attempts``, ``budget`` or ``deadline``; ``avoid``:
+    the backend the retry should avoid when another can take it (the one that failed)."""
 
     retry: bool
     delay: float
     reason: str
+    avoid: str | None = None
 
 
 class _FlowBudget:

@@ -5,16 +5,24 @@ turns what the policy layer answers into status codes. Every rule (who the flow 
 retries, deadlines, ordering) lives in :mod:`sfq.policy`, so an embedder who never runs
 ``sfq serve`` gets the same behaviour from the library.
 
-* ``POST /v1/chat/completions``, ``POST /v1/completions``: the body goes to the policy as
+* ``POST /v1/chat/completions``, ``POST /v1/completions``: the key and the class are checked
+  from the headers before a byte of the body is read (no key: 401, and the body is never
+  read); the body is then read within the pool's size limit and the ``server:`` section's
+  read deadline, parsed with a depth limit, and its numbers checked. It goes to the policy as
   it came (the client's headers do not: a backend gets only its own key); ``"stream": true``
   passes the backend's events through as they arrive, one write per event, each awaited, so
-  a slow client slows the read from the backend instead of filling memory.
-* ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+  a slow client slows the read from the backend instead of filling memory; a stream whose
+  client stops reading is ended at its deadline (``X-SFQ-Timeout``), its slot freed.
+* ``GET /v1/models``, ``GET /health`` (503 while a pool has no backend in rotation;
+  ``?pool=NAME`` for one pool), ``GET /metrics``.
 * A client that goes away cancels its handler (the server runs with
   ``handler_cancellation=True``): before dispatch its request leaves the queue and never
   reaches a backend; after, the backend call is aborted.
-* One access-log line per model request on the logger ``sfq.serve.access``: a JSON object
-  (org, class, pool, model, wait, outcome, cost charged, actual tokens, ...).
+* Every model request is counted once in ``sfq_requests_total`` (refused before the policy
+  saw it too) and gets one access-log line on the logger ``sfq.serve.access``: a JSON object
+  (request id, status sent, org, class, pool, model, wait, outcome, cost charged, actual
+  tokens, ...). Every response names its request (``x-request-id``); what a backend said
+  when it failed goes to the log under that id, never to the client.
 """
 
 from __future__ import annotations
@@ -24,21 +32,25 @@ import contextlib
 import json
 import logging
 import math
+import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import orjson
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, generate_latest
 
-from ..errors import PolicyError, Refused, SFQError
-from ..policy import Policy, load_policy
 from ..dispatch.policy_dispatcher import PolicyDispatcher
 from ..engine import Request
+from ..policy.metrics import PolicyMetrics
+from ..errors import BackendError, BackendHTTPError, PolicyError, Refused, SFQError
+from ..policy import Flow, Policy, load_policy
+from .edge import SERVER, Edge, fd_budget, new_request_id
 from .errors import HTTPError, error_body, http_error_of, sse_error
 
-__all__ = ["Gateway", "ACCESS_LOGGER"]
+__all__ = ["Gateway", "ACCESS_LOGGER", "MAX_OUTPUT_TOKENS", "MAX_N"]
 
 ACCESS_LOGGER = "sfq.serve.access"
 log = logging.getLogger("sfq.serve")
@@ -47,24 +59,31 @@ access = logging.getLogger(ACCESS_LOGGER)
 _CHAT = "/v1/chat/completions"
 _COMPLETIONS = "/v1/completions"
 _DONE = b"data: [DONE]\n\n"
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-_dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+_UNKNOWN = ("", "", "")
+_std_dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+
+#: seconds a refusal of a body still coming goes on reading (and dropping) it before closing
+LINGER_SECONDS = 2.0
+#: the largest ``max_tokens`` (or ``max_completion_tokens``) a request may ask for
+MAX_OUTPUT_TOKENS = 1 << 24
+#: the largest ``n`` (and ``best_of``): OpenAI's own limit
+MAX_N = 128
+_INT_FIELDS = (("max_tokens", MAX_OUTPUT_TOKENS), ("max_completion_tokens", MAX_OUTPUT_TOKENS), ("n", MAX_N),
+               ("best_of", MAX_N))
 
 
-def _json(status: int, body: Any, headers: Mapping[str, str] | None = None) -> web.Response:
-    return web.Response(status=status, body=_dumps(body).encode(), content_type="application/json",
-                        headers=headers)
+def _dumps(obj: Any) -> bytes:
+    try:
+        return orjson.dumps(obj)
+    except TypeError:  # what orjson does not take (an integer over 64 bits from a backend): the slow way
+        return _std_dumps(obj).encode()
 
 
-def _error(err: HTTPError, extra: Mapping[str, str] | None = None) -> web.Response:
-    h = err.headers()
-    if extra:
-        h.update(extra)
-    return _json(err.status, error_body(err), h)
+def _json(status: int, body: Any, headers: dict[str, str]) -> web.Response:
+    return web.Response(status=status, body=_dumps(body), content_type="application/json", headers=headers)
 
 
-def _bearer(request: web.Request) -> str | None:
-    auth = request.headers.get("Authorization")
+def _bearer(auth: str | None) -> str | None:
     if not auth:
         return None
     scheme, _, key = auth.strip().partition(" ")
@@ -72,14 +91,29 @@ def _bearer(request: web.Request) -> str | None:
     return key if scheme.lower() == "bearer" and key else None
 
 
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
+class _BodyTimeout(Exception):
+    """The body did not arrive within the read deadline."""
+
+
+class _BodyError(Exception):
+    """The body could not be read (a malformed transfer or content encoding)."""
+
+
 class _Entry:
-    """What the access-log line of one request says."""
+    """What the access-log line of one request says, and what the gateway has recorded of it."""
 
-    __slots__ = ("t0", "path", "model", "stream", "flow", "r", "status", "outcome", "reason", "usage", "events")
+    __slots__ = ("t0", "path", "rid", "model", "stream", "flow", "r", "status", "outcome", "reason", "usage",
+                 "events", "counted", "writing", "stalled", "timer", "error_status")
 
-    def __init__(self, t0: float, path: str) -> None:
+    def __init__(self, t0: float, path: str, rid: str) -> None:
         self.t0 = t0
         self.path = path
+        self.rid = rid
         self.model: Any = None
         self.stream = False
         self.flow: tuple[str, str, str] | None = None
@@ -89,9 +123,15 @@ class _Entry:
         self.reason: str | None = None
         self.usage: Any = None
         self.events = 0
+        self.counted = False  # its outcome is (or will be) in sfq_requests_total
+        self.writing = False  # a stream's write is in progress (it may be blocked on the client)
+        self.stalled = False  # its stream's client stopped reading past the deadline
+        self.timer: asyncio.TimerHandle | None = None
+        self.error_status: int | None = None
 
     def admitted(self, r: Request) -> None:
         self.r = r
+        self.counted = True
 
 
 class Gateway:
@@ -100,41 +140,72 @@ class Gateway:
     Parameters
     ----------
     policy:
-        a policy file's path (what SIGHUP re-reads) or a :class:`Policy`.
+        a policy file's path (what SIGHUP re-reads) or a :class:`Policy`. Its ``server:``
+        section sets the edge's limits (docs/gateway.md).
     grace:
-        seconds running requests get to finish at shutdown (each backend's ``close_grace``).
+        seconds running requests get to finish at shutdown (the dispatcher's ``close_grace``).
     backends, dispatcher_options:
-        passed to :class:`PolicyDispatcher` (tests and embedders).
+        passed to :class:`PolicyDispatcher` (``dispatcher_options``: its keyword arguments,
+        e.g. ``health``; tests and embedders).
     client_max_size:
-        the largest request body accepted, bytes (larger: 413).
+        the largest request body accepted, bytes (larger: 413); default: the ``server:``
+        section's ``max_body_bytes`` (a pool's own limit still applies to its requests).
     """
 
     def __init__(self, policy: Policy | str | Path, *, grace: float = 30.0, backends: Mapping[str, Any] | None = None,
-                 dispatcher_options: Mapping[str, Any] | None = None, client_max_size: int = 32 << 20) -> None:
+                 dispatcher_options: Mapping[str, Any] | None = None, client_max_size: int | None = None) -> None:
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not (math.isfinite(grace) and grace >= 0):
             raise ValueError(f"grace must be a finite number of seconds >= 0, got {grace!r}")
+        if client_max_size is not None and (isinstance(client_max_size, bool) or not isinstance(client_max_size, int)
+                                            or client_max_size < 1):
+            raise ValueError(f"client_max_size must be an integer >= 1 (bytes), got {client_max_size!r}")
         self.path: Path | None = None
         if not isinstance(policy, Policy):
             self.path = Path(policy)
             policy = load_policy(self.path)
         opts = {"close_grace": float(grace), **(dispatcher_options or {})}
-        self.pd = PolicyDispatcher(policy, backends=backends, dispatcher_options=opts)
+        self.pd = PolicyDispatcher(policy, backends=backends, **opts)
         self.grace = float(grace)
         self.draining = False
         self.started = int(time.time())
-        self.app = web.Application(client_max_size=client_max_size)
+        self._client_max_size = client_max_size
+        reg = self.pd.registry
+        closed = Counter("sfq_gateway_connections_closed", "Client connections the gateway closed at its edge, by "
+                         "cause (head_timeout, head_too_large, send_timeout, evicted, refused_full)", ("cause",),
+                         registry=reg)
+        self.edge = Edge(policy.server, max_connections=fd_budget(policy),
+                         on_close=lambda why: closed.labels(why).inc())
+        Gauge("sfq_gateway_connections", "Open client connections", registry=reg).set_function(
+            self.edge.open_connections)
+        self._secrets: tuple[str, ...] = ()
+        self._limits(policy)
+        self.app = web.Application(client_max_size=self._read_cap)
         r = self.app.router
-        r.add_post(_CHAT, self._completions)
-        r.add_post(_COMPLETIONS, self._completions)
-        r.add_get("/v1/models", self._models)
-        r.add_get("/health", self._health)
-        r.add_get("/metrics", self._metrics)
-        r.add_route("*", "/{tail:.*}", self._not_found)
+        expect = self._expect
+        r.add_post(_CHAT, self._completions, expect_handler=expect)
+        r.add_post(_COMPLETIONS, self._completions, expect_handler=expect)
+        r.add_get("/v1/models", self._models, expect_handler=expect)
+        r.add_get("/health", self._health, expect_handler=expect)
+        r.add_get("/metrics", self._metrics, expect_handler=expect)
+        r.add_route("*", "/{tail:.*}", self._not_found, expect_handler=expect)
         self.app.on_startup.append(self._on_startup)
 
     @property
     def policy(self) -> Policy:
         return self.pd.policy
+
+    def _limits(self, policy: Policy) -> None:
+        """The body limits and the provider keys to keep out of the log, from ``policy``."""
+        sv = policy.server
+        self._server = sv
+        self._read_cap = self._client_max_size or max([sv.max_body_bytes, *sv.pool_max_body_bytes.values()])
+        self._secrets = tuple(sorted({k for p in policy.pools.values() for b in p.backends if b.api_key_env
+                                      for k in [os.environ.get(b.api_key_env)] if k}, key=len, reverse=True))
+
+    def _body_limit(self, pool: str) -> int:
+        if self._client_max_size is not None:
+            return self._client_max_size
+        return self._server.body_limit(pool)
 
     async def _on_startup(self, app: web.Application) -> None:
         await self.pd.start()
@@ -153,6 +224,8 @@ class Gateway:
             log.error("reload refused, the policy in force stays: %s", exc)
             return False
         p = self.pd.policy
+        self._limits(p)
+        self.edge.apply(p.server)
         log.info("reloaded %s: %d pools, %d classes, %d orgs%s", self.path, len(p.pools), len(p.classes),
                  len(p.orgs), f"; {len(ended)} waiting requests of flows it no longer allows refused" if ended else "")
         return True
@@ -165,130 +238,367 @@ class Gateway:
         await self.pd.close()
 
     # ------------------------------------------------------------ routes
+    @staticmethod
+    def _headers(rid: str) -> dict[str, str]:
+        return {"Server": SERVER, "x-request-id": rid}
+
+    def _error(self, err: HTTPError, rid: str, extra: Mapping[str, str] | None = None) -> web.Response:
+        h = self._headers(rid)
+        h.update(err.headers())
+        if extra:
+            h.update(extra)
+        return _json(err.status, error_body(err, rid), h)
+
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        """``Expect: 100-continue`` is answered only once the key is checked (a model route
+        sends it just before reading the body); any other expectation is refused."""
+        if request.headers.get("Expect", "").lower() == "100-continue":
+            return None
+        return self._error(HTTPError(417, "invalid_request_error", "expectation_failed",
+                                     "only 'Expect: 100-continue' is supported", None, False), new_request_id(),
+                           {"Connection": "close"})
+
     async def _not_found(self, request: web.Request) -> web.Response:
-        return _error(HTTPError(404, "not_found_error", "unknown_route",
-                                f"no route {request.method} {request.path} (routes: POST {_CHAT}, POST {_COMPLETIONS}, "
-                                "GET /v1/models, GET /health, GET /metrics)"))
+        return self._error(HTTPError(404, "not_found_error", "unknown_route",
+                                     f"no route {request.method} {request.path[:100]} (routes: POST {_CHAT}, "
+                                     f"POST {_COMPLETIONS}, GET /v1/models, GET /health, GET /metrics)"),
+                           new_request_id())
 
     async def _models(self, request: web.Request) -> web.Response:
+        rid = new_request_id()
+        auths: Sequence[str] = request.headers.getall("Authorization", ())
+        if len(auths) > 1:
+            return self._error(_DUPLICATE_AUTH, rid)
         try:
-            self.pd.engine.classifier.org_of(_bearer(request))
+            self.pd.engine.classifier.org_of(_bearer(auths[0] if auths else None))
         except Refused as exc:
-            return _error(http_error_of(exc))
+            return self._error(http_error_of(exc), rid)
         data = [{"id": m, "object": "model", "created": self.started, "owned_by": p.name}
                 for p in self.pd.policy.pools.values() for m in p.models]
-        return _json(200, {"object": "list", "data": data})
+        return _json(200, {"object": "list", "data": data}, self._headers(rid))
 
     async def _health(self, request: web.Request) -> web.Response:
+        """200 while every pool (or the one of ``?pool=NAME``) has a backend in rotation
+        (healthy and not paused); 503 with ``reason`` otherwise, while draining, or when the
+        shared state is out of reach."""
+        rid = new_request_id()
         s = self.pd.stats()
-        pools = {}
-        for name, spec in self.pd.policy.pools.items():
-            ps = dict(s["pools"][name])
+        names = list(self.pd.policy.pools)
+        only = request.query.get("pool")
+        if only is not None:
+            if only not in self.pd.policy.pools:
+                return self._error(HTTPError(404, "not_found_error", "unknown_pool",
+                                             f"no pool {only[:100]!r} (pools: {', '.join(names)})"), rid)
+            names = [only]
+        dispatchers = s.get("backends", {})
+        in_pool = {b.name for b in self.pd.policy.pools[names[0]].backends} if only is not None else set()
+        pools: dict[str, Any] = {}
+        down: list[str] = []
+        for name in names:
+            spec = self.pd.policy.pools[name]
+            ps = dict(s["pools"].get(name, {}))
             ps.pop("virtual_time", None)
             pools[name] = {"models": list(spec.models), **ps}
-        backends = {name: {k: b[k] for k in ("healthy", "saturated", "in_flight", "max_in_flight") if k in b}
-                    for name, b in s["backends"].items()}
-        body: dict[str, Any] = {"status": "draining" if self.draining else "ok", "pools": pools, "backends": backends}
+            unhealthy = paused = up = 0
+            for bname, b in ps.get("backends", {}).items():
+                d = dispatchers.get(bname, {})
+                if not (b.get("healthy", True) and d.get("healthy", True)):
+                    unhealthy += 1
+                elif (b.get("paused_for") or 0) > 0 or d.get("paused"):
+                    paused += 1
+                else:
+                    up += 1
+            if not up:
+                why = " and ".join(f"{n} {what}" for n, what in ((unhealthy, "unhealthy"), (paused, "paused")) if n)
+                down.append(f"pool {name!r} has no backend in rotation ({why or 'none'})")
+        backends = {name: {k: b[k] for k in ("healthy", "saturated", "paused", "in_flight", "max_in_flight") if k in b}
+                    for name, b in dispatchers.items() if only is None or name in in_pool}
+        body: dict[str, Any] = {"status": "ok", "pools": pools, "backends": backends}
+        status = 200
         st = self.pd.state
         if st.shared:  # several gateways, one queue: without the shared state nothing new is admitted
             body["state"] = s.get("state")
-            if not st.available and not self.draining:
-                body["status"] = "state_unavailable"
-                body["reason"] = st.reason
-                return _json(503, body)
-        return _json(503 if self.draining else 200, body)
+            if not st.available:
+                body["status"], body["reason"], status = "state_unavailable", "the shared state cannot be reached", 503
+        if down and status == 200:
+            body["status"], body["reason"], status = "unavailable", "; ".join(down), 503
+        if self.draining:
+            body["status"], status = "draining", 503
+        return _json(status, body, self._headers(rid))
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        resp = web.Response(body=generate_latest(self.pd.registry))
+        registry = self.pd.registry
+        assert registry is not None  # (a policy engine always has one)
+        resp = web.Response(body=generate_latest(registry), headers={"Server": SERVER})
         resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return resp
 
+    # ------------------------------------------------------------ model requests
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
-        e = _Entry(loop.time(), request.path)
+        e = _Entry(loop.time(), request.path, new_request_id())
         try:
             return await self._serve(request, e)
         except asyncio.CancelledError:
+            if e.stalled:  # the stall check's own cancellation, after the stream was ended (see _stream)
+                raise
             e.status = 499  # the client went away (nginx's code for it)
+            if not e.counted:  # it left before its request was complete, or before the policy took it
+                self._count(e, e.flow or _UNKNOWN, "cancelled_before_start")
             raise
+        except Exception:  # a bug: answered, logged, counted; never aiohttp's page, never a hang
+            log.exception("request %s: unexpected error serving %s", e.rid, request.path)
+            if not e.counted:
+                self._count(e, e.flow or _UNKNOWN, "refused", "internal")
+            if e.status == 200:  # the stream had started: nothing else can be sent
+                raise
+            return self._refuse(e, HTTPError(500, "server_error", "internal_error",
+                                             "the gateway failed to serve this request"))
         finally:
+            if e.timer is not None:
+                e.timer.cancel()
             self._log(e, loop.time())
 
+    def _count(self, e: _Entry, key: tuple[str, str, str], outcome: str, reason: str | None = None) -> None:
+        """Record the outcome of a request the policy never took (once)."""
+        e.counted = True
+        eng = self.pd.engine
+        if outcome == "refused":
+            eng.refuse(key, reason or "bad_request")
+        else:
+            eng.submitted += 1
+            eng.metrics.ended(key, outcome, reason)
+
+    def _refused(self, e: _Entry, key: tuple[str, str, str], err: HTTPError, reason: str,
+                 *, close: bool = False) -> web.Response:
+        """A refusal the gateway decides (and records) before the policy sees the request."""
+        self._count(e, key, "refused", reason)
+        e.flow = key
+        e.outcome = "refused"
+        return self._refuse(e, err, {"Connection": "close"} if close else None)
+
     async def _serve(self, request: web.Request, e: _Entry) -> web.StreamResponse:
+        h = request.headers
         if self.draining:
-            e.outcome, e.reason = "refused", "closed"
-            return self._refuse(e, HTTPError(503, "server_error", "shutting_down", "the gateway is shutting down"),
-                                {"Connection": "close"})
-        key = _bearer(request)
-        cls = request.headers.get("X-SFQ-Class") or None
+            return await self._linger(request, self._refused(
+                e, _UNKNOWN, HTTPError(503, "server_error", "shutting_down", "the gateway is shutting down", None,
+                                       True), "closed", close=True))
+        payload = request.content
+        unread = not payload.is_eof()  # a body still to come: refusing it closes the connection
+        auths: Sequence[str] = h.getall("Authorization", ())
+        if len(auths) > 1:
+            return await self._linger(request, self._refused(e, _UNKNOWN, _DUPLICATE_AUTH, "bad_request",
+                                                             close=unread))
+        # who, and which class: from the headers, before a byte of the body is read
+        cl = self.pd.engine.classifier
         try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge as exc:
-            return self._refuse(e, HTTPError(413, "invalid_request_error", "request_too_large", exc.text or
-                                             "the request body is too large"))
-        try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            return self._bad_before_flow(e, key, f"the request body is not valid JSON: {exc}")
-        if not isinstance(body, dict):
-            return self._bad_before_flow(e, key, f"the request body must be a JSON object, got {type(body).__name__}")
-        e.model = body.get("model")
-        try:
-            flow = self.pd.classify(key, body, cls)
+            org = cl.org_of(_bearer(auths[0] if auths else None))
         except Refused as exc:
-            return self._refuse(e, http_error_of(exc))
-        e.flow = tuple(flow)  # type: ignore[assignment]
-        problem = self._shape(request.path, body)
+            return await self._linger(request, self._refused(e, _UNKNOWN, http_error_of(exc), exc.reason,
+                                                             close=unread))
+        try:
+            cls = cl.class_for(org, h.get("X-SFQ-Class") or None)
+        except Refused as exc:
+            return await self._linger(request, self._refused(e, (org.name, "", ""), http_error_of(exc), exc.reason,
+                                                             close=unread))
+        e.flow = (org.name, cls, "")
         timeout: float | None = None
-        t = request.headers.get("X-SFQ-Timeout")
-        if problem is None and t is not None:
+        t = h.get("X-SFQ-Timeout")
+        if t is not None:
             try:
                 timeout = float(t)
             except ValueError:
                 timeout = math.nan
             if not (math.isfinite(timeout) and timeout > 0):
-                problem = f"X-SFQ-Timeout must be a number of seconds > 0, got {t!r}"
+                return await self._linger(request, self._refused(
+                    e, e.flow, _bad(f"X-SFQ-Timeout must be a number of seconds > 0, got {t[:40]!r}"), "bad_request",
+                    close=unread))
+        # the body, within the largest limit of any pool (the request's own pool is checked below)
+        try:
+            raw = await self._read(request, payload, unread, e)
+        except _TooLarge as exc:
+            return await self._linger(request, self._refused(e, e.flow, _too_large(exc.limit), "too_large",
+                                                             close=True))
+        except _BodyError as exc:
+            return self._refused(e, e.flow, _bad(str(exc)), "bad_request", close=True)
+        except _BodyTimeout:
+            return self._refused(e, e.flow, HTTPError(408, "invalid_request_error", "request_timeout",
+                                                      f"the request body did not arrive within "
+                                                      f"{self._server.body_timeout_seconds:g} s", None, True),
+                                 "bad_request", close=True)
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            return self._refused(e, e.flow, _bad(f"the request body is not valid JSON: {exc}"), "bad_request")
+        if type(body) is not dict:
+            return self._refused(e, e.flow, _bad(f"the request body must be a JSON object, got {type(body).__name__}"),
+                                 "bad_request")
+        e.model = model = body.get("model")
+        try:
+            pool = cl.pool_for(model)
+        except Refused as exc:
+            return self._refused(e, e.flow, http_error_of(exc), exc.reason)
+        flow = Flow(org.name, cls, pool)
+        e.flow = flow
+        limit = self._body_limit(pool)
+        if len(raw) > limit:
+            return self._refused(e, flow, _too_large(limit, pool), "too_large")
+        problem = self._shape(request.path, body)
         if problem is not None:
-            self.pd.engine.refuse(flow, "bad_request")
-            return self._refuse(e, HTTPError(400, "invalid_request_error", "bad_request", problem))
+            return self._refused(e, flow, _bad(problem), "bad_request")
         if timeout is not None:  # the deadline runs from arrival, reading the body included
             timeout = max(timeout - (asyncio.get_running_loop().time() - e.t0), 1e-9)
-        e.stream = bool(body.get("stream"))
+        e.stream = body.get("stream") is True
         if e.stream:
-            return await self._stream(request, e, key, cls, body, timeout)
+            return await self._stream(request, e, auths[0], cls, body, timeout)
         try:
             reply = await self.pd.submit_flow(flow, body, timeout=timeout,
-                                              idempotency_key=request.headers.get("Idempotency-Key") or None,
+                                              idempotency_key=h.get("Idempotency-Key") or None,
                                               on_admit=e.admitted)
         except SFQError as exc:
-            return self._refuse(e, http_error_of(exc))
-        except Exception as exc:  # a bug: answered, logged, never a hang
-            log.exception("unexpected error serving %s", request.path)
-            return self._refuse(e, http_error_of(exc))
+            return self._failed(e, exc)
+        except OverflowError as exc:
+            return self._overflow(e, exc)
+        if not e.counted:  # an Idempotency-Key joined a running request
+            self._joined(e)
         e.usage = reply.get("usage") if isinstance(reply, dict) else None
         e.status = 200
-        return _json(200, reply)
+        return _json(200, reply, self._headers(e.rid))
 
-    async def _stream(self, request: web.Request, e: _Entry, key: str | None, cls: str | None,
+    async def _read(self, request: web.Request, payload: Any, unread: bool, e: _Entry) -> bytes:
+        """The body, at most the read cap, within the body deadline (``_TooLarge``,
+        ``_BodyTimeout``). A body that came with its head is taken as it is."""
+        cap = self._read_cap
+        n = request.content_length
+        if n is not None and n > cap:
+            raise _TooLarge(cap)
+        if not unread:
+            raw: bytes = payload.read_nowait(-1)
+            if len(raw) > cap:
+                raise _TooLarge(cap)
+            return raw
+        if request.version >= (1, 1) and request.headers.get("Expect", "").lower() == "100-continue":
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0
+        loop = asyncio.get_running_loop()
+        timer = loop.call_at(e.t0 + self._server.body_timeout_seconds, payload.set_exception, _BodyTimeout())
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            while True:
+                c = await payload.readany()
+                if not c:
+                    break
+                size += len(c)
+                if size > cap:
+                    raise _TooLarge(cap)
+                chunks.append(c)
+        except (_TooLarge, _BodyTimeout, asyncio.CancelledError):
+            raise
+        except ConnectionError:  # the client went away mid-body (its handler is being cancelled too)
+            raise asyncio.CancelledError() from None
+        except Exception as exc:  # a malformed body encoding (chunked, compressed): the client's
+            raise _BodyError(f"the request body could not be read: {exc}") from None
+        finally:
+            timer.cancel()
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def _linger(self, request: web.Request, resp: web.Response) -> web.Response:
+        """Send a refusal of a body that is still coming now, then read and drop what the client
+        goes on sending, for at most ``LINGER_SECONDS`` and the read cap, before the connection
+        closes: closing a socket with unread data resets it, and the reset can destroy the
+        answer before the client reads it."""
+        payload = request.content
+        if payload.is_eof():
+            return resp
+        try:
+            await resp.prepare(request)
+            await resp.write_eof()
+        except ConnectionError:
+            return resp
+        if request.headers.get("Expect", "").lower() == "100-continue":
+            return resp  # never told to continue: it sends nothing more
+        loop = asyncio.get_running_loop()
+        timer = loop.call_at(loop.time() + LINGER_SECONDS, payload.set_exception, _BodyTimeout())
+        left = self._read_cap
+        try:
+            while left > 0:
+                c = await payload.readany()
+                if not c:
+                    break
+                left -= len(c)
+        except Exception:  # the linger's own deadline, or the connection went
+            pass
+        finally:
+            timer.cancel()
+        return resp
+
+    def _failed(self, e: _Entry, exc: SFQError) -> web.Response:
+        """The policy (or a backend) refused or failed the request: its answer, and the
+        backend's own words to the log."""
+        if not e.counted:
+            if isinstance(exc, Refused):
+                e.counted = True  # the policy recorded it
+            else:  # a joined request's first one failed (it never ran on its own)
+                self._joined(e)
+        err = http_error_of(exc)
+        self._log_failure(e, exc, err)
+        return self._refuse(e, err)
+
+    def _overflow(self, e: _Entry, exc: OverflowError) -> web.Response:
+        """The request's estimated cost is over what the scheduler can charge (huge ``max_tokens``
+        times ``n`` times a batch of prompts): the client's mistake, a 400."""
+        if e.counted:  # not from the estimate: a bug
+            raise exc
+        assert e.flow is not None
+        return self._refused(e, e.flow, _bad(f"the request asks for too much output ({exc}); lower max_tokens or n"),
+                             "bad_request")
+
+    def _joined(self, e: _Entry) -> None:
+        e.counted = True
+        e.outcome = "joined"
+        m = self.pd.engine.metrics
+        if e.flow is not None and isinstance(m, PolicyMetrics):
+            m.requests.labels(*e.flow, "joined").inc()
+
+    def _log_failure(self, e: _Entry, exc: BaseException, err: HTTPError) -> None:
+        if not (isinstance(exc, BackendError) or err.status >= 500):
+            return
+        detail = str(exc)
+        if isinstance(exc, BackendError) and exc.body and exc.body not in detail:
+            detail += f" (body: {exc.body!r})"
+        if isinstance(exc, BackendHTTPError) and exc.headers:
+            detail += f" (headers: {exc.headers!r})"
+        for k in self._secrets:
+            detail = detail.replace(k, "[redacted]")
+        log.warning("request %s: %s %s -> %d %s: %s", e.rid, e.path, "/".join(e.flow or _UNKNOWN), err.status,
+                    type(exc).__name__, detail)
+
+    async def _stream(self, request: web.Request, e: _Entry, auth: str, cls: str,
                       body: dict[str, Any], timeout: float | None) -> web.StreamResponse:
         so = body.get("stream_options")
         wants_usage = isinstance(so, dict) and bool(so.get("include_usage"))
         if not wants_usage:  # ask for it anyway (the access log's actual tokens), pass it on only if asked
             body = {**body, "stream_options": {**(so if isinstance(so, dict) else {}), "include_usage": True}}
-        agen = self.pd.stream(key, body, cls=cls, timeout=timeout, on_admit=e.admitted)
-        async with contextlib.aclosing(agen):  # type: ignore[type-var]
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        agen = self.pd.stream(_bearer(auth), body, cls=cls, timeout=timeout, on_admit=e.admitted)
+        async with contextlib.aclosing(agen):
             try:
                 first: dict[str, Any] | None = await agen.__anext__()
             except StopAsyncIteration:
                 first = None
             except SFQError as exc:
-                return self._refuse(e, http_error_of(exc))
-            except Exception as exc:
-                log.exception("unexpected error serving %s", request.path)
-                return self._refuse(e, http_error_of(exc))
-            resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+                return self._failed(e, exc)
+            except OverflowError as exc:
+                return self._overflow(e, exc)
+            resp = web.StreamResponse(status=200, headers={**_SSE_HEADERS, "x-request-id": e.rid})
             await resp.prepare(request)
             e.status = 200
+            if deadline is not None:  # a client that stops reading is ended at its deadline, not left to hold a slot
+                task = asyncio.current_task()
+                assert task is not None
+                e.timer = loop.call_at(deadline, self._stall_check, e, task)
             try:
                 ev = first
                 while ev is not None:
@@ -296,30 +606,79 @@ class Gateway:
                     if u:
                         e.usage = u
                     if not (u and not wants_usage and not ev.get("choices")):
-                        await resp.write(b"data: " + _dumps(ev).encode() + b"\n\n")
+                        await self._send(e, resp, b"data: " + _dumps(ev) + b"\n\n")
                         e.events += 1
                     try:
                         ev = await agen.__anext__()
                     except StopAsyncIteration:
                         ev = None
-                await resp.write(_DONE)
+                await self._send(e, resp, _DONE)
             except SFQError as exc:  # after the stream started: an error event ends it, never a silent cut
-                await self._stream_error(e, resp, http_error_of(exc))
+                err = http_error_of(exc)
+                self._log_failure(e, exc, err)
+                await self._stream_error(e, resp, err)
             except ConnectionError:
                 raise  # the client is gone (its handler is cancelled too): nothing to tell it
+            except asyncio.CancelledError:
+                if not e.stalled:
+                    raise
+                return await self._stalled(request, e, agen, resp)
             except Exception as exc:
-                log.exception("unexpected error streaming %s", request.path)
+                log.exception("request %s: unexpected error streaming %s", e.rid, request.path)
                 await self._stream_error(e, resp, http_error_of(exc))
-            with contextlib.suppress(ConnectionError):
+            try:
+                e.writing = True
                 await resp.write_eof()
+            except ConnectionError:
+                pass
+            except asyncio.CancelledError:
+                if not e.stalled:
+                    raise
+                return await self._stalled(request, e, agen, resp)
+            finally:
+                e.writing = False
             return resp
 
     @staticmethod
-    async def _stream_error(e: _Entry, resp: web.StreamResponse, err: HTTPError) -> None:
+    async def _send(e: _Entry, resp: web.StreamResponse, data: bytes) -> None:
+        e.writing = True
+        try:
+            await resp.write(data)
+        finally:
+            e.writing = False
+
+    def _stall_check(self, e: _Entry, task: asyncio.Task[Any]) -> None:
+        """The stream's deadline: if its handler is blocked writing to a client that does not
+        read, stop it (``_stalled`` ends the request); otherwise the policy's own deadline ends
+        it, and this looks again shortly in case ending it blocks on the client too."""
+        if e.writing:
+            e.stalled = True
+            e.timer = None
+            task.cancel()
+        else:
+            e.timer = asyncio.get_running_loop().call_later(_STALL_RECHECK, self._stall_check, e, task)
+
+    async def _stalled(self, request: web.Request, e: _Entry, agen: Any, resp: web.StreamResponse
+                       ) -> web.StreamResponse:
+        """The client stopped reading and the deadline ran out: end the request as its deadline
+        does (the backend call is aborted, the slot freed), and drop the connection (nothing
+        more can reach that client)."""
+        task = asyncio.current_task()
+        if task is not None and hasattr(task, "uncancel"):
+            task.uncancel()
+        e.reason = "deadline"
+        with contextlib.suppress(Exception):
+            await agen.athrow(asyncio.TimeoutError())
+        if request.transport is not None:
+            request.transport.abort()
+        log.info("request %s: the client stopped reading its stream; ended at its deadline", e.rid)
+        return resp
+
+    async def _stream_error(self, e: _Entry, resp: web.StreamResponse, err: HTTPError) -> None:
         e.reason = err.code
-        e.status = err.status
+        e.error_status = err.status  # the client got 200 and then this, in the error event
         with contextlib.suppress(ConnectionError):
-            await resp.write(sse_error(err))
+            await self._send(e, resp, sse_error(err, e.rid))
 
     # ------------------------------------------------------------ helpers
     @staticmethod
@@ -335,33 +694,25 @@ class Gateway:
             if "prompt" not in body:
                 return "/v1/completions needs 'prompt'"
         s = body.get("stream")
-        if s is not None and not isinstance(s, bool):
-            return f"'stream' must be true or false, got {s!r}"
+        if s is not None and type(s) is not bool:
+            return f"'stream' must be true or false, got {_short(s)}"
+        for name, most in _INT_FIELDS:
+            v = body.get(name)
+            if v is not None and (type(v) is not int or not 1 <= v <= most):
+                return f"'{name}' must be an integer from 1 to {most}, got {_short(v)}"
         return None
 
-    def _bad_before_flow(self, e: _Entry, key: str | None, message: str) -> web.Response:
-        """A malformed body: 401 first if the key is bad too (the policy records either)."""
-        try:
-            org = self.pd.engine.classifier.org_of(key)
-        except Refused as exc:
-            self.pd.engine.refuse(("", "", ""), exc.reason)
-            return self._refuse(e, http_error_of(exc))
-        e.flow = (org.name, "", "")
-        self.pd.engine.refuse(e.flow, "bad_request")
-        return self._refuse(e, HTTPError(400, "invalid_request_error", "bad_request", message))
-
-    @staticmethod
-    def _refuse(e: _Entry, err: HTTPError, extra: Mapping[str, str] | None = None) -> web.Response:
+    def _refuse(self, e: _Entry, err: HTTPError, extra: Mapping[str, str] | None = None) -> web.Response:
         e.status = err.status
         e.reason = e.reason or err.code
-        return _error(err, extra)
+        return self._error(err, e.rid, extra)
 
     def _log(self, e: _Entry, now: float) -> None:
         if not access.isEnabledFor(logging.INFO):
             return
         r = e.r
         flow = tuple(r.flow) if r is not None else e.flow
-        org, cls, pool = flow if flow is not None else ("", "", "")
+        org, cls, pool = flow if flow is not None else _UNKNOWN
         outcome = e.outcome
         reason = e.reason
         wait = None
@@ -376,17 +727,40 @@ class Gateway:
             backend = r.backend
             if r.started_at is not None:
                 wait = round(r.started_at - r.arrival, 6)
-        elif e.status == 200:
-            outcome = "joined"  # an Idempotency-Key joined a running request
         elif outcome is None:
-            outcome = "refused"
+            outcome = "cancelled_before_start" if e.status == 499 else "refused"
         u = e.usage if isinstance(e.usage, dict) else {}
-        line = {"ts": round(time.time(), 3), "path": e.path, "status": e.status, "org": org, "class": cls,
-                "pool": pool, "model": e.model if isinstance(e.model, str) else None, "stream": e.stream,
-                "outcome": outcome, "reason": reason, "wait": wait, "tries": tries, "backend": backend,
-                "cost_charged": charged, "prompt_tokens": u.get("prompt_tokens"),
+        line = {"ts": round(time.time(), 3), "request_id": e.rid, "path": e.path, "status": e.status, "org": org,
+                "class": cls, "pool": pool, "model": e.model if isinstance(e.model, str) else None,
+                "stream": e.stream, "outcome": outcome, "reason": reason, "wait": wait, "tries": tries,
+                "backend": backend, "cost_charged": charged, "prompt_tokens": u.get("prompt_tokens"),
                 "completion_tokens": u.get("completion_tokens"), "duration": round(now - e.t0, 6)}
         if e.stream:
             line["events"] = e.events
+            if e.error_status is not None:
+                line["error_status"] = e.error_status
         # makeRecord + handle: what access.info does, without looking up the caller's frame
-        access.handle(access.makeRecord(ACCESS_LOGGER, logging.INFO, __file__, 0, _dumps(line), (), None))
+        access.handle(access.makeRecord(ACCESS_LOGGER, logging.INFO, __file__, 0, _dumps(line).decode(), (), None))
+
+
+class _TooLarge(Exception):
+    def __init__(self, limit: int) -> None:
+        super().__init__(limit)
+        self.limit = limit
+
+
+def _bad(message: str) -> HTTPError:
+    return HTTPError(400, "invalid_request_error", "bad_request", message, None, False)
+
+
+def _too_large(limit: int, pool: str | None = None) -> HTTPError:
+    where = f" for pool {pool!r}" if pool is not None else ""
+    return HTTPError(413, "invalid_request_error", "request_too_large",
+                     f"the request body is over the limit of {limit} bytes{where}", None, False)
+
+
+_DUPLICATE_AUTH = _bad("the request has more than one Authorization header")
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                "Server": SERVER}
+#: seconds between two looks at a stream past its deadline whose handler was not writing
+_STALL_RECHECK = 0.25

@@ -4,9 +4,13 @@ is installed), logging.
 * SIGTERM (or SIGINT): stop accepting connections; answer new requests on open connections
   and every waiting request 503; let the running ones finish within ``--grace`` seconds;
   then close the backends (aborting what still runs) and exit 0.
-* SIGHUP: re-read the policy file (keys, weights, classes, orgs, limits) without losing a
-  waiting request; a file that is bad, or that changes what needs a restart (pools'
-  backends, ``cost``, ``state``), is refused and logged, and the policy in force stays.
+* SIGHUP: re-read the policy file (keys, weights, classes, orgs, limits, the ``server:``
+  section) without losing a waiting request; a file that is bad, or that changes what needs
+  a restart (pools' backends, ``cost``, ``state``), is refused and logged, and the policy in
+  force stays.
+* The edge (:mod:`sfq.serve.edge`): the soft file-descriptor limit is raised to the hard one,
+  connections are capped below it, and the ``server:`` section's timeouts close idle,
+  trickling and unread connections.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any, TextIO
 from aiohttp import web
 
 from .app import ACCESS_LOGGER, Gateway
+from .edge import EdgeSite, raise_fd_limit
 
 __all__ = ["run", "serve", "configure_logging"]
 
@@ -54,6 +59,7 @@ async def serve(config: str | Path, *, host: str = "127.0.0.1", port: int = 8080
                 stop: asyncio.Event | None = None) -> None:
     """Run the gateway until SIGTERM/SIGINT (or ``stop`` is set), then shut down gracefully.
     ``ready`` gets the bound ``(host, port)`` (``port=0`` picks a free one)."""
+    raise_fd_limit()
     gw = Gateway(config, grace=grace)
     loop = asyncio.get_running_loop()
     stop = stop if stop is not None else asyncio.Event()
@@ -65,15 +71,21 @@ async def serve(config: str | Path, *, host: str = "127.0.0.1", port: int = 8080
             handled.append(sig)
         except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no such signal here
             pass
-    runner = web.AppRunner(gw.app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    # lingering_time=0: a body the gateway chose not to read (a refused key) is not read
+    # afterwards either; the connection is closed instead
+    runner = web.AppRunner(gw.app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
+                           lingering_time=0)
     try:
         await runner.setup()
-        site = web.TCPSite(runner, host, port, backlog=1024)
+        site = EdgeSite(runner, gw.edge, host, port, backlog=1024)
         await site.start()
         sock = site._server.sockets[0]  # type: ignore[union-attr]
         bound = sock.getsockname()[:2]
-        log.info("listening on http://%s:%d (policy %s; pools: %s)", bound[0], bound[1], config,
-                 ", ".join(gw.policy.pools))
+        sv = gw.policy.server
+        log.info("listening on http://%s:%d (policy %s; pools: %s; at most %d connections; timeouts: head %g s, "
+                 "body %g s, idle %g s, send %g s)", bound[0], bound[1], config, ", ".join(gw.policy.pools),
+                 gw.edge.max_connections, sv.header_timeout_seconds, sv.body_timeout_seconds,
+                 sv.idle_timeout_seconds, sv.send_timeout_seconds)
         if ready is not None and not ready.done():
             ready.set_result((bound[0], bound[1]))
         await stop.wait()

@@ -6,10 +6,11 @@ The model (the setting of VTC, Sheng et al., OSDI 2024, extended to a fleet)
   ``max_batch`` running requests (``None``: limited by KV only).
 * One **step** is one decode iteration. At the start of step ``t``: requests finished by
   ``t`` leave; requests arriving at ``t`` join the balancer's queue; then, while some
-  server has room (a free slot and free KV), the policy names the next request
-  (``peek``), the balancer places it on the server with the most free KV, and the policy
-  is told it started (``admit``). When the named request does not fit there, admission
-  stops until something leaves (the balancer stalls, docs/design.md §5). Then every running
+  server has room (a free slot and free KV), the discipline starts the next request if it
+  fits the server with the most free KV (``start(t, fits)``: the baselines name it with
+  ``peek`` and are told with ``admit``; the request engine looks before it pops itself),
+  and the balancer places it there. When the named request does not fit, admission stops
+  until something leaves (the balancer stalls, docs/design.md §5). Then every running
   request generates one token.
 * A request admitted with prompt ``p`` occupies ``p + generated`` tokens; it is admitted
   when ``occupancy + p <= kv_budget`` (as in VTC's setting: decode growth is not reserved, no
@@ -24,12 +25,12 @@ The model (the setting of VTC, Sheng et al., OSDI 2024, extended to a fleet)
 
 Event-driven, exactly
 ---------------------
-Between two events (an arrival, a completion, a closed-loop top-up, a policy wake-up, a
-mark) free KV only shrinks and the queue does not change, so the request a policy names
-can start only at an event, *provided the policy's choice cannot change between events*.
-That holds for the balancer-side policies whose order moves only when something is
-admitted or completes. It does not hold for policies whose counters move with decode
-(lcf, vtc, and sfq charging service as it is delivered): there the stalled policy's
+Between two events (an arrival, a completion, a closed-loop top-up, a discipline's
+wake-up, a mark) free KV only shrinks and the queue does not change, so the request a
+discipline names can start only at an event, *provided its choice cannot change between
+events*. That holds for the balancer-side disciplines whose order moves only when
+something is admitted or completes. It does not hold for those whose counters move with
+decode (lcf, vtc, and sfq charging service as it is delivered): there the stalled one's
 ``wakeup`` returns the first step at which another waiting flow could overtake the one it
 names (a lower bound; vtc-h: the next step), so the loop re-asks exactly then. The loop
 jumps from event to event and advances decode in bulk; per flow it keeps the number of
@@ -56,7 +57,7 @@ from .estimate import Estimator, RatioEstimator
 from .model import FlowSpec, Request, Workload
 
 if TYPE_CHECKING:
-    from .policies import Policy
+    from .policies import Discipline
 
 __all__ = ["Fleet", "RunResult", "Simulation", "simulate"]
 
@@ -275,15 +276,60 @@ class RunResult:
         return np.array([f.weight for f in self.flows], dtype=float)
 
 
+class _Log:
+    """What a run records as it goes (see :class:`RunResult`): the sample times and, per
+    sample, an entry for each flow whose state changed since the previous one."""
+
+    def __init__(self, nflows: int) -> None:
+        self.times: list[int] = []
+        self.k: list[int] = []
+        self.flow: list[int] = []
+        self.pre: list[int] = []
+        self.done: list[int] = []
+        self.n: list[int] = []
+        self.sa: list[int] = []
+        self.wait: list[int] = []
+        self.charged: list[float] = []
+        self.dirty: list[int] = []
+        self.is_dirty = [False] * nflows
+
+    def touch(self, f: int) -> None:
+        """Flow ``f``'s state changed: the next sample records it."""
+        if not self.is_dirty[f]:
+            self.is_dirty[f] = True
+            self.dirty.append(f)
+
+    def sample(self, t: int, sim: Simulation) -> None:
+        k = len(self.times)
+        self.times.append(t)
+        pre, done, n, sa, wait, charged = (sim.prefilled, sim.decoded_done, sim.running, sim.running_admit,
+                                           sim.waiting, sim.charged)
+        for f in self.dirty:
+            self.k.append(k)
+            self.flow.append(f)
+            self.pre.append(pre[f])
+            self.done.append(done[f])
+            self.n.append(n[f])
+            self.sa.append(sa[f])
+            self.wait.append(wait[f])
+            self.charged.append(charged[f])
+            self.is_dirty[f] = False
+        self.dirty.clear()
+
+
 class Simulation:
-    """One run of ``policy`` on ``workload`` over ``fleet``.
+    """One run of ``policy`` (a discipline, :mod:`sfq.sim.policies`) on ``workload`` over ``fleet``.
 
     ``horizon``: stop at this step (``None``: when every request is done; a workload with
     closed-loop clients that never end needs one). ``marks``: extra steps at which to
     take samples (so windowed metrics are exact there). ``estimator``: the cost estimate
-    stamped on each request at arrival (``Request.est``; a policy with
+    stamped on each request at arrival (``Request.est``; a discipline with
     ``estimate_at_arrival = False`` estimates it itself, through :meth:`estimate`); it
-    is told every completion. ``progress(t)`` is called now and then with the step.
+    is told every completion (unless the discipline ``calibrates`` it itself).
+    ``progress(t)`` is called now and then with the step.
+
+    Each step of the loop (docs/simulator.md §2) is one method: :meth:`_complete`,
+    :meth:`_arrive`, :meth:`_top_up`, :meth:`_admit`, :meth:`_next_event`.
     """
 
     def __init__(
@@ -320,244 +366,237 @@ class Simulation:
         self.estimator = estimator if estimator is not None else RatioEstimator(w_p, w_q)
         self.progress = progress
         nf = len(self.flows)
-        # per-flow aggregates of running requests; policies may read them (VTC does)
+        # per-flow aggregates of running requests; disciplines may read them (VTC does)
         self.running = [0] * nf  # running requests
         self.running_prompt = [0] * nf  # sum of their prompts (tokens)
         self.running_admit = [0] * nf  # sum of their admit steps
         self.running_flows: set[int] = set()  # flows with a running request
         self.waiting = [0] * nf  # requests at the balancer (arrived, not started)
+        self.prefilled = [0] * nf  # prompt tokens of started requests
+        self.decoded_done = [0] * nf  # output tokens of finished requests
+        self.charged = [0.0] * nf  # estimated cost of started requests
+        S = fleet.servers
+        self._heaps: list[list[Any]] = [[] for _ in range(S)]  # per server: (finish, rid, request)
+        self._s_n = [0] * S  # per server: running requests, their prompt sum, their admit-step sum
+        self._s_p = [0] * S
+        self._s_a = [0] * S
+        self._log = _Log(nf)
         self._ran = False
 
     def estimate(self, r: Request) -> float:
         """The estimator's cost of ``r`` now (weighted tokens)."""
         return float(self.estimator.estimate(r))
 
+    def left(self, r: Request) -> None:
+        """A discipline tells the run that ``r``, waiting at the balancer, left without
+        starting (refused or dropped by the request engine): it no longer waits."""
+        self.waiting[r.flow] -= 1
+        self._log.touch(r.flow)
+
     def run(self) -> RunResult:
         """Run to the horizon (or until nothing is left). A Simulation runs once: the
-        policy and the estimator carry state, so make a new one for another run."""
+        discipline and the estimator carry state, so make a new one for another run."""
         if self._ran:
             raise RuntimeError("this Simulation has already run; create a new one (with a fresh policy)")
         self._ran = True
-        reqs = self.workload.requests()
-        policy = self.policy
-        est = self.estimator
-        stamp = getattr(policy, "estimate_at_arrival", True)
-        nf = len(self.flows)
-        S = self.fleet.servers
-        M = self.fleet.kv_budget
-        B = self.fleet.max_batch if self.fleet.max_batch is not None else (1 << 62)
-        n_f, sp_f, sa_f, waiting = self.running, self.running_prompt, self.running_admit, self.waiting
-        running_flows = self.running_flows
-        done_dec = [0] * nf
-        pre = [0] * nf
-        charged = [0.0] * nf  # estimated cost of started requests
-        heaps: list[list[Any]] = [[] for _ in range(S)]
-        s_n = [0] * S
-        s_p = [0] * S
-        s_a = [0] * S
-        N = len(reqs)
-        rejected: list[int] = []
-        closed = [(c, c.sizes()) for c in self.workload.closed]
-        policy.bind(self)
-
-        times: list[int] = []
-        # the log: one entry per flow whose state changed since the last sample
-        lk: list[int] = []
-        lf: list[int] = []
-        lpre: list[int] = []
-        ldone: list[int] = []
-        ln: list[int] = []
-        lsa: list[int] = []
-        lw: list[int] = []
-        lc: list[float] = []
-        dirty: list[int] = []
-        is_dirty = [False] * nf
-
-        def sample(t: int) -> None:
-            k = len(times)
-            times.append(t)
-            for f in dirty:
-                lk.append(k)
-                lf.append(f)
-                lpre.append(pre[f])
-                ldone.append(done_dec[f])
-                ln.append(n_f[f])
-                lsa.append(sa_f[f])
-                lw.append(waiting[f])
-                lc.append(charged[f])
-                is_dirty[f] = False
-            dirty.clear()
-
-        marks = list(self.marks)
-        horizon = self.horizon
-        progress = self.progress
-        i = 0
+        self._reqs = self.workload.requests()
+        self._next_arrival = 0  # index into _reqs of the next arrival
+        self._seq = 0
+        self._rejected: list[int] = []
+        self._closed = [(c, c.sizes()) for c in self.workload.closed]
+        self._marks = list(self.marks)
+        self._stamp = getattr(self.policy, "estimate_at_arrival", True)
+        self._observe = not getattr(self.policy, "calibrates", False)
+        self.policy.bind(self)
+        log, horizon, progress = self._log, self.horizon, self.progress
         t = 0
-        seq = 0
         events = 0
-        heappop, heappush = heapq.heappop, heapq.heappush
         while True:
             events += 1
             if progress is not None and not events & 1023:
                 progress(t)
-            # 1. completions (the policy hears of one before the running aggregates change)
-            for s in range(S):
-                h = heaps[s]
-                while h and h[0][0] <= t:
-                    fin, _, r = heappop(h)
-                    f = r.flow
-                    r.finish = fin
-                    policy.complete(r, t)
-                    s_n[s] -= 1
-                    s_p[s] -= r.prompt
-                    s_a[s] -= r.admit
-                    n_f[f] -= 1
-                    sp_f[f] -= r.prompt
-                    sa_f[f] -= r.admit
-                    done_dec[f] += r.output
-                    if not n_f[f]:
-                        running_flows.discard(f)
-                    est.observe(r)
-                    if not is_dirty[f]:
-                        is_dirty[f] = True
-                        dirty.append(f)
+            self._complete(t)
             if horizon is not None and t >= horizon:
-                sample(t)
+                log.sample(t, self)
                 break
-            # 2. arrivals, then closed-loop clients top up to their `keep`
-            while i < N and reqs[i].arrival <= t:
-                r = reqs[i]
-                i += 1
-                if r.prompt > M:  # can never be placed: rejected, with the reason in the report
-                    rejected.append(r.rid)
-                    continue
-                r.seq = seq
-                seq += 1
-                if stamp:
-                    r.est = est.estimate(r)
-                f = r.flow
-                waiting[f] += 1
-                if not is_dirty[f]:
-                    is_dirty[f] = True
-                    dirty.append(f)
-                policy.arrive(r, t)
-            for c, sizes in closed:
-                f = c.flow
-                if c.active(t) and waiting[f] < c.keep:
-                    while waiting[f] < c.keep:
-                        p, o = next(sizes)
-                        r = Request(len(reqs), f, t, p, o, c.cap)
-                        reqs.append(r)
-                        r.seq = seq
-                        seq += 1
-                        if stamp:
-                            r.est = est.estimate(r)
-                        waiting[f] += 1
-                        policy.arrive(r, t)
-                    if not is_dirty[f]:
-                        is_dirty[f] = True
-                        dirty.append(f)
-            sample(t)
-            # 3. admission: the policy names, the balancer places, or stalls
-            while True:
-                # the balancer asks for the next request only while some server has room
-                # (a free slot and free KV), as a real dispatcher does
-                best = -1
-                best_free = 0
-                for s in range(S):
-                    if s_n[s] < B:
-                        free = M - (s_p[s] + s_n[s] * t - s_a[s])
-                        if free > best_free:
-                            best, best_free = s, free
-                if best < 0:
-                    break
-                r = policy.peek(t)
-                if r is None:
-                    break
-                p = r.prompt
-                if p > best_free:
-                    break  # the named request fits nowhere yet: stall until something leaves
-                policy.admit(r, t)
-                f = r.flow
-                waiting[f] -= 1
-                r.admit = t
-                r.server = best
-                s_n[best] += 1
-                s_p[best] += p
-                s_a[best] += t
-                n_f[f] += 1
-                sp_f[f] += p
-                sa_f[f] += t
-                running_flows.add(f)
-                pre[f] += p
-                charged[f] += r.est
-                if not is_dirty[f]:
-                    is_dirty[f] = True
-                    dirty.append(f)
-                heappush(heaps[best], (t + r.output, r.rid, r))
-            sample(t)
-            # 4. the next event
-            nxt = reqs[i].arrival if i < N else None
-            for h in heaps:
-                if h and (nxt is None or h[0][0] < nxt):
-                    nxt = h[0][0]
-            for c, _ in closed:
-                # the next top-up: next step if it is short of its keep, else its start
-                due = t + 1 if waiting[c.flow] < c.keep or c.start > t else None
-                if due is not None:
-                    due = max(due, c.start)
-                    if (c.end is None or due < c.end) and (nxt is None or due < nxt):
-                        nxt = due
-            w = policy.wakeup(t)
-            if w is not None and w > t and (nxt is None or w < nxt):
-                nxt = w
-            while marks and marks[0] <= t:
-                marks.pop(0)
-            if marks and (nxt is None or marks[0] < nxt):
-                nxt = marks[0]
-            if horizon is not None and (nxt is None or nxt > horizon):
-                nxt = horizon
+            self._arrive(t)
+            self._top_up(t)
+            log.sample(t, self)
+            self._admit(t)
+            log.sample(t, self)
+            nxt = self._next_event(t)
             if nxt is None:
                 break  # nothing will ever happen again
-            policy.advance(t, nxt)
+            self.policy.advance(t, nxt)
             t = nxt
         if progress is not None:
             progress(t)
+        return self._result(t, events)
 
+    # ------------------------------------------------------------------ the steps
+    def _complete(self, t: int) -> None:
+        """Requests finished by ``t`` leave (the discipline hears of each before the running
+        aggregates change)."""
+        policy, est, log = self.policy, self.estimator, self._log
+        n_f, sp_f, sa_f = self.running, self.running_prompt, self.running_admit
+        s_n, s_p, s_a = self._s_n, self._s_p, self._s_a
+        for s, h in enumerate(self._heaps):
+            while h and h[0][0] <= t:
+                fin, _, r = heapq.heappop(h)
+                f = r.flow
+                r.finish = fin
+                policy.complete(r, t)
+                s_n[s] -= 1
+                s_p[s] -= r.prompt
+                s_a[s] -= r.admit
+                n_f[f] -= 1
+                sp_f[f] -= r.prompt
+                sa_f[f] -= r.admit
+                self.decoded_done[f] += r.output
+                if not n_f[f]:
+                    self.running_flows.discard(f)
+                if self._observe:
+                    est.observe(r)
+                log.touch(f)
+
+    def _join(self, r: Request, t: int) -> None:
+        """``r`` reaches the balancer."""
+        r.seq = self._seq
+        self._seq += 1
+        if self._stamp:
+            r.est = self.estimator.estimate(r)
+        self.waiting[r.flow] += 1
+        self._log.touch(r.flow)
+        self.policy.arrive(r, t)
+
+    def _arrive(self, t: int) -> None:
+        """The workload's arrivals at ``t`` join the balancer's queue; a prompt larger than
+        the KV budget can never be placed: rejected (the report says so)."""
+        reqs, M = self._reqs, self.fleet.kv_budget
+        n = len(self.workload)
+        i = self._next_arrival
+        while i < n and reqs[i].arrival <= t:
+            r = reqs[i]
+            i += 1
+            if r.prompt > M:
+                self._rejected.append(r.rid)
+                continue
+            self._join(r, t)
+        self._next_arrival = i
+
+    def _top_up(self, t: int) -> None:
+        """Closed-loop clients top their waiting requests up to their ``keep``."""
+        waiting, reqs = self.waiting, self._reqs
+        for c, sizes in self._closed:
+            f = c.flow
+            if c.active(t) and waiting[f] < c.keep:
+                for _ in range(c.keep - waiting[f]):  # a refused request is not retried this step
+                    p, o = next(sizes)
+                    r = Request(len(reqs), f, t, p, o, c.cap)
+                    reqs.append(r)
+                    self._join(r, t)
+
+    def _admit(self, t: int) -> None:
+        """While some server has room (a free slot and free KV) the discipline starts the
+        next request that fits the server with the most free KV; when the one it names fits
+        nowhere, admission stops until something leaves (the balancer stalls)."""
+        S, M = self.fleet.servers, self.fleet.kv_budget
+        B = self.fleet.max_batch if self.fleet.max_batch is not None else (1 << 62)
+        s_n, s_p, s_a = self._s_n, self._s_p, self._s_a
+        policy = self.policy
+        room = [0]
+
+        def fits(r: Request) -> bool:
+            return r.prompt <= room[0]
+
+        while True:
+            best = -1
+            best_free = 0
+            for s in range(S):
+                if s_n[s] < B:
+                    free = M - (s_p[s] + s_n[s] * t - s_a[s])
+                    if free > best_free:
+                        best, best_free = s, free
+            if best < 0:
+                break
+            room[0] = best_free
+            r = policy.start(t, fits)
+            if r is None:
+                break
+            self._place(r, best, t)
+
+    def _place(self, r: Request, s: int, t: int) -> None:
+        """``r`` starts on server ``s`` at ``t``: prefill now, decode from now on."""
+        f, p = r.flow, r.prompt
+        self.waiting[f] -= 1
+        r.admit = t
+        r.server = s
+        self._s_n[s] += 1
+        self._s_p[s] += p
+        self._s_a[s] += t
+        self.running[f] += 1
+        self.running_prompt[f] += p
+        self.running_admit[f] += t
+        self.running_flows.add(f)
+        self.prefilled[f] += p
+        self.charged[f] += r.est
+        self._log.touch(f)
+        heapq.heappush(self._heaps[s], (t + r.output, r.rid, r))
+
+    def _next_event(self, t: int) -> int | None:
+        """The next step at which something can happen: an arrival, a completion, a
+        closed-loop top-up, the discipline's wake-up, a mark, the horizon (``None``: never)."""
+        reqs, i = self._reqs, self._next_arrival
+        nxt = reqs[i].arrival if i < len(self.workload) else None
+        for h in self._heaps:
+            if h and (nxt is None or h[0][0] < nxt):
+                nxt = h[0][0]
+        waiting = self.waiting
+        for c, _ in self._closed:
+            # the next top-up: next step if it is short of its keep, else its start
+            due = t + 1 if waiting[c.flow] < c.keep or c.start > t else None
+            if due is not None:
+                due = max(due, c.start)
+                if (c.end is None or due < c.end) and (nxt is None or due < nxt):
+                    nxt = due
+        w = self.policy.wakeup(t)
+        if w is not None and w > t and (nxt is None or w < nxt):
+            nxt = w
+        marks = self._marks
+        while marks and marks[0] <= t:
+            marks.pop(0)
+        if marks and (nxt is None or marks[0] < nxt):
+            nxt = marks[0]
+        if self.horizon is not None and (nxt is None or nxt > self.horizon):
+            nxt = self.horizon
+        return nxt
+
+    def _result(self, t: int, events: int) -> RunResult:
+        reqs, log = self._reqs, self._log
         n_req = len(reqs)
         rej = np.zeros(n_req, dtype=bool)
-        rej[rejected] = True
+        rej[self._rejected] = True
+
+        def col(attr: str, dtype: Any) -> np.ndarray:
+            return np.fromiter((getattr(r, attr) for r in reqs), dtype=dtype, count=n_req)
+
+        def arr(xs: list[Any], dtype: Any) -> np.ndarray:
+            return np.asarray(xs, dtype=dtype)
+
         return RunResult(
-            policy=getattr(policy, "label", policy.name),
-            flows=self.flows,
-            fleet=self.fleet,
-            w_p=self.w_p,
-            w_q=self.w_q,
-            end=t,
-            times=np.asarray(times, dtype=np.int64),
-            log_k=np.asarray(lk, dtype=np.int64),
-            log_flow=np.asarray(lf, dtype=np.int64),
-            log_pre=np.asarray(lpre, dtype=np.int64),
-            log_done=np.asarray(ldone, dtype=np.int64),
-            log_n=np.asarray(ln, dtype=np.int64),
-            log_sa=np.asarray(lsa, dtype=np.int64),
-            log_wait=np.asarray(lw, dtype=np.int64),
-            log_charged=np.asarray(lc, dtype=float),
-            arrival=np.fromiter((r.arrival for r in reqs), dtype=np.int64, count=n_req),
-            admit=np.fromiter((r.admit for r in reqs), dtype=np.int64, count=n_req),
-            finish=np.fromiter((r.finish for r in reqs), dtype=np.int64, count=n_req),
-            flow=np.fromiter((r.flow for r in reqs), dtype=np.int64, count=n_req),
-            prompt=np.fromiter((r.prompt for r in reqs), dtype=np.int64, count=n_req),
-            output=np.fromiter((r.output for r in reqs), dtype=np.int64, count=n_req),
-            est=np.fromiter((r.est for r in reqs), dtype=float, count=n_req),
-            server=np.fromiter((r.server for r in reqs), dtype=np.int64, count=n_req),
-            rejected=rej,
-            events=events,
+            policy=getattr(self.policy, "label", self.policy.name), flows=self.flows, fleet=self.fleet,
+            w_p=self.w_p, w_q=self.w_q, end=t, times=arr(log.times, np.int64), log_k=arr(log.k, np.int64),
+            log_flow=arr(log.flow, np.int64), log_pre=arr(log.pre, np.int64), log_done=arr(log.done, np.int64),
+            log_n=arr(log.n, np.int64), log_sa=arr(log.sa, np.int64), log_wait=arr(log.wait, np.int64),
+            log_charged=arr(log.charged, float), arrival=col("arrival", np.int64), admit=col("admit", np.int64),
+            finish=col("finish", np.int64), flow=col("flow", np.int64), prompt=col("prompt", np.int64),
+            output=col("output", np.int64), est=col("est", float), server=col("server", np.int64),
+            rejected=rej, events=events,
         )
 
 
-def simulate(workload: Workload, policy: Policy | str, fleet: Fleet = Fleet(), **kwargs: Any) -> RunResult:
-    """Run ``policy`` (a :class:`~sfq.sim.policies.Policy` or a policy name) on ``workload``."""
+def simulate(workload: Workload, policy: Discipline | str, fleet: Fleet = Fleet(), **kwargs: Any) -> RunResult:
+    """Run ``policy`` (a :class:`~sfq.sim.policies.Discipline` or a policy name) on ``workload``."""
     if isinstance(policy, str):
         from .policies import make_policy
 

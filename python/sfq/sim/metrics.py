@@ -1,30 +1,36 @@
 """Metrics over a :class:`~sfq.sim.engine.RunResult`.
 
-Definitions (units: steps and weighted tokens ``W = w_p * prompt + w_q * generated``).
-A flow is **backlogged** while it has work waiting at the balancer *or running* on an
-engine (``RunResult.busy``).
+Definitions (units: steps and weighted tokens ``W = w_p * prompt + w_q * generated``;
+docs/simulator.md §4 is the reference). A flow is **backlogged in step** ``t`` when it has a
+request waiting at the balancer (arrived, not started) at some moment of the step: at any
+sample taken at ``t`` (after that step's arrivals, or after its admissions), or, between
+events, at the last sample before ``t``. It is **busy** while it has work waiting *or
+running* (``RunResult.busy``).
 
 * **service** of a flow: ``W`` delivered (prefill at admission, decode as generated);
   ``est_cost``: the sum of the estimates of its requests that started.
-* **max drift** (``max_drift``, docs/simulator.md §4): ``max_t max_{f,g in F}
-  |W_f(t0,t)/w_f - W_g(t0,t)/w_g|``, the largest gap in weight-normalised service
-  accumulated since ``t0``, over the flows ``F`` that are backlogged for the whole
-  measured window: from the first sample at which a flow is backlogged it must stay
-  backlogged at every sample up to the end of the window; ``t0`` is the latest of those
-  first samples, the moment from which all of ``F`` are backlogged (with two clients both
-  over their share from the start, it is their first arrival). ``0`` when fewer than two
-  flows qualify. Each flow's ``W`` is linear between samples, so the gap (max minus min,
-  a convex function between two samples) peaks at a sample: per sample only the largest
-  and smallest ``W/w`` over ``F`` are kept, ``O(|F| x samples)``, no pairs.
-* **max interval drift** (``max_interval_drift``, the interval form): the largest
-  ``|W_f(t1,t2)/w_f - W_g(t1,t2)/w_g|`` over pairs ``f, g`` and times ``t1 < t2`` inside one
-  interval during which both were backlogged; it restarts whenever either flow's
-  backlog empties. Quadratic in the flows: ``None`` above ``max_flows`` flows. With
-  ``busy=False`` "backlogged" means waiting at the balancer, the sense of the bound of docs/design.md §3.2
-  on the *charged* cost (``charged=True``), which is what ``max_drift_est`` reports.
-* **Jain's index** among backlogged flows: of each flow's weight-normalised service rate
-  while it was backlogged, over the flows backlogged at least 10% of the window;
-  ``None`` with fewer than two.
+* **max drift** (``max_drift``): for every pair of flows ``f, g`` and every maximal run of
+  consecutive steps ``a .. b`` in each of which both are backlogged, the largest
+  ``|W_f(t1,t2)/w_f - W_g(t1,t2)/w_g|`` for ``a <= t1 < t2 <= b + 1``; the maximum over
+  pairs and runs. Service is linear between samples, so the gap peaks at a sample or at a
+  step boundary (``t + 1`` after the last sample of step ``t``, added where the next sample
+  is later): per pair, per run, the spread of the gap over those points. A flow whose only
+  request started has nothing waiting until its next one arrives; a closed-loop client that
+  tops up every step is backlogged in every step, so the run does not break between its
+  requests. Pairwise: ``None`` above ``max_flows`` flows. With ``charged=True`` it is taken
+  on the *estimated cost charged* (``max_drift_est``), the quantity the bound of
+  docs/design.md §3.2 is about.
+* **drift from the start** (``max_drift_from_start``, the earlier form): ``max_t
+  max_{f,g in F} |W_f(t0,t)/w_f - W_g(t0,t)/w_g|`` over the flows ``F`` busy for the whole
+  window, from the sample from which all of them are. It is 0 when fewer than two flows stay
+  busy throughout (FIFO on a run where one client's queue once drains) and it counts a flow
+  with work running but nothing waiting as backlogged; kept for comparison only.
+* **busy interval drift** (``max_interval_drift``): the interval form over samples,
+  restarting whenever either flow of a pair has nothing waiting *or running*
+  (``busy=False``: nothing waiting at the sample). It counts a client below its share whose
+  requests run long as backlogged, so fair policies show a large gap for it.
+* **Jain's index** among busy flows: of each flow's weight-normalised service rate while
+  it was busy, over the flows busy at least 10% of the window; ``None`` with fewer than two.
 * **wait**: steps from arrival to start. A request still waiting at the end counts as
   having waited until the end (a lower bound), so a starved flow is not hidden.
 * **throughput**: ``W`` per step over the window; ``tokens_per_step``: raw tokens.
@@ -42,6 +48,7 @@ __all__ = [
     "service_at",
     "drift_set",
     "max_drift",
+    "max_drift_from_start",
     "drift_curve",
     "max_interval_drift",
     "jain_index",
@@ -86,8 +93,9 @@ def _window(res: RunResult, t0: int | None, t1: int | None) -> slice:
 
 
 def drift_set(res: RunResult, t0: int | None = None, t1: int | None = None) -> tuple[list[int], int]:
-    """``(F, j0)``: the flows backlogged for the whole window ``[t0, t1]`` (see the module
-    docstring) and the sample from which all of them are (-1 if ``F`` is empty)."""
+    """``(F, j0)``: the flows busy for the whole window ``[t0, t1]`` (from their first busy
+    sample in it; the drift from the start, see the module docstring) and the sample from
+    which all of them are (-1 if ``F`` is empty)."""
     sl = _window(res, t0, t1)
     lo, hi = sl.start, sl.stop
     F: list[int] = []
@@ -118,7 +126,7 @@ def drift_set(res: RunResult, t0: int | None = None, t1: int | None = None) -> t
 
 def drift_curve(res: RunResult, t0: int | None = None, t1: int | None = None,
                 charged: bool = False) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """``(times, gap, F)``: per sample from the start of the measured window, the gap
+    """The drift from the start, per sample. ``(times, gap, F)``: from the start of the measured window, the gap
     ``max_{f in F} W_f/w_f - min_{f in F} W_f/w_f`` of service accumulated since it
     (``charged``: of the estimated cost of started requests)."""
     F, j0 = drift_set(res, t0, t1)
@@ -139,43 +147,128 @@ def drift_curve(res: RunResult, t0: int | None = None, t1: int | None = None,
     return res.times[j0:hi], hi_v - lo_v, F
 
 
-def max_drift(res: RunResult, t0: int | None = None, t1: int | None = None, charged: bool = False) -> float:
-    """The max drift (docs/simulator.md §4) over the window ``[t0, t1]`` (see the module docstring); 0 if
-    fewer than two flows are backlogged for the whole window. ``charged``: of the estimated
-    cost of started requests instead of the service delivered."""
+def max_drift_from_start(res: RunResult, t0: int | None = None, t1: int | None = None,
+                         charged: bool = False) -> float:
+    """The drift from the start (the earlier form of the max drift; see the module docstring)
+    over the window ``[t0, t1]``; 0 if fewer than two flows are busy for the whole window.
+    ``charged``: of the estimated cost of started requests instead of the service delivered."""
     _, gap, _ = drift_curve(res, t0, t1, charged)
     return float(gap.max()) if gap.size else 0.0
 
 
+def _pair_spread(X: np.ndarray, B: np.ndarray) -> float:
+    """The largest spread (max minus min) of ``X[:, i] - X[:, j]`` over the points of one run
+    of consecutive segments in which both ``i`` and ``j`` are backlogged, over every pair.
+
+    ``X``: points x flows, values linear between consecutive points; ``B[p, f]``: flow ``f``
+    is backlogged on the segment from point ``p`` to ``p + 1`` (the last row is ignored). A
+    run of segments covers its points from the start of its first segment to the end of its
+    last one; a gap of linear functions peaks at a point, so the points suffice."""
+    B = B.copy()
+    if B.shape[0]:
+        B[-1] = False  # the last point starts no segment
+    cols = np.flatnonzero(B.any(axis=0))
+    best = 0.0
+    for a, i in enumerate(cols):
+        bi = B[:, i]
+        for j in cols[a + 1:]:
+            seg = bi & B[:, j]
+            if not seg.any():
+                continue
+            on = seg.copy()
+            on[1:] |= seg[:-1]  # a segment's end point belongs to its run
+            pts = np.flatnonzero(on)
+            starts = seg & ~np.concatenate(([False], seg[:-1]))
+            gstart = np.flatnonzero(starts[pts])
+            vals = X[pts, i] - X[pts, j]
+            spread = np.maximum.reduceat(vals, gstart) - np.minimum.reduceat(vals, gstart)
+            best = max(best, float(spread.max()))
+    return best
+
+
+def _step_timeline(res: RunResult, t0: int | None, t1: int | None,
+                   what: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(X, B)`` for :func:`_pair_spread` on the step timeline of :func:`max_drift`.
+
+    Points: every sample, plus a virtual point at ``t + 1`` after the last sample at step
+    ``t`` when the next sample is later (and at ``t0``/``t1`` inside a gap), its value
+    interpolated (service is linear between samples). A segment starting at a sample of
+    step ``t`` lies in step ``t``: the flow is backlogged on it if it had a request waiting
+    at the balancer at any sample of step ``t``. A segment starting at a virtual point lies
+    in the steps up to the next sample, where nothing changes: backlogged if the flow had a
+    request waiting at the last sample before it. Only segments of steps in ``[t0, t1)``."""
+    times = res.times.astype(np.int64)
+    T = times.size
+    X0 = (res.charged if what == "charged" else res.service).astype(float) / res.weights
+    wait = res.backlog  # requests waiting at the balancer, per sample
+    if T == 0:
+        return X0, wait
+    # samples of one step: any of them with a request waiting makes the step backlogged
+    first = np.concatenate(([True], times[1:] != times[:-1]))
+    group = np.cumsum(first) - 1
+    any_wait = np.maximum.reduceat(wait, np.flatnonzero(first), axis=0)[group]
+    # virtual points inside the gaps between samples
+    vk: list[np.ndarray] = []
+    vt: list[np.ndarray] = []
+    gaps = np.flatnonzero(times[1:] > times[:-1] + 1)
+    vk.append(gaps)
+    vt.append(times[gaps] + 1)
+    for w in (t0, t1):
+        if w is None:
+            continue
+        k = int(np.searchsorted(times, w, side="left")) - 1
+        if 0 <= k < T - 1 and times[k] + 1 < w < times[k + 1]:
+            vk.append(np.array([k]))
+            vt.append(np.array([w], dtype=np.int64))
+    k_v = np.concatenate(vk).astype(np.int64)
+    t_v = np.concatenate(vt).astype(np.int64)
+    # all points in time order (a virtual point lies strictly between two samples' times)
+    p_time = np.concatenate((times, t_v))
+    p_src = np.concatenate((np.arange(T), k_v))
+    p_virt = np.concatenate((np.zeros(T, dtype=bool), np.ones(k_v.size, dtype=bool)))
+    order = np.lexsort((p_virt, p_src, p_time))
+    p_time, p_src, p_virt = p_time[order], p_src[order], p_virt[order]
+    nxt = np.minimum(p_src + 1, T - 1)
+    span = (times[nxt] - times[p_src]).astype(float)
+    frac = np.where(p_virt & (span > 0), (p_time - times[p_src]) / np.where(span > 0, span, 1.0), 0.0)
+    X = X0[p_src] + frac[:, None] * (X0[nxt] - X0[p_src])
+    B = np.where(p_virt[:, None], wait[p_src], any_wait[p_src]).astype(bool)
+    keep = np.ones(p_time.size, dtype=bool)
+    if t0 is not None:
+        keep &= p_time >= t0
+    if t1 is not None:
+        keep &= p_time < t1
+    B &= keep[:, None]
+    return X, B
+
+
+def max_drift(res: RunResult, t0: int | None = None, t1: int | None = None, charged: bool = False,
+              max_flows: int = 64) -> float | None:
+    """The max drift (docs/simulator.md §4): the largest ``|W_f(a,b)/w_f - W_g(a,b)/w_g|``
+    over pairs ``f, g`` and times ``a < b`` inside one run of consecutive steps in each of which
+    both had a request waiting at the balancer, within the steps ``[t0, t1)``. ``charged``: of
+    the estimated cost of started requests instead of the service delivered. 0 if no two
+    flows ever waited in the same step; ``None`` with more than ``max_flows`` flows (it is
+    pairwise)."""
+    if len(res.flows) > max_flows:
+        return None
+    X, B = _step_timeline(res, t0, t1, "charged" if charged else "service")
+    return _pair_spread(X, B)
+
+
 def max_interval_drift(res: RunResult, t0: int | None = None, t1: int | None = None, charged: bool = False,
                        busy: bool = True, max_flows: int = 64) -> float | None:
-    """The interval drift (see the module docstring) over samples in ``[t0, t1]``; 0 if no
-    two flows were ever backlogged together, ``None`` with more than ``max_flows`` flows.
-    ``busy=False``: backlogged means waiting at the balancer."""
+    """The busy interval drift (see the module docstring) over samples in ``[t0, t1]``: the
+    gap restarting whenever either flow of a pair has nothing waiting *or running*
+    (``busy=False``: nothing waiting at a sample); 0 if no two flows were ever busy
+    together, ``None`` with more than ``max_flows`` flows."""
     nf = len(res.flows)
     if nf > max_flows:
         return None
     sl = _window(res, t0, t1)
     W = (res.charged if charged else res.service)[sl] / res.weights
     BL = (res.busy if busy else res.backlog)[sl]
-    best = 0.0
-    for i in range(nf):
-        for j in range(i + 1, nf):
-            seg = BL[:, i] & BL[:, j]
-            if seg.size:
-                seg[-1] = False  # the last sample starts no segment
-            if not seg.any():
-                continue
-            d = W[:, i] - W[:, j]
-            on = seg.copy()
-            on[1:] |= seg[:-1]  # a segment's end point belongs to its interval
-            pts = np.flatnonzero(on)
-            starts = seg & ~np.concatenate(([False], seg[:-1]))
-            gstart = np.flatnonzero(starts[pts])
-            vals = d[pts]
-            spread = np.maximum.reduceat(vals, gstart) - np.minimum.reduceat(vals, gstart)
-            best = max(best, float(spread.max()))
-    return best
+    return _pair_spread(W, BL)
 
 
 def jain_index(res: RunResult, t0: int | None = None, t1: int | None = None, min_frac: float = 0.1) -> float | None:

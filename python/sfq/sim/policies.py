@@ -1,13 +1,19 @@
-"""Scheduling policies, one interface.
+"""Scheduling disciplines, one interface.
 
-A policy holds the requests waiting at the balancer and names the next one to start.
-The simulator calls, for each run on a fresh instance:
+A discipline holds the requests waiting at the balancer and names the next one to start.
+(The policy file's type is ``sfq.policy.Policy``; the simulator's ``sfq`` discipline runs one,
+see :mod:`sfq.sim.adapter`.) The simulator calls, for each run on a fresh instance:
 
 * ``bind(sim)`` once (flows, weights, service weights ``w_p``/``w_q``, and the running
   aggregates per flow that in-engine policies read);
 * ``arrive(r, t)`` when request ``r`` reaches the balancer at step ``t`` (``r.est`` is
   set: the estimated cost, weighted tokens; unless the policy sets
   ``estimate_at_arrival = False`` and estimates at dispatch with ``sim.estimate(r)``);
+* ``start(t, fits)``: start the request that should start next if ``fits(r)`` (a server
+  can take it now) and return it; ``None`` when nothing waits or the one it names does not
+  fit (the balancer stalls). The base class does it with the two calls below, which the
+  baselines implement; the request engine (:mod:`sfq.sim.adapter`) looks before it pops
+  itself;
 * ``peek(t)``: the request that should start next, or ``None``. Asking twice without an
   ``admit`` in between returns the same request unless the policy's state changed (for
   the in-engine counters it may: they move with decode);
@@ -23,9 +29,11 @@ The simulator calls, for each run on a fresh instance:
 
 Balancer-side policies order by the estimate: ``fifo``, ``prio`` (strict priority by
 class, FIFO inside), ``rr`` (round robin by request), ``drr`` (deficit round robin with a
-quantum), ``wfq`` (finish tags), ``sfq`` (the project's core, ``sfq.Scheduler``, as the
-dispatcher drives it: see :class:`SFQ` and its charge modes), ``sfq-seed`` (the core
-under the plain rule of docs/design.md §2, for comparison), and ``fifo`` behind a per-flow RPM gate. In-engine policies charge what is incurred
+quantum), ``wfq`` (finish tags), ``sfq`` (the project's request engine,
+:class:`sfq.engine.PolicyEngine`, the one ``sfq serve`` runs, in one of its charge modes:
+:class:`sfq.sim.adapter.EngineDiscipline`), ``sfq-seed`` (the bare core, ``sfq.Scheduler``,
+under the plain rule of docs/design.md §2, for comparison), and ``fifo`` behind a per-flow
+RPM gate. In-engine policies charge what is incurred
 (as VTC does, Sheng et al., OSDI 2024): ``lcf`` (least counter first, no lift), ``vtc`` (with the lift), and
 ``vtc-h`` (VTC charging ``h(n_p, n_q)`` increments).
 """
@@ -41,14 +49,13 @@ from ..policy.charge import CHARGE_MODES, DEFAULT_CHARGE
 from .model import Request
 
 __all__ = [
-    "Policy",
+    "Discipline",
     "FIFO",
     "StrictPriority",
     "RPMLimitedFIFO",
     "RoundRobin",
     "DRR",
     "WFQ",
-    "SFQ",
     "SeedSFQ",
     "CHARGE_MODES",
     "DEFAULT_CHARGE",
@@ -59,14 +66,16 @@ __all__ = [
 ]
 
 
-class Policy:
+class Discipline:
     """Base class; see the module docstring for the protocol."""
 
-    name = "policy"
-    #: True for policies that act inside the engine on incurred service (lcf, vtc)
+    name = "discipline"
+    #: True for disciplines that act inside the engine on incurred service (lcf, vtc)
     in_engine = False
-    #: the simulator stamps ``r.est`` at arrival (False: the policy estimates at dispatch)
+    #: the simulator stamps ``r.est`` at arrival (False: the discipline estimates at dispatch)
     estimate_at_arrival = True
+    #: the discipline feeds the estimator its completions itself (the simulator must not)
+    calibrates = False
 
     def bind(self, sim: Any) -> None:
         self.sim = sim
@@ -81,6 +90,15 @@ class Policy:
 
     def arrive(self, r: Request, t: int) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def start(self, t: int, fits: Callable[[Request], bool]) -> Request | None:
+        """Start the next request if it fits (``fits(r)``) and return it; ``None`` when
+        nothing waits or the named request does not fit."""
+        r = self.peek(t)
+        if r is None or not fits(r):
+            return None
+        self.admit(r, t)
+        return r
 
     def peek(self, t: int) -> Request | None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -98,7 +116,7 @@ class Policy:
         return None
 
 
-class FIFO(Policy):
+class FIFO(Discipline):
     """First come, first served across all flows (the order of arrival, then ``rid``)."""
 
     name = "fifo"
@@ -117,7 +135,7 @@ class FIFO(Policy):
         self.q.popleft()
 
 
-class StrictPriority(Policy):
+class StrictPriority(Discipline):
     """Always the highest class that has work (``FlowSpec.priority``, 0 first); FIFO
     inside a class. Strict priority as a multi-team pool meets it: it protects the urgent class and can
     starve the rest."""
@@ -144,7 +162,7 @@ class StrictPriority(Policy):
         self.qs[self.prio_of[r.flow]].popleft()
 
 
-class RPMLimitedFIFO(Policy):
+class RPMLimitedFIFO(Discipline):
     """FIFO, but a flow may start at most ``rpm`` requests per window of ``window``
     steps (fixed windows ``[k*window, (k+1)*window)``; the simulator's "minute" is 2000
     steps). Requests over the limit wait for the next window."""
@@ -201,7 +219,7 @@ class RPMLimitedFIFO(Policy):
         return (t // self.window + 1) * self.window if self.nwaiting else None
 
 
-class RoundRobin(Policy):
+class RoundRobin(Discipline):
     """Round robin by request: flows with work take turns, one request per turn; a flow
     that (re)joins goes to the end of the line. Ignores size and weight."""
 
@@ -280,7 +298,7 @@ class DRR(RoundRobin):
             self.active.popleft()
 
 
-class WFQ(Policy):
+class WFQ(Discipline):
     """Weighted fair queueing with finish tags (``max(last finish, v) + cost / weight``, self-clocked).
 
     At arrival: ``finish = max(flow_finish, v) + est / weight``; the request with the
@@ -331,7 +349,7 @@ def _first_overtake(t: int, named: int, rate: Callable[[int], float], value: Cal
     return best
 
 
-class SeedSFQ(Policy):
+class SeedSFQ(Discipline):
     """Start-time fair queueing under the plain rule of docs/design.md §2 (``sfq-seed``), for comparison.
 
     Each arrival is enqueued with its estimate, stamped at arrival and never corrected;
@@ -339,6 +357,11 @@ class SeedSFQ(Policy):
     it can be placed (the core charged it at dispatch; the balancer stalls,
     docs/design.md §5); the busy period ends when the core's queue empties (its idle rule). ``core``
     picks the scheduler class (default ``sfq.Scheduler``, the compiled core when built).
+
+    A baseline on the bare core, not the request engine (the ``sfq`` policy is the engine,
+    :mod:`sfq.sim.adapter`): it shows what the plain rule does without the engine's driving
+    (look before you pop, the estimate at dispatch, the charge modes), so it uses the core's
+    ``enqueue`` and ``dispatch`` only.
     """
 
     name = "sfq-seed"
@@ -374,160 +397,6 @@ class SeedSFQ(Policy):
 
 
 
-class SFQ(Policy):
-    """Start-time fair queueing as the dispatcher drives the core (``sfq``).
-
-    * **Look before you pop**: ``peek`` asks the core's ``peek()``; the request is
-      dispatched (and charged) only when the balancer can place it, so nothing is charged
-      while it waits aside.
-    * **Estimate at dispatch**: the cost is estimated when the request starts, from what
-      the estimator has learned by then (it is enqueued at a lower bound, ``w_p * prompt``,
-      and the meter corrected with ``adjust()`` at dispatch: SFQ's order depends on the
-      flows' meters, not on the cost of their heads).
-    * **Busy period held while the engines work**: ``work_started()`` at admission,
-      ``work_done()`` at completion, so the core's idle rule fires when the fleet is idle,
-      not whenever the balancer's queue empties. In ``settle`` and ``served`` the work is
-      reported as the flow's (``work_started(flow)``): a flow whose request still runs has
-      not left the system, so when its next request arrives it keeps its meter instead of
-      being lifted to ``v`` (a closed-loop client's lag is not wiped between its requests).
-    * **Charge modes** (``charge``): ``seed`` charges the estimate at dispatch and never
-      corrects it; ``settle`` corrects it to the actual cost at completion
-      (``adjust(actual - estimate)``); ``served`` charges the prompt at dispatch and each
-      output token as it is generated (``adjust`` per decode step, in bulk between
-      events), reconciled with the actual cost at completion; in this model the per-token
-      charges are exact, so the reconciliation is zero. ``served`` moves the meters between
-      events, so a stalled ``wakeup`` names the first step another flow could overtake.
-    """
-
-    name = "sfq"
-    estimate_at_arrival = False
-
-    def __init__(self, core: Callable[[], Any] | None = None, charge: str | None = None):
-        charge = DEFAULT_CHARGE if charge is None else charge
-        if charge not in CHARGE_MODES:
-            raise ValueError(f"unknown charge mode {charge!r}; choose from {', '.join(CHARGE_MODES)}")
-        if core is None:
-            import sfq
-
-            core = sfq.Scheduler
-        self.core = core
-        self.charge = charge
-
-    @property
-    def label(self) -> str:
-        return f"sfq charge={self.charge}"
-
-    def bind(self, sim: Any) -> None:
-        super().bind(sim)
-        self.sched = self.core()
-        for f, w in enumerate(self.weights):
-            if w != 1.0:
-                self.sched.set_weight(f, w)
-        self.served = self.charge == "served"
-        self.waiting = [0] * self.nflows
-        self.active: set[int] = set()  # flows with a request waiting here
-        self.named = None
-        # served: waiting flows with nothing running keep their meter, so for wakeup()
-        # they sit in a heap on it; those with running requests (the batch) are scanned
-        self.heap: list[tuple[float, int, int]] = []
-        self.ver = [0] * self.nflows
-        self.hot: set[int] = set()
-
-    def _place(self, f: int, running: bool) -> None:
-        if not self.served:
-            return
-        self.ver[f] += 1
-        if not self.waiting[f]:
-            self.hot.discard(f)
-        elif running:
-            self.hot.add(f)
-        else:
-            self.hot.discard(f)
-            heapq.heappush(self.heap, (self.sched.meter(f), f, self.ver[f]))
-
-    def _cold_top(self) -> int | None:
-        heap, ver = self.heap, self.ver
-        while heap:
-            _, f, v = heap[0]
-            if v == ver[f]:
-                return f
-            heapq.heappop(heap)
-        return None
-
-    def _floor(self, r: Request) -> float:
-        c = self.w_p * r.prompt
-        return c if c > 0 else 1.0
-
-    def arrive(self, r: Request, t: int) -> None:
-        self.sched.enqueue(r.flow, self._floor(r), r)
-        f = r.flow
-        self.waiting[f] += 1
-        if self.waiting[f] == 1:
-            self.active.add(f)
-            self._place(f, self.sim.running[f] > 0)
-
-    def peek(self, t: int) -> Request | None:
-        d = self.sched.peek()
-        self.named = None if d is None else d.item
-        return self.named
-
-    def admit(self, r: Request, t: int) -> None:
-        # the work starts with the dispatch: reported first, so that taking the last waiting
-        # request does not close the busy period it opens; in the delivered-service modes it
-        # is reported as the flow's, so the flow keeps its meter (its lag) while it runs
-        self.sched.work_started(None if self.charge == "seed" else r.flow)
-        d = self.sched.dispatch()
-        if d is None or d.item is not r:  # pragma: no cover - peek() promises the same request
-            raise RuntimeError(f"the core dispatched {d!r}, not the request it named ({r!r})")
-        f = r.flow
-        r.est = self.sim.estimate(r)
-        target = self.w_p * r.prompt if self.served else r.est
-        if target != d.cost:
-            self.sched.adjust(f, target - d.cost)
-        self.waiting[f] -= 1
-        if not self.waiting[f]:
-            self.active.discard(f)
-        self._place(f, True)  # r runs from now
-        self.named = None
-
-    def advance(self, t0: int, t1: int) -> None:
-        self.named = None
-        if not self.served:
-            return
-        k = t1 - t0
-        n_f = self.sim.running
-        for f in self.sim.running_flows:
-            self.sched.adjust(f, self.w_q * k * n_f[f])
-
-    def complete(self, r: Request, t: int) -> None:
-        actual = self.w_p * r.prompt + self.w_q * r.output
-        if self.charge == "settle":
-            delta = actual - r.est
-        elif self.served:
-            delta = actual - (self.w_p * r.prompt + self.w_q * (t - r.admit))  # zero here
-        else:
-            delta = 0.0
-        if delta:
-            self.sched.adjust(r.flow, delta)
-        self.sched.work_done(None if self.charge == "seed" else r.flow)
-        if self.sim.running[r.flow] == 1:  # its last running request: the meter stops
-            self._place(r.flow, False)
-
-    def wakeup(self, t: int) -> int | None:
-        if not self.served or self.named is None or len(self.active) < 2:
-            return None
-        f = self.named.flow
-        if f not in self.hot:
-            return None  # its meter stands still: no waiting flow can pass it
-        others = list(self.hot)
-        top = self._cold_top()
-        if top is not None:
-            others.append(top)  # of the flows whose meters stand still, the lowest
-        n_f = self.sim.running
-        w_q, weights, meter = self.w_q, self.weights, self.sched.meter
-        return _first_overtake(t, f, lambda g: w_q * n_f[g] / weights[g], meter, others)
-
-
 def context_h(beta: float) -> Callable[[float, float, int, int], float]:
     """``h(n_p, n_q) = w_p n_p + w_q n_q + beta * sum_{j=1..n_q} (n_p + j)``: decode of
     the j-th token is charged ``w_q + beta * context_len`` (VTC's generalised cost h, Sheng et al., OSDI 2024)."""
@@ -538,7 +407,7 @@ def context_h(beta: float) -> Callable[[float, float, int, int], float]:
     return h
 
 
-class VTC(Policy):
+class VTC(Discipline):
     """The virtual token counter (Sheng et al., OSDI 2024), inside the engine.
 
     Each flow has a counter ``c`` (in weighted tokens / weight). The waiting flow with the
@@ -692,19 +561,29 @@ class VTC(Policy):
         return _first_overtake(t, f, lambda g: w_q * n_f[g] / weights[g], c.__getitem__, others)
 
 
-def _rpm_fifo(rpm: int | None = None, window: int = 2000, **_: Any) -> Policy:
+#: the earlier name of :class:`Discipline` (not exported: the policy file's type is ``sfq.policy.Policy``)
+Policy = Discipline
+
+
+def _rpm_fifo(rpm: int | None = None, window: int = 2000, **_: Any) -> Discipline:
     return FIFO() if rpm is None else RPMLimitedFIFO(rpm, window)
+
+
+def _sfq(core: Callable[[], Any] | None = None, charge: str | None = None, **_: Any) -> Discipline:
+    from .adapter import EngineDiscipline
+
+    return EngineDiscipline.sfq(core, charge)
 
 
 #: name -> factory(**options); options: quantum (drr), beta (vtc-h), rpm/window (fifo),
 #: core and charge (sfq; core for sfq-seed). Unknown options are ignored by the factories that do not use them.
-POLICIES: dict[str, Callable[..., Policy]] = {
+POLICIES: dict[str, Callable[..., Discipline]] = {
     "fifo": _rpm_fifo,
     "prio": lambda **_: StrictPriority(),
     "rr": lambda **_: RoundRobin(),
     "drr": lambda quantum=1024.0, **_: DRR(quantum),
     "wfq": lambda **_: WFQ(),
-    "sfq": lambda core=None, charge=None, **_: SFQ(core, charge),
+    "sfq": _sfq,
     "sfq-seed": lambda core=None, **_: SeedSFQ(core),
     "lcf": lambda **_: VTC(lift=False),
     "vtc": lambda **_: VTC(lift=True),
@@ -712,8 +591,8 @@ POLICIES: dict[str, Callable[..., Policy]] = {
 }
 
 
-def make_policy(name: str, **options: Any) -> Policy:
-    """A fresh policy by name (see :data:`POLICIES`); ``ValueError`` names an unknown one."""
+def make_policy(name: str, **options: Any) -> Discipline:
+    """A fresh discipline by name (see :data:`POLICIES`); ``ValueError`` names an unknown one."""
     try:
         factory = POLICIES[name]
     except KeyError:

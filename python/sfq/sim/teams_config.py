@@ -1,11 +1,12 @@
 """A policy file in the simulator: ``sfq simulate teams --config FILE``.
 
-:class:`PolicySim` is a simulator policy (the ``sfq.sim.Policy`` protocol) that runs the
-same :class:`~sfq.engine.PolicyEngine` as ``PolicyDispatcher``: classification is the
-simulator's flow names (``org/class``), ordering, limits, queue ages and size buckets are the
-policy's. The simulated fleet places the requests (its servers, KV budgets and batch slots
-stand for the pool's backends), so the pool's backend list is replaced by one unlimited
-virtual backend; the pool's own ``limits``, every org and class limit, and the rate buckets
+The file runs on :class:`~sfq.sim.adapter.EngineDiscipline`, the same
+:class:`~sfq.engine.PolicyEngine` as ``sfq serve``: classification is the simulator's flow
+names (``org/class``); ordering, the charge mode (``cost.charge``), the estimator (the
+file's ``cost`` section), limits, queue ages and size buckets are the policy's. The
+simulated fleet places the requests (its servers, KV budgets and batch slots stand for the
+pool's backends), so the pool's backend list is replaced by one virtual backend without a
+slot limit; the pool's own ``limits``, every org and class limit, and the rate buckets
 apply as written. Time: the simulator's minute is 2,000 decode steps, so one second is
 2000/60 steps (queue ages, deadlines and per-minute rates are converted with it).
 
@@ -18,108 +19,14 @@ counted per team.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Sequence
-from types import MappingProxyType
 from typing import Any
 
-from ..errors import Refused
 from ..policy.classify import Flow
-from ..policy.config import BackendSpec, Policy
-from ..engine import PolicyEngine
-from ..engine.pool import Request
+from ..policy.config import Policy
+from .adapter import STEPS_PER_SECOND, EngineDiscipline
 
-__all__ = ["PolicySim", "STEPS_PER_SECOND", "run_teams_config", "sim_policy"]
-
-#: decode steps per second of policy time (the simulator's minute is 2,000 steps)
-STEPS_PER_SECOND = 2000.0 / 60.0
-_SIM_BACKEND = BackendSpec("sim-fleet", max_in_flight=1 << 30, name="simulated-fleet")
-
-
-def sim_policy(policy: Policy) -> Policy:
-    """``policy`` with every pool's backends replaced by one unlimited virtual backend (the
-    simulated fleet does the placement)."""
-    pools = {name: dataclasses.replace(p, backends=(_SIM_BACKEND,)) for name, p in policy.pools.items()}
-    return dataclasses.replace(policy, pools=MappingProxyType(pools))
-
-
-class PolicySim:
-    """The simulator's policy protocol over a :class:`PolicyEngine`.
-
-    ``flows``: the simulator flow index -> policy ``Flow`` (the request's org, class, pool).
-    """
-
-    name = "policy-file"
-    in_engine = False
-    estimate_at_arrival = True
-
-    def __init__(self, policy: Policy, flows: Sequence[Flow], *, scheduler: Any = None) -> None:
-        self.policy = sim_policy(policy)
-        self.flow_of = list(flows)
-        self.scheduler = scheduler
-        self.t = 0
-        self.refused: dict[str, int] = {}
-        self.dropped: dict[str, int] = {}
-
-    @property
-    def label(self) -> str:
-        return self.name
-
-    def _clock(self) -> float:
-        return self.t / STEPS_PER_SECOND
-
-    def bind(self, sim: Any) -> None:
-        self.sim = sim
-        if len(self.flow_of) != len(sim.flows):
-            raise ValueError(f"{len(self.flow_of)} policy flows for {len(sim.flows)} simulated flows")
-        self.engine = PolicyEngine(self.policy, clock=self._clock, scheduler=self.scheduler)
-        self._req: dict[int, Request] = {}  # simulator rid -> the policy's request
-        self._next: Any = None  # the simulator request the policy started, not yet admitted
-
-    def _count_drops(self) -> None:
-        for d in self.engine.dropped:
-            key = d.flow.org
-            self.dropped[key] = self.dropped.get(key, 0) + 1
-        self.engine.dropped = []
-
-    def arrive(self, r: Any, t: int) -> None:
-        self.t = t
-        flow = self.flow_of[r.flow]
-        try:
-            pr = self.engine.submit(flow, cost=max(float(r.est), 1e-9), tokens=float(r.prompt + r.max_tokens),
-                                    item=r)
-        except Refused:
-            self.refused[flow.org] = self.refused.get(flow.org, 0) + 1
-            return
-        self._req[r.rid] = pr
-
-    def peek(self, t: int) -> Any:
-        self.t = t
-        if self._next is None:
-            pr = self.engine.next_start()
-            self._count_drops()
-            if pr is not None:
-                self._next = pr.item
-        return self._next
-
-    def admit(self, r: Any, t: int) -> None:
-        assert r is self._next
-        self._next = None
-
-    def advance(self, t0: int, t1: int) -> None:
-        pass
-
-    def complete(self, r: Any, t: int) -> None:
-        self.t = t
-        pr = self._req.pop(r.rid)
-        self.engine.complete(pr, {"prompt_tokens": int(r.prompt), "completion_tokens": int(r.output)})
-
-    def wakeup(self, t: int) -> int | None:
-        at = self.engine.wake_at()
-        if at is None:
-            return None
-        return max(t + 1, math.ceil(at * STEPS_PER_SECOND - 1e-9))
+__all__ = ["STEPS_PER_SECOND", "run_teams_config", "teams_flows"]
 
 
 def teams_flows(policy: Policy, names: Sequence[str]) -> list[Flow]:
@@ -128,7 +35,7 @@ def teams_flows(policy: Policy, names: Sequence[str]) -> list[Flow]:
     out = []
     for name in names:
         org, _, cls = name.partition("/")
-        o = policy.orgs.get(org)
+        o = policy.org(org)
         if o is None or cls not in o.classes:
             raise ValueError(f"the teams scenario's flow {name!r} needs org {org!r} with class {cls!r} in the policy "
                              f"file (orgs: {', '.join(policy.orgs)}); see docs/policy-teams.yaml")
@@ -150,7 +57,7 @@ def run_teams_config(policy: Policy, *, seed: int = 0, steps: int | None = None,
     flows = teams_flows(policy, [f.name for f in wl.flows])
     rows = []
     for label in ("policy-file", *compare):
-        pol: Any = PolicySim(policy, flows) if label == "policy-file" else make_policy(label)
+        pol: Any = EngineDiscipline(policy, flows) if label == "policy-file" else make_policy(label)
         res = Simulation(wl, pol, fleet, w_p=w_p, w_q=w_q, horizon=steps,
                          estimator=make_estimator(w_p, w_q, prior)).run()
         final = res.final_service()

@@ -44,8 +44,10 @@ def local_policy(policy: Policy) -> Policy:
     classes = {n: replace(c, max_in_flight=_UNLIMITED if c.strict else None, max_queue_length=None)
                for n, c in policy.classes.items()}
     orgs = {n: replace(o, max_in_flight=None, requests_per_minute=None) for n, o in policy.orgs.items()}
+    t = policy.org_template
     return replace(policy, pools=MappingProxyType(pools), classes=MappingProxyType(classes),
-                   orgs=MappingProxyType(orgs))
+                   orgs=MappingProxyType(orgs),
+                   org_template=None if t is None else replace(t, max_in_flight=None, requests_per_minute=None))
 
 
 class Ticket:

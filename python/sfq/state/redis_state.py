@@ -39,8 +39,8 @@ from dataclasses import replace
 from typing import Any
 
 from ..errors import PolicyError, Refused
-from ..policy.classify import Flow
-from ..policy.config import Policy, StateSpec
+from ..policy.classify import Flow, unknown_org
+from ..policy.config import OrgSpec, Policy, StateSpec
 from ..engine.pool import Request
 from . import _lua
 from .base import SharedState, Ticket
@@ -375,6 +375,13 @@ class RedisState(SharedState):
                         await asyncio.wait_for(ps.aclose(), self.timeout)
 
     # ------------------------------------------------------------ admission
+    def _org(self, name: str) -> OrgSpec:
+        """The org of an admitted flow (the file's, or made from its template)."""
+        org = self.policy.org(name)
+        if org is None:  # (the engine admits only flows the policy allows)
+            raise unknown_org(name)
+        return org
+
     def _unavailable(self) -> Refused:
         return Refused("state_unavailable", f"the gateways' shared state cannot be used: {self.reason}")
 
@@ -382,7 +389,7 @@ class RedisState(SharedState):
         if not self.available:
             raise self._unavailable()
         cls = self.policy.classes[flow.cls]
-        org = self.policy.orgs[flow.org]
+        org = self._org(flow.org)
         q = None
         member = f"{self.gateway_id}:t{next(self._tickets)}"
         if cls.max_queue_length is not None:
@@ -431,7 +438,7 @@ class RedisState(SharedState):
         flow = r.flow
         cls = pol.classes[flow.cls]
         groups = []
-        org = pol.orgs[flow.org]
+        org = self._org(flow.org)
         if org.max_in_flight is not None:
             groups.append([f"org:{flow.org}", org.max_in_flight])
         if cls.max_in_flight is not None:
@@ -586,7 +593,7 @@ class RedisState(SharedState):
         flow = r.flow
         a.granted = True
         a.keys = [f"{p}lease:pool:{flow.pool}", f"{p}lease:backend:{backend}"]
-        if self.policy.orgs[flow.org].max_in_flight is not None:
+        if self._org(flow.org).max_in_flight is not None:
             a.keys.append(f"{p}lease:org:{flow.org}")
         if self.policy.classes[flow.cls].max_in_flight is not None:
             a.keys.append(f"{p}lease:class:{flow.cls}")

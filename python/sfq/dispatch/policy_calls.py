@@ -1,0 +1,419 @@
+"""What a :class:`~sfq.dispatch.PolicyDispatcher` hands out for one request: the
+:class:`Grant` of :meth:`~sfq.dispatch.PolicyDispatcher.acquire` (where to send it, and how
+to report what it delivered) and the :class:`EventStream` of
+:meth:`~sfq.dispatch.PolicyDispatcher.open_stream` and ``stream`` (its events, admitted and
+answered by the upstream before the first one is handed out). Both report to the
+dispatcher's request engine; neither decides anything."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from ..backends import CHAT_COMPLETIONS, COMPLETIONS
+from ..engine.pool import RUNNING, Request
+from ..errors import BackendError, DeadlineExceeded
+from ..policy.classify import Flow
+from .stream import EventStream
+
+if TYPE_CHECKING:
+    from ..engine import PolicyEngine
+    from .policy_dispatcher import PolicyDispatcher
+
+
+class GrantOwner(Protocol):
+    """What a :class:`Grant` reports to: the dispatcher that granted it."""
+
+    @property
+    def engine(self) -> PolicyEngine: ...
+
+    def _completed(self, r: Request, usage: Mapping[str, Any] | None, text_chars: int | None) -> None: ...
+
+__all__ = ["BackendAddress", "EventStream", "Grant", "GrantOwner", "PolicyEventStream"]
+
+Reply = dict[str, Any]
+Event = dict[str, Any]
+T = TypeVar("T")
+
+
+class _Expired(Exception):
+    """A bound of :func:`_within` ran out (not the awaited call's own timeout)."""
+
+
+if sys.version_info >= (3, 11):
+    async def _within(aw: Awaitable[T], limit: float | None) -> T:
+        """``await aw`` within ``limit`` seconds (``None``: no bound), in the caller's task."""
+        if limit is None:
+            return await aw
+        cm = asyncio.timeout(limit)
+        try:
+            async with cm:
+                return await aw
+        except TimeoutError:
+            if cm.expired():
+                raise _Expired() from None
+            raise
+else:  # pragma: no cover - Python 3.10
+    async def _within(aw: Awaitable[T], limit: float | None) -> T:
+        """``await aw`` within ``limit`` seconds (``None``: no bound)."""
+        if limit is None:
+            return await aw
+        try:
+            return await asyncio.wait_for(aw, limit)
+        except asyncio.TimeoutError:
+            raise _Expired() from None
+
+
+def _endpoint(body: Mapping[str, Any]) -> str:
+    return CHAT_COMPLETIONS if "messages" in body else COMPLETIONS
+
+
+def _text_chars(choices: object) -> int:
+    """Characters of text in an OpenAI reply's (or event's) ``choices``."""
+    if not isinstance(choices, list):
+        return 0
+    n = 0
+    for ch in choices:
+        if not isinstance(ch, Mapping):
+            continue
+        t = ch.get("text")
+        if t is None:
+            m = ch.get("message") or ch.get("delta")
+            if isinstance(m, Mapping):
+                t = m.get("content")
+        if isinstance(t, str):
+            n += len(t)
+    return n
+
+
+class BackendAddress:
+    """Where a granted request goes: the backend's ``name`` (as the policy names it), ``url``
+    (the server's root, e.g. ``http://10.0.0.5:8000``) and ``headers`` (the backend's own,
+    its upstream key included; never the client's)."""
+
+    __slots__ = ("name", "url", "headers")
+
+    def __init__(self, name: str, url: str, headers: Mapping[str, str]) -> None:
+        self.name = name
+        self.url = url
+        self.headers: Mapping[str, str] = MappingProxyType(dict(headers))
+
+    def __repr__(self) -> str:  # never the headers: they hold the upstream key
+        return f"BackendAddress({self.name!r}, {self.url!r})"
+
+
+class Grant:
+    """A request's turn on a backend: what ``acquire`` yields (``PolicyDispatcher.acquire``,
+    ``Dispatcher.acquire``).
+
+    ``backend`` says where to send it (:class:`BackendAddress`); ``url`` is the endpoint for
+    its body (``.../v1/chat/completions`` or ``.../v1/completions``); ``request`` is the
+    engine's record of it; ``deadline`` its deadline on the dispatcher's clock (``None``: none).
+    Report what the call delivered with :meth:`delivered` (a stream's output tokens as they
+    pass) and end it with :meth:`finish` (the reply's usage: settles the charge)."""
+
+    __slots__ = ("_pd", "request", "backend", "url", "_ended")
+
+    def __init__(self, pd: GrantOwner, r: Request, backend: BackendAddress, endpoint: str) -> None:
+        self._pd = pd
+        self.request = r
+        self.backend = backend
+        self.url = f"{backend.url}/v1/{endpoint}"
+        self._ended = False
+
+    @property
+    def deadline(self) -> float | None:
+        """The request's deadline on the dispatcher's clock (``None``: it has none)."""
+        return self.request.deadline
+
+    def delivered(self, tokens: float) -> float:
+        """``tokens`` more output tokens reached the client; returns the tokens counted (the
+        request's ``max_tokens`` caps the total). In the ``served`` charge mode a stream's flow
+        is charged them now."""
+        if self._ended:
+            raise RuntimeError("delivered() after the grant ended")
+        return self._pd.engine.delivered(self.request, tokens)
+
+    def finish(self, usage: Mapping[str, Any] | None = None, *, output_text_chars: int | None = None) -> None:
+        """The call succeeded: ``usage`` (the reply's OpenAI ``usage``) settles the charge; without
+        one, the tokens :meth:`delivered` or ``output_text_chars`` (the returned text's length)
+        do. Frees the slot at once; a second call is a ``RuntimeError``."""
+        if self._ended:
+            raise RuntimeError("finish() after the grant ended")
+        self._ended = True
+        self._pd._completed(self.request, usage, output_text_chars)
+
+
+class PolicyEventStream(EventStream):
+    """A streamed request's events (parsed JSON objects), as :meth:`PolicyDispatcher.stream`,
+    :meth:`~PolicyDispatcher.stream_flow` and :meth:`~PolicyDispatcher.open_stream` return it.
+
+    An async context manager and a closeable async iterator. It opens (admission, the wait
+    for its turn, the upstream's answer up to its first event) when entered or at the first
+    iteration; every refusal raises there, as an ``SFQError``. Each event passed on counts as
+    delivered service (``served``: charged as it passes); the upstream is always asked for
+    usage, and a usage-only event is passed on only when the body asked for it
+    (``stream_options.include_usage``). Closing it before the end (``aclose()``, leaving the
+    ``async with``, cancelling the task) cancels the request and aborts the upstream call.
+    When the request's deadline runs out while the consumer is busy elsewhere (a slow
+    client), the upstream call is aborted and its slot freed at once; the next iteration
+    raises ``DeadlineExceeded``.
+    """
+
+    def __init__(self, pd: PolicyDispatcher, flow: Flow | None, credential: str | None, cls: str | None,
+                 body: Mapping[str, Any], timeout: float | None,
+                 on_admit: Callable[[Request], None] | None) -> None:
+        self._pd = pd
+        self._flow = flow
+        self._credential = credential
+        self._cls = cls
+        self._body = body
+        self._timeout = timeout
+        self._on_admit = on_admit
+        self.request: Request | None = None  # the engine's record, once admitted
+        self._opened = False
+        self._done = False  # ended (completed, failed, cancelled or closed): nothing more to read
+        self._agen: AsyncIterator[Event] | None = None
+        self._pending: deque[Event] = deque()
+        self._passed = 0  # events passed to the consumer
+        self._usage: Mapping[str, Any] | None = None
+        self._chars = 0
+        self._wants_usage = False
+        self._send: dict[str, Any] = {}
+        self._total_until: float | None = None
+        self._first = True  # the next event is the first of its attempt
+        self._reading = False  # inside _open or __anext__: the reads' own bounds apply
+        self._expired: DeadlineExceeded | None = None
+        self._watchdog: asyncio.TimerHandle | None = None
+
+    # ---------------------------------------------------------------- the protocol
+    def __aiter__(self) -> PolicyEventStream:
+        return self
+
+    async def __aenter__(self) -> PolicyEventStream:
+        self._reading = True
+        try:
+            await self._open()
+        finally:
+            self._reading = False
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def __anext__(self) -> Event:
+        self._reading = True
+        try:
+            if not self._opened:
+                await self._open()
+            return await self._next()
+        except (asyncio.CancelledError, GeneratorExit):
+            await self._abandon()
+            raise
+        finally:
+            self._reading = False
+
+    async def aclose(self) -> None:
+        """End the stream; before its end, the request is cancelled (the upstream call aborted)."""
+        if not self._done:
+            await self._abandon()
+
+    def __del__(self) -> None:
+        # dropped unclosed while its request holds a slot (``break`` without closing): free it on
+        # the loop's next step (not here: a finalizer may run in the middle of a pump)
+        r = self.request
+        if self._done or r is None or r.outcome is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        loop.call_soon(self._pd._gave_up, r)
+
+    # ---------------------------------------------------------------- opening
+    async def _open(self) -> None:
+        if self._opened:
+            raise RuntimeError("the stream is already open (or opening)")
+        self._opened = True
+        pd = self._pd
+        body = self._body
+        try:
+            flow = self._flow if self._flow is not None else pd.classify(self._credential, body, self._cls)
+            so = body.get("stream_options") if isinstance(body, Mapping) else None
+            self._wants_usage = isinstance(so, Mapping) and bool(so.get("include_usage"))
+            r = await pd._admit(flow, body, self._timeout, None, streaming=True)
+        except BaseException:
+            self._done = True
+            raise
+        self.request = r
+        if self._on_admit is not None:
+            self._on_admit(r)
+        send = dict(body)
+        send["stream"] = True
+        send["stream_options"] = {**(so if isinstance(so, Mapping) else {}), "include_usage": True}
+        self._send = send
+        try:
+            await self._attempt()
+        except BaseException as exc:
+            self._done = True
+            self._disarm()
+            if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+                pd._gave_up(r)
+            raise
+
+    async def _attempt(self) -> None:
+        """Wait for the turn and start an attempt, up to its first event; retried (the
+        policy's rules) while the upstream fails before it."""
+        pd = self._pd
+        r = self.request
+        assert r is not None
+        while True:
+            await pd._turn(r)
+            assert r.backend is not None
+            self._agen = pd._backends[r.backend].stream(_endpoint(self._send), self._send)
+            self._first = True
+            self._total_until = pd._total_until(r)
+            self._arm()
+            try:
+                ev = await self._pull()
+            except BackendError as exc:
+                await self._drop_agen()
+                await pd._retry(r, exc)
+                continue
+            if ev is None:
+                self._end()
+            else:
+                self._pending.append(ev)
+            return
+
+    # ---------------------------------------------------------------- reading
+    async def _pull(self) -> Event | None:
+        """The attempt's next event from the upstream (``None``: its end), within the pool's
+        upstream timeouts and the deadline. Raises ``BackendError`` (a failure),
+        ``DeadlineExceeded``."""
+        pd = self._pd
+        r = self.request
+        assert r is not None and self._agen is not None
+        t = pd._timeouts(r)
+        first = self._first
+        limit, why = pd._bound(r, t.first_byte if first else t.between_events, self._total_until)
+        try:
+            ev = await _within(self._agen.__anext__(), limit)
+        except StopAsyncIteration:
+            return None
+        except _Expired:
+            if why == "deadline":
+                self._done = True
+                await self._drop_agen()
+                raise pd._deadline_hit(r, "streaming") from None
+            raise pd._upstream_timeout(r, why, "waiting for the first event" if first else
+                                       "waiting for the next event", limit) from None
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as exc:
+            raise pd._wrap(r, exc) from exc
+        self._first = False
+        u = ev.get("usage")
+        if u:
+            self._usage = u if isinstance(u, Mapping) else None
+        self._chars += _text_chars(ev.get("choices"))
+        return ev
+
+    async def _next(self) -> Event:
+        pd = self._pd
+        r = self.request
+        assert r is not None
+        while True:
+            if self._expired is not None:
+                err, self._expired = self._expired, None
+                raise err
+            if self._pending:
+                ev = self._pending.popleft()
+            elif self._done:
+                raise StopAsyncIteration
+            else:
+                try:
+                    got = await self._pull()
+                except BackendError as exc:
+                    await self._drop_agen()
+                    if self._passed:  # an event reached the client: never retried
+                        self._done = True
+                        self._disarm()
+                        pd._attempt_failed(r, exc, retryable=False)
+                        raise
+                    try:
+                        await pd._retry(r, exc)
+                        await self._attempt()
+                    except BaseException:
+                        self._done = True
+                        self._disarm()
+                        raise
+                    continue
+                if got is None:
+                    self._end()
+                    raise StopAsyncIteration
+                ev = got
+            if not self._wants_usage and ev.get("usage") and not ev.get("choices"):
+                continue  # the usage-only event the client did not ask for
+            self._passed += 1
+            if r.state == RUNNING:
+                pd.engine.delivered(r, pd.engine.event_tokens(r, ev))
+            return ev
+
+    # ---------------------------------------------------------------- endings
+    def _end(self) -> None:
+        """The upstream sent its end marker: the request completed."""
+        self._done = True
+        self._disarm()
+        r = self.request
+        assert r is not None
+        self._pd._completed(r, self._usage, self._chars)
+
+    async def _abandon(self) -> None:
+        """The consumer stopped before the end: cancel the request, abort the upstream call."""
+        self._done = True
+        self._disarm()
+        await self._drop_agen()
+        if self.request is not None:
+            self._pd._gave_up(self.request)
+
+    async def _drop_agen(self) -> None:
+        agen, self._agen = self._agen, None
+        if agen is not None:
+            aclose = getattr(agen, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+
+    def _arm(self) -> None:
+        """At the request's deadline, abort the upstream call even while the consumer is busy
+        elsewhere (a client that stopped reading must not keep its slot)."""
+        r = self.request
+        if r is None or r.deadline is None or self._watchdog is not None:
+            return
+        delay = max(0.0, r.deadline - self._pd.clock())
+        self._watchdog = asyncio.get_running_loop().call_later(delay, self._on_deadline)
+
+    def _disarm(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+
+    def _on_deadline(self) -> None:
+        self._watchdog = None
+        r = self.request
+        if self._reading or self._done or r is None or r.state != RUNNING:
+            return  # the reader's own bound applies (or it has ended)
+        self._done = True
+        self._pending.clear()
+        self._expired = self._pd._deadline_hit(r, "streaming to a client that did not read")
+        agen, self._agen = self._agen, None
+        if agen is not None:
+            aclose = getattr(agen, "aclose", None)
+            if aclose is not None:
+                asyncio.get_running_loop().create_task(aclose())

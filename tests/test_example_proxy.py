@@ -1,0 +1,221 @@
+"""examples/proxy.py, run as its users run it, driven by the official ``openai`` client against
+a loopback upstream: a streamed bad request is a 400 JSON error (not a 200 and a cut stream),
+a queued stream whose client leaves never reaches the upstream, two tenants get their shares
+while one floods, and orgs the policy file gives no key (or only its template) are served."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import socket
+import sys
+import textwrap
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+import sfq
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "proxy.py"
+openai = pytest.importorskip("openai")
+
+pytestmark = [
+    pytest.mark.skipif(not EXAMPLE.is_file(), reason="needs the source tree (examples/)"),
+    pytest.mark.skipif(not hasattr(sfq.PolicyDispatcher, "open_stream"),
+                       reason="needs PolicyDispatcher.acquire and open_stream"),
+]
+
+
+def _fake_openai() -> Any:
+    """The policy tests' loopback OpenAI server (tests/policy/fake_openai.py), by path."""
+    spec = importlib.util.spec_from_file_location("sfq_tests_fake_openai", ROOT / "tests" / "policy" / "fake_openai.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.FakeOpenAI
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _until(cond: Any, what: str, limit: float = 15.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + limit
+    while not await cond():
+        if loop.time() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[Any]:
+    up = _fake_openai()()
+    await up.start()
+    yield up
+    if up.release is not None:
+        up.release.set()
+    await up.stop()
+
+
+class Proxy:
+    def __init__(self, url: str, http: aiohttp.ClientSession) -> None:
+        self.url = url
+        self.http = http
+
+    async def stats(self) -> dict[str, Any]:
+        async with self.http.get(f"{self.url}/stats") as r:
+            assert r.status == 200
+            out: dict[str, Any] = await r.json()
+            return out
+
+    async def waiting(self) -> int:
+        return sum(int(f["waiting"]) for f in (await self.stats())["flows"].values())
+
+    def client(self, key: str) -> Any:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=30)
+
+
+@pytest.fixture
+async def proxy(upstream: Any, tmp_path: Path) -> AsyncIterator[Proxy]:
+    # acme and globex: orgs without keys (the proxy authenticates its users); anyone else the
+    # proxy names (initech) gets the template
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(textwrap.dedent(f"""\
+        pools:
+          gpu:
+            models: [m]
+            backends: [{{url: "{upstream.url}", max_in_flight: 1}}]
+        classes:
+          interactive: {{weight: 1}}
+        orgs:
+          acme: {{classes: [interactive]}}
+          globex: {{classes: [interactive]}}
+        org_template: {{classes: [interactive]}}
+        """))
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(sfq.__file__).resolve().parents[1])}
+    log = (tmp_path / "proxy.log").open("wb")
+    proc = await asyncio.create_subprocess_exec(sys.executable, str(EXAMPLE), str(policy), "--port", str(port),
+                                                env=env, stdout=log, stderr=log)
+    async with aiohttp.ClientSession() as http:
+        p = Proxy(f"http://127.0.0.1:{port}", http)
+
+        async def up() -> bool:
+            if proc.returncode is not None:
+                raise AssertionError("the proxy exited: " + (tmp_path / "proxy.log").read_text())
+            try:
+                await p.stats()
+            except aiohttp.ClientError:
+                return False
+            return True
+
+        try:
+            await _until(up, "the proxy to listen", 30.0)
+            yield p
+        finally:
+            proc.terminate()
+            await asyncio.wait_for(proc.wait(), 30)
+            log.close()
+
+
+def _prompts(upstream: Any) -> list[str]:
+    return [str(b.get("prompt")) for b in upstream.requests]
+
+
+async def test_a_streamed_bad_request_is_a_400_before_any_byte(proxy: Proxy, upstream: Any) -> None:
+    client = proxy.client("key-acme")
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.completions.create(model="m", prompt="hi", max_tokens="abc", stream=True)  # type: ignore[arg-type]
+    err = info.value
+    assert err.status_code == 400
+    assert err.response.headers["content-type"].startswith("application/json")
+    body = err.body if isinstance(err.body, dict) else {}
+    assert body.get("code") == "bad_request" and body.get("type") == "invalid_request_error"
+    assert "max_tokens" in str(body.get("message"))
+    with pytest.raises(openai.AuthenticationError):  # the proxy's own users: an unknown key is a 401
+        await proxy.client("key-nobody").completions.create(model="m", prompt="hi", max_tokens=2, stream=True)
+    with pytest.raises(openai.BadRequestError, match="served model"):
+        await client.completions.create(model="gpt-x", prompt="hi", max_tokens=2, stream=True)
+    assert upstream.requests == []
+
+
+async def test_a_queued_stream_whose_client_leaves_never_reaches_the_upstream(proxy: Proxy, upstream: Any) -> None:
+    upstream.release = asyncio.Event()  # the only slot stays busy until released
+    acme, globex = proxy.client("key-acme"), proxy.client("key-globex")
+    holder = asyncio.create_task(acme.completions.create(model="m", prompt="holder", max_tokens=2))
+
+    async def holding() -> bool:
+        return len(upstream.requests) == 1
+    await _until(holding, "the first request to hold the slot")
+
+    async def leave() -> None:
+        stream = await globex.completions.create(model="m", prompt="leaver", max_tokens=2, stream=True)
+        async for _ in stream:
+            pass
+    leaver = asyncio.create_task(leave())
+
+    async def queued() -> bool:
+        return await proxy.waiting() == 1
+    await _until(queued, "the stream to wait its turn in the proxy")
+    leaver.cancel()  # the client goes away while its stream waits
+    with pytest.raises(asyncio.CancelledError):
+        await leaver
+
+    async def withdrawn() -> bool:
+        return await proxy.waiting() == 0
+    await _until(withdrawn, "the proxy to withdraw the stream")
+    upstream.release.set()
+    assert (await holder).choices[0].text == "ok"
+    after = await globex.completions.create(model="m", prompt="after", max_tokens=2)  # the slot is free
+    assert after.choices[0].text == "ok"
+    assert _prompts(upstream) == ["holder", "after"]  # "leaver" never reached it
+    flow = (await proxy.stats())["flows"]["globex/interactive/gpu"]
+    assert flow["cancelled_before_start"] == 1 and flow["completed"] == 1
+
+
+async def test_two_tenants_get_their_shares_while_one_floods(proxy: Proxy, upstream: Any) -> None:
+    upstream.release = asyncio.Event()
+    acme, globex = proxy.client("key-acme"), proxy.client("key-globex")
+    flood = [asyncio.create_task(acme.completions.create(model="m", prompt=f"acme {i}", max_tokens=4))
+             for i in range(24)]
+
+    async def flooding() -> bool:
+        return await proxy.waiting() == 23  # one holds the slot, the rest wait
+    await _until(flooding, "acme's flood to queue")
+    polite = [asyncio.create_task(globex.completions.create(model="m", prompt=f"globex {i}", max_tokens=4))
+              for i in range(8)]
+
+    async def both() -> bool:
+        return await proxy.waiting() == 31
+    await _until(both, "globex's requests to queue behind the flood")
+    upstream.release.set()
+    await asyncio.gather(*flood, *polite)
+    order = [p.split()[0] for p in _prompts(upstream)]
+    assert len(order) == 32 and order[0] == "acme"
+    # equal weights: after the request already running, the two alternate while both wait, so
+    # globex's 8 are served among the next 16, not after acme's 23
+    assert order[1:17].count("globex") == 8, order
+    flows = (await proxy.stats())["flows"]
+    assert flows["acme/interactive/gpu"]["completed"] == 24 and flows["globex/interactive/gpu"]["completed"] == 8
+
+
+async def test_orgs_without_keys_and_template_orgs_are_served(proxy: Proxy, upstream: Any) -> None:
+    for key in ("key-acme", "key-initech"):  # a named org without keys; an org only the template covers
+        client = proxy.client(key)
+        reply = await client.completions.create(model="m", prompt=f"plain {key}", max_tokens=3)
+        assert reply.choices[0].text == "ok" and reply.usage is not None and reply.usage.completion_tokens == 3
+        stream = await client.completions.create(model="m", prompt=f"stream {key}", max_tokens=3, stream=True)
+        texts = [c.choices[0].text async for c in stream if c.choices]
+        assert texts == ["t0", "t1", "t2"]
+    flows = (await proxy.stats())["flows"]
+    assert flows["acme/interactive/gpu"]["completed"] == 2
+    assert flows["initech/interactive/gpu"]["completed"] == 2
+    assert _prompts(upstream) == ["plain key-acme", "stream key-acme", "plain key-initech", "stream key-initech"]
