@@ -1,13 +1,14 @@
-"""Run the sfq benchmark suite and rewrite the README's benchmark section and plot from it.
+"""Run the sfq benchmark suite and rewrite the benchmark section of benchmarks/README.md and
+its plot from it.
 
     python benchmarks/report.py                    # run everything (~6 min on 2 quiet cores), then report
-    python benchmarks/report.py --from-json FILE   # only regenerate the README section and plot
+    python benchmarks/report.py --from-json FILE   # only regenerate the section and plot
 
 Steps: (1) ``pytest benchmarks --benchmark-json=FILE`` (the suite in ``bench_core.py``), (2) the
-memory measurement of ``memory.py`` (merged into FILE under ``"sfq_memory"``), (3) the README
-section between ``<!-- bench:start -->`` and ``<!-- bench:end -->`` (nothing else in README.md is
-touched) and ``docs/bench.png``, both computed from FILE alone, so ``--from-json`` reproduces
-them. The section says which machine produced the numbers (from FILE, not from this machine).
+memory measurement of ``memory.py`` (merged into FILE under ``"sfq_memory"``), (3) the section
+of ``benchmarks/README.md`` between ``<!-- bench:start -->`` and ``<!-- bench:end -->``
+(nothing else in the file is touched) and ``docs/bench.png``, both computed from FILE alone, so
+``--from-json`` reproduces them. The section says which machine produced the numbers (from FILE, not from this machine).
 
 All times are medians over rounds, divided by the pairs a round performs: **ns per pair**.
 """
@@ -39,7 +40,7 @@ GROUPS = {  # group -> (title, what one pair is, the heapq group to compare with
     "churn": ("churn", "fresh-key flows come and go among the T backlogged; per request", "churn"),
     "cancel": ("cancel-heavy", "half the requests cancelled while waiting; per request", "cancel"),
 }
-TARGETS = {  # from issue 13, at T = 10k, medians of one run
+TARGETS = {  # the project's performance targets, at T = 10k, medians of one run
     "minimal_over_compiled": 5.0,    # per-call pair: at least this many times faster than the minimal heapq
     "compiled_over_floor": 3.0,      # per-call pair: within this factor of the C floor
     "batch_over_floor": 2.0,         # batch pair: within this factor of the C floor
@@ -142,7 +143,7 @@ def _ratio(x: float | None, y: float | None) -> float | None:
 
 
 def targets(ns: NS, mem: dict[str, Any] | None) -> list[tuple[str, str, str, bool | None]]:
-    """(target, limit, measured, met?) rows for the issue's targets."""
+    """(target, limit, measured, met?) rows for the performance targets."""
     rows = []
     T = 10_000
     c = ns.get(("steady", T, "compiled"))
@@ -176,7 +177,7 @@ def markdown(data: dict[str, Any], ns: NS, plot_rel: str | None) -> str:
     mem = data.get("sfq_memory")
     sizes = sorted({t for (_, t, _) in ns})
     L: list[str] = []
-    L.append("## Benchmarks")
+    L.append("## The latest run")
     L.append("")
     machine = (f"{info.get('cpu_model', '?')}, {info.get('cores', '?')} cores, "
                f"{info.get('python_implementation', 'Python')} {info.get('python', '?')}, numpy {info.get('numpy', '?')}")
@@ -246,9 +247,10 @@ def markdown(data: dict[str, Any], ns: NS, plot_rel: str | None) -> str:
         L.append("Groups: " + "; ".join(f"**{GROUPS[g][0]}**: {GROUPS[g][1]}" for g in others) + ".")
         L.append("")
     L.append(f"Rounds per benchmark: {rounds_note(data)} (fewer for the slow pure-Python columns, to keep "
-             "the run within minutes). Details, and where the core's time goes: `benchmarks/README.md`.")
+             "the run within minutes). What each column and group measures, and where the core's time goes: "
+             "the sections below.")
     L.append("")
-    L.append("Targets (issue 13, T = 10k unless said), this run:")
+    L.append("Targets (T = 10k unless said), this run:")
     L.append("")
     L.append("| target | limit | measured | met |")
     L.append("|---|---|---|---|")
@@ -330,17 +332,18 @@ def plot(ns: NS, data: dict[str, Any], out: Path) -> None:
 
 # --------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Run the sfq benchmarks; rewrite the README table and plot.",
+    ap = argparse.ArgumentParser(description="Run the sfq benchmarks; rewrite benchmarks/README.md's table and plot.",
                                  epilog="Arguments after -- go to pytest (e.g. -- -k steady).")
     ap.add_argument("--from-json", type=Path, nargs="?", const=DEFAULT_JSON, default=None, metavar="FILE",
                     help=f"regenerate from an existing pytest-benchmark JSON (default {DEFAULT_JSON.relative_to(ROOT)}); runs nothing")
     ap.add_argument("--json", type=Path, default=None,
                     help=f"where the run saves its JSON (default {DEFAULT_JSON.relative_to(ROOT)}; "
                          "a partial, quick or no-readme run defaults to a scratch file beside it, "
-                         "so the JSON behind the README is only replaced by a full run)")
-    ap.add_argument("--readme", type=Path, default=ROOT / "README.md")
+                         "so the JSON behind the table is only replaced by a full run)")
+    ap.add_argument("--readme", type=Path, default=HERE / "README.md",
+                    help="the Markdown file whose bench markers are rewritten (benchmarks/README.md)")
     ap.add_argument("--plot", type=Path, default=ROOT / "docs" / "bench.png")
-    ap.add_argument("--no-readme", action="store_true", help="print the section, do not touch README.md or the plot")
+    ap.add_argument("--no-readme", action="store_true", help="print the section, do not touch the Markdown file or the plot")
     ap.add_argument("--sizes", help="comma-separated T values (default: 100,1000,10000,100000)")
     ap.add_argument("--impls", default=DEFAULT_IMPLS, help=f"comma-separated implementations (default {DEFAULT_IMPLS})")
     ap.add_argument("--quick", action="store_true", help="smoke run (fewer pairs/rounds; marked as such)")

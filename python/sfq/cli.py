@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="run the fair OpenAI-compatible gateway in front of the policy file's backends",
         description="Serve POST /v1/chat/completions and /v1/completions (streaming too), GET /v1/models, "
                     "/health and /metrics, with the policy file's fair queue between the clients and the "
-                    "backends (README: 'Five minutes: sfq serve'). SIGTERM: graceful shutdown; SIGHUP: "
+                    "backends (docs/gateway.md). SIGTERM: graceful shutdown; SIGHUP: "
                     "reload the file. Access log: one JSON line per request on stdout.")
     sv.add_argument("--config", required=True, metavar="FILE", help="the policy file (docs/policy.md)")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
@@ -144,6 +144,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds running requests get to finish at shutdown (30)")
     sv.add_argument("--access-log", default="-", metavar="FILE",
                     help="where the access log goes: - (stdout, the default), a file, or off")
+    db = sub.add_parser(
+        "demo-backend", help="a DEMO inference engine (not a model) to try sfq serve without a GPU",
+        description="An OpenAI-compatible server that makes up text (it is not a model): one model name, "
+                    "a few slots that generate at once, tokens streamed at a steady pace, usage reported. "
+                    "For trying sfq serve on a laptop (docs/gateway.md). SIGTERM or Ctrl-C stops it.")
+    db.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    db.add_argument("--port", type=_nonneg_int, default=8001, help="port to listen on (8001; 0 = any free port)")
+    db.add_argument("--model", default="demo", help="the model name it serves (demo)")
+    db.add_argument("--slots", type=_positive_int, default=4, help="requests generating at once; more wait (4)")
+    db.add_argument("--tokens-per-second", type=_positive_float, default=50.0, dest="tokens_per_second",
+                    help="tokens per second of each request (50)")
+    db.add_argument("--max-tokens", type=_positive_int, default=128, dest="max_tokens",
+                    help="tokens generated when a request sets no max_tokens (128)")
     return parser
 
 
@@ -168,7 +181,7 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .sim.scenarios import HEADLINE, Options, run_scenario, workload_for
 
     err = Console(stderr=True)
-    out = Console(width=None if sys.stdout.isatty() else 200, highlight=False)
+    out = Console(width=None if sys.stdout.isatty() else 100, highlight=False)
     try:
         policies = _policies(args.policy)
     except argparse.ArgumentTypeError as exc:
@@ -269,6 +282,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .policy.report import check_config
 
         return check_config(args.file, plain=args.plain)
+    if args.command == "demo-backend":
+        from .demo import DemoConfig, run as run_demo
+
+        return run_demo(DemoConfig(model=args.model, slots=args.slots, tokens_per_second=args.tokens_per_second,
+                                   default_max_tokens=args.max_tokens), host=args.host, port=args.port)
     if args.command == "serve":
         from .serve import run
 

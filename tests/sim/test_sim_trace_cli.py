@@ -98,7 +98,7 @@ def test_cli_tables_and_plots(capsys, tmp_path):
     out_dir = tmp_path / "plots"
     code, out, _ = run_cli(capsys, "simulate", "teams", "--steps", "2000", "-p", "fifo,sfq", "--out", str(out_dir))
     assert code == 0
-    assert "teams: the multi-team overload test" in out and "sfq" in out
+    assert "teams: 400 batch jobs from A at step 0" in out and "sfq" in out
     pngs = sorted(p.name for p in out_dir.iterdir())
     assert pngs == ["teams-service.png", "teams-waits.png"]
     first = (out_dir / "teams-service.png").read_bytes()
@@ -110,7 +110,7 @@ def test_cli_tables_and_plots(capsys, tmp_path):
 def test_cli_markdown(capsys):
     code, out, _ = run_cli(capsys, "simulate", "drift", "--steps", "1000", "-p", "vtc", "--markdown", "--no-plots")
     assert code == 0
-    assert "| policy | max drift |" in out and "| vtc |" in out
+    assert "| policy | max drift (W) |" in out and "| vtc |" in out
 
 
 def test_cli_trace_replay(capsys, tmp_path):

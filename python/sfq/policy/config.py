@@ -3,7 +3,8 @@
 Every field is checked; unknown keys and repeated keys are errors (a typo is caught, not
 ignored), and every error is a :class:`sfq.errors.PolicyError` whose message starts with the
 path of the bad field, e.g. ``classes.batch.weight: must be a number > 0, got -1``. List
-items are written ``pools.gpu.backends[0].url``. The format is documented field by field in
+items are written ``pools.gpu.backends[0].url``. Every entry is checked: a file with several
+bad entries raises one :class:`PolicyErrors` that lists them all (``errors``). The format is documented field by field in
 ``docs/policy.md``.
 """
 
@@ -16,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
@@ -36,6 +37,7 @@ __all__ = [
     "StateSpec",
     "UpstreamTimeouts",
     "BACKOFFS",
+    "PolicyErrors",
     "load_policy",
     "parse_policy",
     "policy_from_mapping",
@@ -388,50 +390,139 @@ def _opt(d: Mapping[str, Any], key: str) -> Any:
 
 
 # ===================================================================== sections
+class PolicyErrors(PolicyError):
+    """Several fields of one policy are invalid. ``errors`` lists them (each a
+    :class:`~sfq.errors.PolicyError` naming its field), in file order; ``path`` and ``problem``
+    are the first one's, and the message lists them all, one per line."""
+
+    def __init__(self, errors: list[PolicyError]) -> None:
+        super().__init__(errors[0].path, errors[0].problem)
+        self.errors = list(errors)
+        self.args = ("\n".join(str(e) for e in errors),)
+
+    def __str__(self) -> str:
+        return "\n".join(str(e) for e in self.errors)
+
+
+class _Collect:
+    """Runs each check, keeping its error and going on, so one file reports every bad entry."""
+
+    def __init__(self) -> None:
+        self.errors: list[PolicyError] = []
+
+    def add(self, exc: PolicyError) -> None:
+        self.errors.extend(exc.errors if isinstance(exc, PolicyErrors) else [exc])
+
+    def raise_any(self) -> None:
+        if len(self.errors) == 1:
+            raise self.errors[0]
+        if self.errors:
+            raise PolicyErrors(self.errors)
+
+
 def policy_from_mapping(data: object, *, source: str = "<mapping>") -> Policy:
-    """Validate a policy given as plain data (what ``yaml.safe_load`` returns)."""
-    top = _section(data if data is not None else {}, "",
-                   ("pools", "classes", "orgs", "org_template", "cost", "retry", "state", "server"))
+    """Validate a policy given as plain data (what ``yaml.safe_load`` returns). Every entry
+    (pool, class, org) and section is checked, so one call names every bad field: a single
+    error is raised as itself, several as one :class:`PolicyErrors`."""
+    sections = ("pools", "classes", "orgs", "org_template", "cost", "retry", "state", "server")
+    top = data if data is not None else {}
+    if not isinstance(top, dict):
+        raise PolicyError("", f"must be a mapping, got {_desc(top)}")
+    errs = _Collect()
+    for k in top:
+        if k not in sections:
+            errs.add(PolicyError(k, f"unknown key (expected one of: {', '.join(sections)})"))
     for need in ("pools", "classes"):
         if need not in top:
-            raise PolicyError(need, "is required")
+            errs.add(PolicyError(need, "is required"))
     has_template = top.get("org_template") is not None
     if "orgs" not in top and not has_template:
-        raise PolicyError("orgs", "is required (or an org_template for the orgs the file does not name)")
-    classes = {name: _class(name, v, f"classes.{name}") for name, v in _named(top["classes"], "classes").items()}
+        errs.add(PolicyError("orgs", "is required (or an org_template for the orgs the file does not name)"))
+    classes: dict[str, ClassSpec] = {}
+    bad_classes: list[str] = []  # named but invalid: an org may still list them (no second error)
+    try:
+        named = _named(top["classes"], "classes") if "classes" in top else {}
+    except PolicyError as exc:
+        errs.add(exc)
+        named = {}
+    for name, v in named.items():
+        try:
+            classes[name] = _class(name, v, f"classes.{name}")
+        except PolicyError as exc:
+            errs.add(exc)
+            bad_classes.append(name)
     pools: dict[str, PoolSpec] = {}
+    bad_pools: list[str] = []
     model_owner: dict[str, str] = {}
     backend_owner: dict[str, str] = {}
-    for name, v in _named(top["pools"], "pools").items():
-        p = _pool(name, v, f"pools.{name}")
+    try:
+        named = _named(top["pools"], "pools") if "pools" in top else {}
+    except PolicyError as exc:
+        errs.add(exc)
+        named = {}
+    for name, v in named.items():
+        try:
+            p = _pool(name, v, f"pools.{name}")
+        except PolicyError as exc:
+            errs.add(exc)
+            bad_pools.append(name)
+            continue
         for i, m in enumerate(p.models):
             if m in model_owner:
-                raise PolicyError(f"pools.{name}.models[{i}]", f"model {m!r} is already served by pool "
-                                                               f"{model_owner[m]!r} (a model has one pool)")
-            model_owner[m] = name
+                errs.add(PolicyError(f"pools.{name}.models[{i}]", f"model {m!r} is already served by pool "
+                                                                  f"{model_owner[m]!r} (a model has one pool)"))
+            model_owner.setdefault(m, name)
         for i, b in enumerate(p.backends):
             if b.name in backend_owner:
-                raise PolicyError(f"pools.{name}.backends[{i}]",
-                                  f"backend {b.name!r} is already declared (in pool {backend_owner[b.name]!r}); "
-                                  "give each backend a unique name")
-            backend_owner[b.name] = name
+                errs.add(PolicyError(f"pools.{name}.backends[{i}]",
+                                     f"backend {b.name!r} is already declared (in pool {backend_owner[b.name]!r}); "
+                                     "give each backend a unique name"))
+            backend_owner.setdefault(b.name, name)
         pools[name] = p
     orgs: dict[str, OrgSpec] = {}
     key_owner: dict[str, str] = {}
+    known = {**classes, **{n: ClassSpec(n) for n in bad_classes}}
     raw_orgs = top.get("orgs")
-    named = {} if has_template and (raw_orgs is None or raw_orgs == {}) else _named(raw_orgs, "orgs")
+    try:
+        named = ({} if (has_template and (raw_orgs is None or raw_orgs == {})) or "orgs" not in top
+                 else _named(raw_orgs, "orgs"))
+    except PolicyError as exc:
+        errs.add(exc)
+        named = {}
     for name, v in named.items():
-        o, where = _org(name, v, f"orgs.{name}", classes)
+        try:
+            o, where = _org(name, v, f"orgs.{name}", known)
+        except PolicyError as exc:
+            errs.add(exc)
+            continue
         for digest, at in zip(o.key_digests, where):
             if digest in key_owner:
-                raise PolicyError(at, f"this key is already the key of org {key_owner[digest]!r}")
-            key_owner[digest] = name
+                errs.add(PolicyError(at, f"this key is already the key of org {key_owner[digest]!r}"))
+            key_owner.setdefault(digest, name)
         orgs[name] = o
-    cost = _cost(top.get("cost"), "cost") if "cost" in top else CostSpec()
-    retry = _retry(top.get("retry"), "retry") if "retry" in top else RetrySpec()
-    state = _state(top.get("state"), "state") if "state" in top else None
-    template = _org_template(top["org_template"], "org_template", classes) if has_template else None
-    server = _server(top.get("server"), "server", pools) if "server" in top else ServerSpec()
+    cost, retry, state, template, server = CostSpec(), RetrySpec(), None, None, ServerSpec()
+    try:
+        cost = _cost(top.get("cost"), "cost") if "cost" in top else CostSpec()
+    except PolicyError as exc:
+        errs.add(exc)
+    try:
+        retry = _retry(top.get("retry"), "retry") if "retry" in top else RetrySpec()
+    except PolicyError as exc:
+        errs.add(exc)
+    try:
+        state = _state(top.get("state"), "state") if "state" in top else None
+    except PolicyError as exc:
+        errs.add(exc)
+    try:
+        template = _org_template(top["org_template"], "org_template", known) if has_template else None
+    except PolicyError as exc:
+        errs.add(exc)
+    try:  # a pool that is named but invalid is still a pool the section may name
+        named_pools = cast("Mapping[str, PoolSpec]", {**pools, **dict.fromkeys(bad_pools)})
+        server = _server(top.get("server"), "server", named_pools) if "server" in top else ServerSpec()
+    except PolicyError as exc:
+        errs.add(exc)
+    errs.raise_any()
     return Policy(MappingProxyType(pools), MappingProxyType(classes), MappingProxyType(orgs), cost, retry, state,
                   source, org_template=template, server=server)
 

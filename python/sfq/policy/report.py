@@ -8,7 +8,7 @@ from typing import Any
 
 from .config import Policy
 
-__all__ = ["check_config", "policy_notes", "policy_tables", "render_plain", "render_rich"]
+__all__ = ["check_config", "policy_notes", "policy_tables", "render_plain", "render_rich", "startup_checks"]
 
 Table = tuple[str, list[str], list[list[str]]]
 
@@ -109,22 +109,70 @@ def render_rich(tables: list[Table], console: Any) -> None:
         console.print(t)
 
 
+def startup_checks(policy: Policy, *, redis_timeout: float = 1.0) -> tuple[list[str], list[str]]:
+    """What ``sfq serve`` would find at start-up beyond the file itself: ``(errors, warnings)``,
+    each a ``field.path: problem`` line. Errors: a backend's ``api_key_env`` that is unset or
+    empty here (``sfq serve`` refuses to start). Warnings: a ``state`` Redis that does not answer
+    a PING within ``redis_timeout`` seconds, or the ``redis`` package missing (``sfq serve``
+    starts, and answers 503 ``state_unavailable`` until Redis answers)."""
+    import os
+
+    errors: list[str] = []
+    for pool in policy.pools.values():
+        for i, b in enumerate(pool.backends):
+            if b.api_key_env is not None and not os.environ.get(b.api_key_env):
+                errors.append(f"pools.{pool.name}.backends[{i}].api_key_env: the environment variable "
+                              f"{b.api_key_env!r} is not set (or empty); sfq serve refuses to start")
+    warnings: list[str] = []
+    if policy.state is not None:
+        url = policy.state.redis
+        try:
+            import redis  # type: ignore[import-not-found,unused-ignore]
+        except ImportError:
+            warnings.append("state.redis: the redis package is not installed (pip install 'sfq-scheduler[redis]'); "
+                            "sfq serve needs it for a state section")
+        else:
+            client = redis.Redis.from_url(url, socket_timeout=redis_timeout, socket_connect_timeout=redis_timeout)
+            try:
+                client.ping()
+            except Exception as exc:  # any failure to answer is the warning's subject
+                warnings.append(f"state.redis: {url} does not answer ({type(exc).__name__}: {exc}); sfq serve "
+                                "would start and answer 503 state_unavailable until it does")
+            finally:
+                client.close()
+    return errors, warnings
+
+
 def check_config(path: str, *, plain: bool = False) -> int:
-    """``sfq check-config FILE``: 0 and the tables on stdout when the file is valid; 1 and the
-    error (``FILE: field.path: problem``) on stderr when it is not; 2 when it cannot be read."""
+    """``sfq check-config FILE``: 0 and the tables on stdout when the file is valid; 1 and
+    every error (``FILE: field.path: problem``, one per line) on stderr when it is not, or when
+    ``sfq serve`` would refuse it at start-up (:func:`startup_checks`); 2 when it cannot be
+    read. Warnings (an unreachable Redis) go to stderr and leave the status 0."""
     import sys
 
     from ..errors import PolicyError
-    from .config import load_policy
+    from .config import PolicyErrors, load_policy
 
     try:
         policy = load_policy(path)
+    except PolicyErrors as exc:
+        for e in exc.errors:
+            sys.stderr.write(f"sfq check-config: {path}: {e}\n")
+        sys.stderr.write(f"sfq check-config: {path}: {len(exc.errors)} errors\n")
+        return 1
     except PolicyError as exc:
         sys.stderr.write(f"sfq check-config: {path}: {exc}\n")
         return 1
     except (OSError, UnicodeDecodeError) as exc:
         sys.stderr.write(f"sfq check-config: cannot read {path}: {exc}\n")
         return 2
+    errors, warnings = startup_checks(policy)
+    for w in warnings:
+        sys.stderr.write(f"sfq check-config: {path}: warning: {w}\n")
+    if errors:
+        for line in errors:
+            sys.stderr.write(f"sfq check-config: {path}: {line}\n")
+        return 1
     tables = policy_tables(policy)
     console = None
     if not plain:
@@ -142,5 +190,6 @@ def check_config(path: str, *, plain: bool = False) -> int:
         sys.stdout.write(f"note: {note}\n")
     template = ", an org template" if policy.org_template is not None else ""
     sys.stdout.write(f"{path}: valid ({len(policy.pools)} pools, {len(policy.classes)} classes, "
-                     f"{len(policy.orgs)} orgs{template}, {len(policy.flows())} flows)\n")
+                     f"{len(policy.orgs)} orgs{template}, {len(policy.flows())} flows)"
+                     f"{'; ' + str(len(warnings)) + ' warning(s) above' if warnings else ''}\n")
     return 0

@@ -2,7 +2,7 @@
 
 A thin HTTP layer (:class:`Gateway`, on aiohttp) over :class:`sfq.policy.PolicyDispatcher`:
 bearer key -> org, ``X-SFQ-Class`` -> class (checked), model -> pool; the policy file decides
-the rest. Routes, headers, status codes and metric names: the README, "Five minutes: sfq serve"; run it
+the rest. Routes, headers, status codes and metric names: docs/gateway.md; run it
 with ``sfq serve --config FILE``.
 """
 

@@ -1,6 +1,6 @@
 """Status codes and OpenAI-shaped error bodies for what the policy layer raises.
 
-One table, as the README ("Five minutes: sfq serve") documents it: 400 malformed, 401 key,
+One table, as docs/gateway.md ("Status codes") documents it: 400 malformed, 401 key,
 403 class, 404 model, 408 the body came too slowly, 413 body too large, 429 (always with
 ``Retry-After`` in whole seconds) queue full or org over its rate, 504 queue age or deadline
 ran out, 502 a backend answered with an error, 503 no backend could be reached, the retries

@@ -9,7 +9,7 @@ seeded generators or JSONL traces, with closed-loop clients (``workloads``, ``mo
 ``metrics`` measures service, drift (over the intervals in which two flows both wait at the
 balancer, the gap Sheng et al., OSDI 2024, bound), Jain's index,
 waits and throughput; ``scenarios`` holds the experiments of ``sfq simulate``; ``goals``
-measures the README's fairness goals over several seeds.
+measures the fairness goals of docs/simulator.md §7 over several seeds.
 
 Quick use::
 

@@ -1,4 +1,4 @@
-"""The README's fairness goals, measured: ``python -m sfq.sim.goals [--seeds 0-4] [--markdown]``.
+"""The simulator's fairness goals, measured (docs/simulator.md §7): ``python -m sfq.sim.goals [--seeds 0-4] [--markdown]``.
 
 Runs the scenarios of ``sfq simulate`` for each seed (drift, return, shallow, keep-one)
 with ``sfq`` in each charge mode, ``sfq-seed``, VTC, lcf and FIFO, and reports the medians

@@ -2,10 +2,12 @@
 
 Files written into ``out_dir``:
 ``<scenario>-service.png``  cumulative service per flow over time, one panel per policy
-                            (``return``: the service since the return, around it);
+                            (``return``: the service since the return, around it); the
+                            panels share their axes, so a taller line is more service;
 ``kv-sweep-drift.png``      max drift vs the KV budget M, with the bound;
 ``rpm-sweep.png``           throughput vs max drift for each RPM limit and the fair policies;
-``teams-waits.png``         wait before start p50/p95/p99 per team and policy.
+``teams-waits.png``         wait before start p50/p99 per team and policy; a hatched bar
+                            falls among requests still waiting at the end (a lower bound).
 The PNGs carry no timestamp or version metadata, so the same run writes the same bytes.
 """
 
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .report import censored_wait_quantiles, runs_by_row
 from .scenarios import ScenarioResult
 
 if TYPE_CHECKING:
@@ -57,8 +60,11 @@ def _service_plot(res: ScenarioResult, path: Path, points: int = 400) -> Path:
     if mark is not None:
         fig.suptitle(f"{res.scenario}: service per flow since the return at step {mark:,} (weighted tokens)",
                      fontsize=11)
+    grid_axes = fig.subplots(rows, cols, sharex=True, sharey=True, squeeze=False)
+    for k in range(n, rows * cols):  # the empty cells of the last row
+        grid_axes[k // cols][k % cols].set_visible(False)
     for k, (label, run) in enumerate(runs):
-        ax = fig.add_subplot(rows, cols, k + 1)
+        ax = grid_axes[k // cols][k % cols]
         lo = 0 if mark is None else max(0, mark - 300)
         grid = np.linspace(lo, run.end, points)
         # at most MAX_LINES flows, those with the most service (one series each, not the
@@ -81,6 +87,7 @@ def _service_plot(res: ScenarioResult, path: Path, points: int = 400) -> Path:
             ax.set_ylabel("W", fontsize=8)
         if k >= n - cols:
             ax.set_xlabel("step", fontsize=8)
+            ax.xaxis.set_tick_params(labelbottom=True)
         if k == 0:
             ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
@@ -127,21 +134,34 @@ def _rpm_plot(res: ScenarioResult, path: Path) -> Path:
 def _waits_plot(res: ScenarioResult, path: Path) -> Path:
     teams = list(res.results[0]["teams"]) if res.results else []
     pols = [r["policy"] for r in res.results]
-    fig = _figure(max(6.4, 1.1 * len(pols) * len(teams) / 2), 4.4)
+    runs = runs_by_row(res)
+    fig = _figure(max(6.4, 1.1 * len(pols) * len(teams) / 2), 4.8)
     ax = fig.add_subplot(1, 1, 1)
     width = 0.8 / max(1, len(teams))
     x = np.arange(len(pols))
     for k, t in enumerate(teams):
-        p50 = [max(r["teams"][t]["wait_p50"] or 0, 0.5) for r in res.results]
-        p99 = [max(r["teams"][t]["wait_p99"] or 0, 0.5) for r in res.results]
-        ax.bar(x + k * width, p99, width, alpha=0.35, color=f"C{k}")
-        ax.bar(x + k * width, p50, width, color=f"C{k}", label=f"{t} (p50 solid, p99 light)")
+        cells = [censored_wait_quantiles(run, k, (50, 99)) if run is not None else
+                 [(r["teams"][t]["wait_p50"], False), (r["teams"][t]["wait_p99"], False)]
+                 for r, run in zip(res.results, runs)]
+        p50 = [max(c[0][0] or 0, 0.5) for c in cells]
+        p99 = [max(c[1][0] or 0, 0.5) for c in cells]
+        bars99 = ax.bar(x + k * width, p99, width, alpha=0.35, color=f"C{k}")
+        bars50 = ax.bar(x + k * width, p50, width, color=f"C{k}")
+        for bars, q in ((bars50, 0), (bars99, 1)):
+            for bar, c in zip(bars, cells):
+                if c[q][1]:
+                    bar.set_hatch("///")
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=f"C{k}", label=f"{t} (p50 solid, p99 light)") for k, t in enumerate(teams)]
+    handles.append(Patch(facecolor="white", edgecolor="black", hatch="///",
+                         label="hatched: among requests still waiting at the end (at least this)"))
     ax.set_xticks(x + width * (len(teams) - 1) / 2)
     ax.set_xticklabels(pols)
     ax.set_yscale("log")
     ax.set_ylabel("wait before start (steps)")
     ax.set_title("teams: waits per team")
-    ax.legend(fontsize=8)
+    ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=2, frameon=False)
     fig.tight_layout()
     return _save(fig, path)
 

@@ -1,0 +1,233 @@
+"""Every example of the shipped docs runs (or, where running it takes minutes or never ends, is
+checked against the command it names); the README's gateway quick start runs as written and
+shows the fairness it promises; tables marked as a command's output are that output.
+How blocks are found, run and checked: ``tests/docs_examples.py``."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from docs_examples import (
+    ROOT,
+    Block,
+    Sandbox,
+    all_blocks,
+    blocks,
+    commands,
+    from_tables,
+    is_policy,
+    policy_before,
+    words,
+)
+
+import sfq
+from sfq.cli import build_parser
+
+SOURCE_TREE = all((ROOT / p).exists() for p in ("python/sfq", "README.md", "docs", "benchmarks", ".ci/run"))
+pytestmark = pytest.mark.skipif(not SOURCE_TREE, reason="needs the source tree (the docs and what they run)")
+
+BLOCKS = all_blocks() if SOURCE_TREE else []
+LANGS = {"python", "yaml", "sh", "bash", "json", "jsonl", "promql", "text", ""}
+
+
+def _extras() -> set[str]:
+    """The extras pyproject.toml declares (read without tomllib, which Python 3.10 lacks)."""
+    text = (ROOT / "pyproject.toml").read_text() if (ROOT / "pyproject.toml").is_file() else ""
+    section = text.split("[project.optional-dependencies]", 1)[-1].split("\n[", 1)[0] if text else ""
+    return set(re.findall(r"^([A-Za-z][\w-]*)\s*=\s*\[", section, re.M))
+
+
+EXTRAS = _extras()
+
+
+#: docs whose Python examples tests/test_docs.py runs (against its own loopback backend)
+RUN_BY_TEST_DOCS = ("docs/API.md", "docs/policy.md")
+
+
+def _ids(kind: set[str], quickstart: bool = False) -> list[Block]:
+    return [b for b in BLOCKS if b.lang in kind and (("quickstart" in b.marks) == quickstart)
+            and not (b.lang == "python" and b.id.rsplit(":", 1)[0] in RUN_BY_TEST_DOCS)]
+
+
+def _ok(res: subprocess.CompletedProcess[str], what: str) -> str:
+    assert res.returncode == 0 and "Traceback" not in res.stdout, f"{what} failed:\n{res.stdout[-4000:]}"
+    return res.stdout
+
+
+def test_every_fenced_block_is_a_known_kind():
+    unknown = [f"{b.id} ({b.lang})" for b in BLOCKS if b.lang not in LANGS]
+    assert not unknown, "label them python, yaml, sh, json, jsonl, promql or text: " + ", ".join(unknown)
+    assert len(_ids({"python"})) >= 4 and len(_ids({"sh", "bash"})) >= 6  # the docs have examples
+
+
+# ------------------------------------------------------------------ python
+@pytest.mark.parametrize("block", _ids({"python"}), ids=lambda b: b.id)
+def test_python_example_runs(block: Block, tmp_path: Path):
+    sb = Sandbox(tmp_path, policy_before(block))
+    (tmp_path / "example.py").write_text(sb.ports_in(block.text), encoding="utf-8")
+    # the servers of policy.yaml, or the demo engine and gateway it names, answer on loopback
+    servers = re.search(r"(127\.0\.0\.1|localhost):(8001|8080)\b|policy\.yaml", block.text) is not None
+    _ok(sb.run("python example.py", servers=servers, timeout=120), block.id)
+
+
+# ------------------------------------------------------------------ policies
+@pytest.mark.parametrize("block", _ids({"yaml"}), ids=lambda b: b.id)
+def test_policy_example_is_valid(block: Block):
+    if is_policy(block.text):
+        sfq.parse_policy(block.text)
+        return
+    # a section of the policy above it in the same document
+    import yaml
+
+    base = yaml.safe_load(policy_before(block))
+    section = yaml.safe_load(block.text)
+    assert isinstance(section, dict) and not set(section) & set(base), block.id
+    sfq.policy.policy_from_mapping({**base, **section})
+
+
+# ------------------------------------------------------------------ shell
+def _help_of(target: list[str]) -> str:
+    res = subprocess.run([sys.executable, *target, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=Sandbox.plain_env())
+    assert res.returncode == 0, f"{' '.join(target)} --help failed:\n{res.stdout}{res.stderr}"
+    return res.stdout
+
+
+def check_command(cmd: str, block: Block) -> list[str]:
+    """Check one command line; return the parts to run in the sandbox."""
+    to_run: list[str] = []
+    for part in re.split(r"\s+&&\s+", cmd):
+        w = words(part)
+        if not w:
+            continue
+        if w[:2] == ["pip", "install"]:
+            for extras in re.findall(r"\[([\w,-]+)\]", part):
+                unknown = set(extras.split(",")) - EXTRAS
+                assert not unknown, f"{block.id}: no such extra {sorted(unknown)} in pyproject.toml"
+        elif w[:2] == ["pip", "wheel"]:
+            assert "." in w, part
+        elif w[0] == "sfq":
+            if w[1] == "check-config":
+                to_run.append(part)
+            else:  # never ends (serve, demo-backend) or takes its time (simulate): its own parser checks it
+                if w[-1] == "&":
+                    assert "quickstart" in block.marks, f"{block.id}: a background server outside the quick start"
+                    w = w[:-1]
+                try:
+                    build_parser().parse_args(w[1:])
+                except SystemExit as exc:
+                    raise AssertionError(f"{block.id}: sfq rejects {part!r}") from exc
+        elif w[0] == "curl":
+            to_run.append(part)
+        elif w[0] == "python":
+            target = w[1:3] if w[1] == "-m" else w[1:2]
+            if target[0].endswith(".py"):
+                assert (ROOT / target[0]).is_file(), f"{block.id}: no {target[0]}"
+            if target == ["-m", "pytest"] and len(w) == 3:
+                continue  # the README's test command (checked against .ci/run)
+            text = _help_of(target + [x for x in w[len(target) + 1:] if not x.startswith("-")][:1]
+                            if target == ["-m", "pytest"] else target)
+            for opt in (x.split("=")[0] for x in w[len(target) + 1:] if x.startswith("--")):
+                assert opt in text, f"{block.id}: {' '.join(target)} has no option {opt}"
+        elif w[0] == "kill":
+            assert "quickstart" in block.marks, part
+        else:
+            raise AssertionError(f"{block.id}: no rule for {part!r}; tests/test_docs_examples.py must know how "
+                                 "to run or check it")
+    return to_run
+
+
+@pytest.mark.parametrize("block", _ids({"sh", "bash"}), ids=lambda b: b.id)
+def test_shell_example(block: Block, tmp_path: Path):
+    sb = Sandbox(tmp_path, policy_before(block))
+    script = []
+    for cmd in commands(block.text):
+        for part in check_command(cmd, block):
+            script.append(f"{sb.ports_in(part)} || {{ echo {shlex.quote('FAILED: ' + part)}; exit 1; }}")
+    if not script:
+        return
+    out = _ok(sb.run("\n".join(script), servers=any("curl" in s for s in script), timeout=120), block.id)
+    assert '"error":' not in out, f"{block.id}: an example answered an error:\n{out[-3000:]}"
+
+
+def test_the_readme_test_command_is_what_ci_runs():
+    readme = next(b for b in blocks(ROOT / "README.md") if b.lang in ("sh", "bash"))
+    test_cmd = next(c for c in commands(readme.text) if "python -m pytest" in c)
+    assert test_cmd.split("#")[0].strip() in (ROOT / ".ci" / "run").read_text(), \
+        "the README's test command and .ci/run's must be the same"
+
+
+# ------------------------------------------------------------------ the rest
+@pytest.mark.parametrize("block", _ids({"json"}), ids=lambda b: b.id)
+def test_json_example_parses(block: Block):
+    import json
+
+    json.loads(block.text)
+
+
+@pytest.mark.parametrize("block", _ids({"jsonl"}), ids=lambda b: b.id)
+def test_trace_example_reads(block: Block):
+    from sfq.sim.model import read_trace_lines
+
+    wl = read_trace_lines(block.text.splitlines())
+    assert len(wl.flows) >= 1
+
+
+@pytest.mark.parametrize("block", _ids({"promql"}), ids=lambda b: b.id)
+def test_promql_names_series_the_policy_exports(block: Block):
+    source = (ROOT / "python" / "sfq" / "policy" / "metrics.py").read_text()
+    for name in set(re.findall(r"\b(sfq_\w+?)(?:_bucket|_count|_sum)?\b", block.text)):
+        assert f'"{name}"' in source or f"'{name}'" in source, f"{block.id}: no series {name}"
+
+
+_OUTPUTS: dict[str, str] = {}
+
+
+@pytest.mark.parametrize("doc, line, cmd, rows", [(d, line, cmd, rows) for d in
+                                                   ([ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+                                                    if SOURCE_TREE else [])
+                                                   for line, cmd, rows in from_tables(d)],
+                         ids=lambda x: x.name if isinstance(x, Path) else str(x)[:40])
+def test_tables_are_the_commands_output(doc: Path, line: int, cmd: str, rows: list[str]):
+    if cmd not in _OUTPUTS:
+        w = words(cmd)
+        assert w[:2] == ["sfq", "simulate"], f"{doc.name}:{line}: only sfq simulate's output is checked"
+        res = subprocess.run([sys.executable, "-m", "sfq", *w[1:]], cwd=ROOT, capture_output=True, text=True,
+                             timeout=300, env=Sandbox.plain_env())
+        assert res.returncode == 0, res.stderr
+        _OUTPUTS[cmd] = res.stdout
+    out = _OUTPUTS[cmd].splitlines()
+    missing = [r for r in rows if r not in out]
+    assert not missing, f"{doc.name}:{line}: not in `{cmd}`'s output (rerun it and paste):\n" + "\n".join(missing)
+
+
+# ------------------------------------------------------------------ the quick start
+def test_the_gateway_quick_start_runs_as_written_and_is_fair(tmp_path: Path):
+    """The README's quick start, block after block, as written (ports as written too, in a
+    network namespace of the test's own; the install line is this environment's own)."""
+    qs = [b for b in blocks(ROOT / "README.md") if "quickstart" in b.marks]
+    assert [b.lang for b in qs] == ["sh", "python", "sh"]
+    sb = Sandbox(tmp_path)
+    script = []
+    for k, b in enumerate(qs):
+        if b.lang == "python":
+            (tmp_path / f"quickstart_{k}.py").write_text(sb.ports_in(b.text), encoding="utf-8")
+            script.append(f"python quickstart_{k}.py")
+        else:
+            script += [sb.ports_in(c) for c in commands(b.text) if words(c)[:2] != ["pip", "install"]]
+    out = _ok(sb.run("\n".join(script), timeout=180), "the quick start")
+    ranges = {m.group(1): (int(m.group(2)), float(m.group(3)), float(m.group(4))) for m in re.finditer(
+        r"^(analytics|product): (\d+) requests, first token after ([\d.]+) to ([\d.]+) s$", out, re.M)}
+    assert ranges.keys() == {"analytics", "product"}, out
+    assert ranges["analytics"][0] == 16 and ranges["product"][0] == 4
+    # product's questions start at the next free slots; analytics' last ones wait behind the rest
+    assert ranges["product"][2] < ranges["analytics"][2] / 2, out
+    waits = {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^sfq_queue_wait_seconds_sum\{class="\w+",org="(\w+)",pool="local"\} ([\d.e+-]+)$', out, re.M)}
+    assert waits["product"] / 4 < waits["analytics"] / 16, out  # the mean wait before start, per org
+    assert '"status": "ok"' in out or '"status":"ok"' in out, out  # /health answered before the calls
