@@ -222,3 +222,15 @@ def test_a_head_that_fits_nothing_waits_uncharged_or_is_overtaken(overtake: int,
     assert too_big in e.poll()  # the big backend freed: it goes, and its flow competes again
     assert not q.aside
 
+
+
+def test_the_longest_pause_is_the_policy_files(clock: Clock) -> None:
+    from sfq.dispatch import PolicyDispatcher
+
+    pol = policy(orgs=ORGS, extra="retry: {max_pause_seconds: 5}\n")
+    assert pol.retry.max_pause_seconds == 5.0
+    pd = PolicyDispatcher(pol, clock=clock)
+    assert pd.engine.max_pause == 5.0
+    assert pd.engine.backend_paused("p", "http://127.0.0.1:9", 3600) == 5.0
+    with pytest.raises(Exception, match="retry.max_pause_seconds"):
+        policy(orgs=ORGS, extra="retry: {max_pause_seconds: -1}\n")

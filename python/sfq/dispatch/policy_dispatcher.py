@@ -150,8 +150,8 @@ class PolicyDispatcher:
         if isinstance(close_grace, bool) or not isinstance(close_grace, (int, float)) or not (
                 math.isfinite(close_grace) and close_grace >= 0):
             raise ValueError(f"close_grace must be a finite number of seconds >= 0, got {close_grace!r}")
-        if health is None:
-            health = HealthOptions()
+        if health is None:  # the policy file's longest pause (retry.max_pause_seconds)
+            health = HealthOptions(max_pause=policy.retry.max_pause_seconds)
         if not isinstance(health, HealthOptions):
             raise TypeError(f"health must be an sfq.backends.health.HealthOptions, got {health!r}")
         self.policy = policy
@@ -342,20 +342,10 @@ class PolicyDispatcher:
         return self.engine.classify(credential, cls, body.get("model"))
 
     def _check_flow(self, flow: Flow) -> Flow:
-        if not isinstance(flow, tuple) or len(flow) != 3:
-            raise TypeError(f"flow must be an sfq.Flow(org, cls, pool), got {flow!r}")
-        flow = Flow(*flow)
-        if flow.pool not in self.policy.pools:
-            raise Refused("unknown_model", f"flow {tuple(flow)!r}: no pool {flow.pool!r}; pools: "
-                                           f"{', '.join(self.policy.pools)}")
-        org = self.policy.org(flow.org)
-        if org is None:
-            raise Refused("class_not_allowed", f"org {flow.org!r} is not in the policy (and it has no template for "
-                                               "orgs it does not name)")
-        if flow.cls not in org.classes:
-            raise Refused("class_not_allowed", f"org {flow.org!r} may not use class {flow.cls!r}; allowed: "
-                                               f"{', '.join(org.classes)}")
-        return flow
+        """An embedder's flow checked by the policy's own rule (``Classifier.check``): the org
+        known or made from the file's template (else ``Refused("unknown_org")``, 403), the
+        class one it may use (``""``/``None``: its default), the pool declared."""
+        return self.engine.classifier.check(flow)
 
     def _checked(self, flow: Flow) -> Flow:
         """``flow`` as an ``sfq.Flow`` the policy allows; a refusal (recorded) otherwise."""

@@ -162,6 +162,8 @@ class RetrySpec:
     backoff: str = "exponential_with_jitter"
     base_seconds: float = 0.5
     max_seconds: float = 30.0
+    #: the longest an upstream's ``Retry-After`` may pause one of its backends (seconds)
+    max_pause_seconds: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -665,7 +667,8 @@ def _cost(v: object, path: str) -> CostSpec:
 
 
 def _retry(v: object, path: str) -> RetrySpec:
-    d = _section(v, path, ("max_attempts", "budget_per_flow_percent", "backoff", "base_seconds", "max_seconds"))
+    d = _section(v, path, ("max_attempts", "budget_per_flow_percent", "backoff", "base_seconds", "max_seconds",
+                           "max_pause_seconds"))
     ma = _integer(d["max_attempts"], f"{path}.max_attempts") if "max_attempts" in d else 3
     bp = (_number(d["budget_per_flow_percent"], f"{path}.budget_per_flow_percent", strict_min=False, maximum=100.0)
           if "budget_per_flow_percent" in d else 10.0)
@@ -676,7 +679,8 @@ def _retry(v: object, path: str) -> RetrySpec:
     mx = _number(d["max_seconds"], f"{path}.max_seconds") if "max_seconds" in d else max(30.0, base)
     if mx < base:
         raise PolicyError(f"{path}.max_seconds", f"must be >= base_seconds ({base:g}), got {mx:g}")
-    return RetrySpec(ma, bp, str(bo), base, mx)
+    mp = _number(d["max_pause_seconds"], f"{path}.max_pause_seconds") if "max_pause_seconds" in d else 60.0
+    return RetrySpec(ma, bp, str(bo), base, mx, mp)
 
 
 def _state(v: object, path: str) -> StateSpec:
