@@ -16,6 +16,7 @@ from ..errors import BackendError
 from ..engine import PolicyEngine, Request
 from ..policy.charge import CHARGE_MODES
 from ..policy.classify import Flow
+from ._wake import WakeTimer
 
 log = logging.getLogger("sfq.dispatch")
 
@@ -182,8 +183,7 @@ class DispatcherBase:
     _in_flight: int
     _drained: asyncio.Event | None
     _close_task: asyncio.Task[None] | None
-    _timer: asyncio.TimerHandle | None
-    _timer_at: float
+    _timer: WakeTimer
     _pumping: bool
 
     # admission

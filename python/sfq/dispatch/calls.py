@@ -11,7 +11,7 @@ from typing import Any
 from ..engine import PolicyEngine, Request
 from ..errors import BackendError, NoHealthyBackend
 from ._state import ABORTED, FAILED, OK, PLACED, DispatcherBase, Job
-from .policy_calls import BackendAddress, Grant
+from .policy_calls import BackendAddress, Grant, _text_chars
 from .stream import EventStream
 
 
@@ -27,22 +27,9 @@ class _Slot:
 def text_chars(reply: Any) -> int | None:
     """The length of the text a JSON reply returned (its choices' ``text`` or message content),
     for settling a charge when the reply carries no ``usage``; ``None`` when it has none."""
-    if not isinstance(reply, dict):
+    if not isinstance(reply, dict) or not isinstance(reply.get("choices"), list):
         return None
-    choices = reply.get("choices")
-    if not isinstance(choices, list):
-        return None
-    n = 0
-    for ch in choices:
-        if not isinstance(ch, dict):
-            continue
-        t = ch.get("text")
-        if t is None:
-            m = ch.get("message")
-            t = m.get("content") if isinstance(m, dict) else None
-        if isinstance(t, str):
-            n += len(t)
-    return n
+    return _text_chars(reply["choices"])
 
 
 _END: Any = object()  # the first event of a stream that had none

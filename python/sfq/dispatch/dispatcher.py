@@ -24,6 +24,7 @@ from ..policy.config import BackendSpec, ClassSpec, CostSpec, OrgSpec, Policy, P
 from .admission import Admission
 from .calls import Calls
 from .health import BackendEvents, Health
+from ._wake import WakeTimer
 from .lifecycle import Lifecycle
 from .placement import Placement
 from ..policy.charge import CHARGE_MODES
@@ -238,8 +239,7 @@ class Dispatcher(Calls, Admission, Placement, Health, Statistics, Lifecycle):
         for q in self._engine.queues.values():
             q.overtake = overtake
             q.unavailable_timeout = math.inf if unavailable_timeout is None else float(unavailable_timeout)
-        self._timer = None
-        self._timer_at = math.inf
+        self._timer = WakeTimer(self._pump, clock)
         self._pumping = False
         self._default = self._pools.get(None)
         self._only = self._default if len(self._pools) == 1 else None

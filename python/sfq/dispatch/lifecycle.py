@@ -31,9 +31,7 @@ class Lifecycle(DispatcherBase):
 
     async def _close(self) -> None:
         self._closed = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._timer.cancel()
         for r in self._engine.close():  # every waiting request (and every one between retries), uncharged
             job: Job = r.item
             if job.state == WAITING:

@@ -9,7 +9,6 @@ pumps again."""
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,25 +42,9 @@ class Placement(DispatcherBase):
                 self._send(job, self._by_name[r.backend])  # type: ignore[index]
             for r in e.dropped:
                 self._expired(r.item)
-            self._arm(e.wake_at())
+            self._timer.arm(e.wake_at())
         finally:
             self._pumping = False
-
-    def _arm(self, at: float | None) -> None:
-        if at is None:
-            return
-        if self._timer is not None:
-            if self._timer_at <= at:
-                return
-            self._timer.cancel()
-        self._timer_at = at
-        delay = max(0.0, at - self.clock()) + 1e-4
-        self._timer = asyncio.get_running_loop().call_later(delay, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self._timer_at = math.inf
-        self._pump()
 
     def _expired(self, job: Job) -> None:
         """The engine ended a waiting job: no backend of its pool was healthy for

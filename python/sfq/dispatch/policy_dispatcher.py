@@ -76,6 +76,7 @@ from ..policy.config import Policy, UpstreamTimeouts, load_policy
 from ..policy.retry import IdempotencyIndex
 from ..state import SharedState, local_policy, state_for
 from .policy_calls import BackendAddress, Grant, PolicyEventStream, Reply, _endpoint, _Expired, _text_chars, _within
+from ._wake import WakeTimer
 from .stream import EventStream
 
 __all__ = ["BackendAddress", "EventStream", "Grant", "PolicyDispatcher"]
@@ -210,8 +211,7 @@ class PolicyDispatcher:
                 self._pool_of[spec.name] = pool.name
         self._waiters: dict[int, asyncio.Future[None]] = {}  # request id -> wakes its task
         self._idem: IdempotencyIndex[_Joined] = IdempotencyIndex()
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = math.inf
+        self._timer = WakeTimer(self._pump, clock)
         self._drained: asyncio.Event | None = None
         self._started = False
         self._closed = False
@@ -252,9 +252,7 @@ class PolicyDispatcher:
                 fut.set_result(None)
         if self._shared:
             self.state.refuse_waiting()  # those the engine started that wait for the shared state's grant
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._timer.cancel()
         if self._running():
             self._drained = asyncio.Event()
             with contextlib.suppress(asyncio.TimeoutError):
@@ -305,20 +303,8 @@ class PolicyDispatcher:
             self._pumping = False
 
     def _arm(self, at: float | None) -> None:
-        if at is None or self._closed:
-            return
-        if self._timer is not None and self._timer_at <= at:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer_at = at
-        delay = max(0.0, at - self.clock()) + 1e-4
-        self._timer = asyncio.get_running_loop().call_later(delay, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self._timer_at = math.inf
-        self._pump()
+        if not self._closed:
+            self._timer.arm(at)
 
     def _settled(self) -> None:
         """An attempt let go of its slot: start what may start (and tell close() when none runs)."""
