@@ -131,8 +131,13 @@ class SharedLimits:
                 self.slots[("class", c.name)] = Slots(f"classes.{c.name}.max_in_flight", c.max_in_flight)
         self.queues: list[PolicyQueue] = []
         self.policy = policy
+        t = policy.org_template
+        #: whether an org the file does not name may bring a limit of its own (its template's)
+        self._lazy = t is not None and t.max_in_flight is not None
 
     def groups(self, flow: Flow) -> tuple[tuple[str, str], ...]:
+        if not self.slots and not self._lazy:  # no org or class limits at all
+            return ()
         g = ("org", flow.org)
         if g not in self.slots:  # an org the file does not name (its template's limit applies)
             o = self.policy.org(flow.org)
@@ -279,6 +284,7 @@ class PolicyQueue:
             if not policy.classes[cls].strict:
                 self._flow_queue(f)
         self.waiting_by_class = dict.fromkeys(policy.classes, 0)
+        self.n_waiting = 0  # requests waiting, every class
         self.in_flight = 0
         self._drops: list[tuple[float, int, Request]] = []  # (drop_at, id, request), lazily cleaned
         self._dropped: list[Request] = []  # dropped by pop(), not yet handed out by expire()
@@ -306,7 +312,9 @@ class PolicyQueue:
         spec = self.policy.classes[f.cls]
         fq = self.flows[f] = _FlowQ(f, spec, self.shared.groups(f))
         fq.named = f.org in self.policy.orgs
-        self.sched.set_weight(f, self.policy.flow_weight(f.org, f.cls))
+        w = self.policy.flow_weight(f.org, f.cls)
+        if fq.named or w != 1.0:  # (the core's default weight is 1: nothing to tell it)
+            self.sched.set_weight(f, w)
         for g in fq.groups:
             self._group_members.setdefault(g, []).append(fq)
             if self.shared.slots[g].full:
@@ -389,6 +397,7 @@ class PolicyQueue:
             if fq.token is None:
                 self._enter(fq)
         self.waiting_by_class[flow.cls] += 1
+        self.n_waiting += 1
         if r.drop_at < _INF:
             heapq.heappush(self._drops, (r.drop_at, r.id, r))
 
@@ -415,6 +424,7 @@ class PolicyQueue:
         r.state = ENDED
         cls = r.flow.cls
         self.waiting_by_class[cls] -= 1
+        self.n_waiting -= 1
         if cls in self.strict:
             self._strict_n[cls] -= 1
             self.strict[cls].remove(r)
@@ -439,7 +449,10 @@ class PolicyQueue:
         """Drop every waiting request whose queue age or deadline has run out by now; each gets
         ``reason`` ``queue_timeout`` or ``deadline``. Returns them, and those :meth:`pop`
         dropped since the last call (oldest deadline first)."""
-        self._drop_expired(self.clock())
+        if self._drops or self.down_since is not None:
+            self._drop_expired(self.clock())
+        if not self._dropped:
+            return []
         out, self._dropped = self._dropped, []
         return out
 
@@ -585,10 +598,13 @@ class PolicyQueue:
         past its time. ``fits(request, backend)``: the driver's own check that the backend
         can take the request now (the simulator's KV budget); the request the core names is
         charged only once a backend takes it (look before you pop)."""
+        self.stalled = None
+        if not self.n_waiting:  # nothing to start, nothing to drop
+            self.blocked_until = -_INF
+            return None
         now = self.clock()
         self._drop_expired(now)
         self.blocked_until = -_INF
-        self.stalled = None
         if not self._pool_room(now):
             return None
         shared = self.shared
@@ -720,6 +736,7 @@ class PolicyQueue:
     def _start(self, r: Request, b: _Backend, now: float, core: bool = False) -> Request:
         cls = r.flow.cls
         self.waiting_by_class[cls] -= 1
+        self.n_waiting -= 1
         r.state = RUNNING
         r.backend = b.name
         r.started_at = now
@@ -732,7 +749,10 @@ class PolicyQueue:
         if self.tpm is not None:
             self.tpm.debit(r.tokens, now)
         self.shared.acquire(r.flow)
-        self._starts[cls].append(now)
+        st = self._starts[cls]
+        st.append(now)
+        while st[0] <= now - 60.0:  # the last minute's starts only
+            st.popleft()
         if not core:
             r.in_core = False
             r.work_flow = None

@@ -130,7 +130,23 @@ class RetryPlanner:
 
     def first_attempt(self, flow: Hashable, now: float) -> None:
         """Count a request's first try in the flow's window."""
+        flows = self._flows
+        if len(flows) >= self.MAX_FLOWS and flow not in flows:
+            self._forget(now)
         self._budget(flow, now).events.append((now, False))
+
+    #: flows kept before those with nothing in their window and no retry planned are forgotten
+    MAX_FLOWS = 10_000
+
+    def _forget(self, now: float) -> None:
+        """Forget the flows whose window is empty and that have no retry planned: memory follows
+        the flows that are active, not every flow id ever seen (O(flows), once per MAX_FLOWS/2
+        new flows at most)."""
+        cut = now - self.WINDOW
+        for f in [f for f, b in self._flows.items() if b.outstanding <= 0 and (not b.events or b.events[-1][0] <= cut)]:
+            del self._flows[f]
+        if len(self._flows) >= self.MAX_FLOWS // 2:  # mostly active: let it grow before the next scan
+            self.MAX_FLOWS = 2 * len(self._flows)
 
     def retry_ended(self, flow: Hashable) -> None:
         """A planned retry is no longer waiting or running (it ended, whatever the outcome)."""
