@@ -445,7 +445,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "quick": a.quick, "cpus": cpus(),
         "proxy_cpu": proxy_cpu, "load_cpu": load_cpu, "python": sys.version.split()[0],
         "cpu_model": _cpu_model(), "uptime_before": uptime(),
-        "options": {"rounds": a.rounds, "seconds": a.seconds, "conns": a.conns, "stream_conns": a.stream_conns,
+        "options": {"blocks": sorted(a.blocks), "rounds": a.rounds, "seconds": a.seconds, "conns": a.conns,
+                    "stream_conns": a.stream_conns,
                     "rate": a.rate, "latency_seconds": a.latency_seconds, "event_gap_ms": a.event_gap_ms},
     }
     try:
@@ -496,17 +497,18 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         warm = 1.0
         for p in proxies:  # warm-up: allocators, caches, connection pools
             wrk(p.plain_url, plain_lua, conns=a.conns, seconds=warm, cpu=load_cpu)
-            wrk(p.stream_url, stream_lua, conns=a.stream_conns, seconds=warm, cpu=load_cpu)
+            if "stream" in a.blocks:
+                wrk(p.stream_url, stream_lua, conns=a.stream_conns, seconds=warm, cpu=load_cpu)
         rounds: list[dict[str, Any]] = []
         for r in range(a.rounds):
             rd: dict[str, Any] = {"plain": {}, "stream": {}, "latency": {}}
-            for p in proxies:
+            for p in proxies if "rate" in a.blocks else ():
                 with measured(p.plain_proc, proxy_cpu) as m:
                     w = wrk(p.plain_url, plain_lua, conns=a.conns, seconds=a.seconds, cpu=load_cpu)
                 w.update(m)
                 w["cpu_ms_per_request"] = m["cpu_s"] / max(1, w["requests"]) * 1e3
                 rd["plain"][p.name] = w
-            for p in proxies:
+            for p in proxies if "stream" in a.blocks else ():
                 with measured(p.stream_proc, proxy_cpu) as m:
                     w = wrk(p.stream_url, stream_lua, conns=a.stream_conns, seconds=a.seconds, cpu=load_cpu)
                 w.update(m)
@@ -514,11 +516,12 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 w["cpu_us_per_chunk"] = m["cpu_s"] / max(1, w["events"]) * 1e6
                 w["cpu_ms_per_stream"] = m["cpu_s"] / max(1, w["requests"]) * 1e3
                 rd["stream"][p.name] = w
-            with measured(None, proxy_cpu) as m:
-                base = openloop(upj, rate=a.rate, seconds=a.latency_seconds, cpu=load_cpu)
-            base.update(m)
-            rd["latency"]["direct"] = base
-            for p in proxies:
+            if "latency" in a.blocks:
+                with measured(None, proxy_cpu) as m:
+                    base = openloop(upj, rate=a.rate, seconds=a.latency_seconds, cpu=load_cpu)
+                base.update(m)
+                rd["latency"]["direct"] = base
+            for p in proxies if "latency" in a.blocks else ():
                 with measured(p.plain_proc, proxy_cpu) as m:
                     ol = openloop(p.plain_url, rate=a.rate, seconds=a.latency_seconds, cpu=load_cpu)
                 ol.update(m)
@@ -527,15 +530,24 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 ol["added_p99_ms"] = ol["p99_ms"] - base["p99_ms"]
                 rd["latency"][p.name] = ol
             rounds.append(rd)
-            print(f"round {r + 1}/{a.rounds}: " + "; ".join(
-                f"{p.name} {rd['plain'][p.name]['rps']:.0f} req/s {rd['plain'][p.name]['cpu_ms_per_request']:.3f} ms "
-                f"{rd['stream'][p.name]['cpu_us_per_chunk']:.1f} us/chunk +{rd['latency'][p.name]['added_p50_ms']:.2f}/"
-                f"+{rd['latency'][p.name]['added_p99_ms']:.2f} ms" for p in proxies), file=sys.stderr, flush=True)
+            print(f"round {r + 1}/{a.rounds}: " + "; ".join(_brief(rd, p.name) for p in proxies), file=sys.stderr,
+                  flush=True)
         res["rounds"] = rounds
         res["proxies"] = {p.name: p.what for p in proxies}
     res["uptime_after"] = uptime()
     res["summary"] = summarise(res)
     return res
+
+
+def _brief(rd: dict[str, Any], name: str) -> str:
+    out = [name]
+    if name in rd["plain"]:
+        out.append(f"{rd['plain'][name]['rps']:.0f} req/s {rd['plain'][name]['cpu_ms_per_request']:.3f} ms/req")
+    if name in rd["stream"]:
+        out.append(f"{rd['stream'][name]['cpu_us_per_chunk']:.1f} us/chunk")
+    if name in rd["latency"]:
+        out.append(f"{rd['latency'][name]['added_p50_ms']:+.2f}/{rd['latency'][name]['added_p99_ms']:+.2f} ms")
+    return " ".join(out)
 
 
 def _cpu_model() -> str:
@@ -599,12 +611,12 @@ def table(res: dict[str, Any]) -> str:
     if "latency.p50_ms" in d:
         rows.append(f"| (the upstream alone, the latency's baseline) | | | | | "
                     f"p50 {d['latency.p50_ms']['median']:.2f} / p99 {d['latency.p99_ms']['median']:.2f} ms | |")
-    other = [rd["plain"][p]["other_on_core"] for rd in res["rounds"] for p in rd["plain"]]
+    other = [rd[b][p]["other_on_core"] for rd in res["rounds"] for b in ("plain", "stream") for p in rd[b]]
     note = (f"\nMedians of {n} interleaved round{'s' if n != 1 else ''} (min-max in brackets); "
             f"{res['cpu_model']}, Python {res['python']}, uvloop {res['uvloop']}; proxy on CPU {res['proxy_cpu']}, "
             f"upstream and load on CPU {res['load_cpu']}; streams: {res['stream_pacing']}. Other processes used "
             f"{statistics.median(other) if other else float('nan'):.0%} (median; max "
-            f"{max(other) if other else float('nan'):.0%}) of the proxy's core during the rate runs. "
+            f"{max(other) if other else float('nan'):.0%}) of the proxy's core during the rate and stream runs. "
             f"Load before: {res['uptime_before'].split('load average:')[-1].strip()}; after: "
             f"{res['uptime_after'].split('load average:')[-1].strip()}.")
     return "\n".join(rows) + "\n" + note
@@ -620,11 +632,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--latency-seconds", type=float, default=4.0, help="seconds of each latency run (4)")
     ap.add_argument("--event-gap-ms", type=float, default=1.0, help="ms between the upstream's stream events (1)")
     ap.add_argument("--proxies", default="nginx,bare,sfq", help="comma-separated: nginx, bare, sfq")
+    ap.add_argument("--blocks", default="rate,stream,latency", help="comma-separated: rate, stream, latency")
     ap.add_argument("--sfq", action="append", type=_sfq_spec, metavar="NAME=DIR",
                     help="run sfq serve from checkout DIR as proxy sfq-NAME (repeatable; default: this one)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 1 round of 1 s (numbers not for quoting)")
     ap.add_argument("--out", default=str(HERE / "results" / "proxy.json"), help="the JSON (and .md next to it)")
     a = ap.parse_args(argv)
+    a.blocks = {b.strip() for b in a.blocks.split(",") if b.strip()}
+    if not a.blocks or a.blocks - {"rate", "stream", "latency"}:
+        ap.error(f"--blocks: choose from rate, stream, latency, got {sorted(a.blocks)}")
     if a.quick:
         a.rounds, a.seconds, a.latency_seconds, a.rate = 1, 1.0, 1.0, 200.0
     if a.rounds < 1 or not a.seconds > 0 or not a.latency_seconds > 0 or not a.rate > 0 or a.conns < 1 \
