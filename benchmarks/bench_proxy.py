@@ -619,7 +619,27 @@ def table(res: dict[str, Any]) -> str:
             f"{max(other) if other else float('nan'):.0%}) of the proxy's core during the rate and stream runs. "
             f"Load before: {res['uptime_before'].split('load average:')[-1].strip()}; after: "
             f"{res['uptime_after'].split('load average:')[-1].strip()}.")
-    return "\n".join(rows) + "\n" + note
+    return "\n".join(rows) + "\n" + note + paired(res)
+
+
+def paired(res: dict[str, Any]) -> str:
+    """With several ``--sfq`` checkouts: each one against the one before it, round by round
+    (the ratio of the same figure measured seconds apart cancels most of a shared machine's
+    drift): the median of the per-round ratios, and their min-max."""
+    names = [n for n in res["proxies"] if n.startswith("sfq-")]
+    if len(names) < 2:
+        return ""
+    rows = ["\n\nPaired, each checkout against the one before it (median of the per-round ratios, min-max):\n",
+            "| checkout | against | CPU per request | CPU per streamed chunk | req/s |",
+            "| --- | --- | ---: | ---: | ---: |"]
+    for ref, name in zip(names, names[1:]):
+        cells = []
+        for block, key in (("plain", "cpu_ms_per_request"), ("stream", "cpu_us_per_chunk"), ("plain", "rps")):
+            xs = [rd[block][name][key] / rd[block][ref][key] for rd in res["rounds"]
+                  if name in rd[block] and ref in rd[block] and rd[block][ref][key] > 0]
+            cells.append(f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})" if xs else "-")
+        rows.append(f"| {name} | {ref} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
