@@ -487,7 +487,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                     stack.callback(plain[1].stop)
                     stream = start_sfq(tmp, pname + "-stream", path, ups, proxy_cpu)
                     stack.callback(stream[1].stop)
-                    proxies.append(Proxy(pname, plain, stream, f"sfq serve ({path})"))
+                    what = f"sfq serve, one org, defaults ({label or 'this checkout'})"
+                    proxies.append(Proxy(pname, plain, stream, what))
+                    res.setdefault("sfq_checkouts", {})[pname] = path
             else:
                 raise SystemExit(f"unknown proxy {name!r}; proxies: nginx, bare, sfq")
         for p in [direct, *proxies]:
