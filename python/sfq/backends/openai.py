@@ -50,6 +50,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp.client_reqrep import ClientRequest
 from aiohttp.connector import Connection
 from aiohttp.tracing import Trace
@@ -81,6 +82,25 @@ _PROBE_BODY = {"prompt": "", "max_tokens": 1}
 
 #: request bodies as sent upstream: compact, ASCII-only (so encoding them cannot fail)
 _encode = json.JSONEncoder(separators=(",", ":")).encode
+
+
+#: every digit to "0", every other byte to " ": after it, a run of 19 zeros may be an integer
+#: orjson would read as a float (past 64 bits) where ``json`` keeps it exact
+_DIGITS = bytes(0x30 if 0x30 <= i <= 0x39 else 0x20 for i in range(256))
+_LONG_NUMBER = b"0" * 19
+
+
+def _loads(raw: bytes) -> Any:
+    """A reply or an event as ``json.loads`` reads it, at orjson's speed (about 1 us for an
+    event where ``json`` takes 4): orjson, unless the text has a run of 19 digits or more,
+    and ``json`` for what orjson refuses (``NaN``, ``Infinity``, UTF-16, ...), so that the same
+    documents parse to the same values and the same ones fail (``ValueError``)."""
+    if _LONG_NUMBER not in raw.translate(_DIGITS):
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(raw)
 
 
 class _Attempt:
@@ -386,7 +406,7 @@ class OpenAIBackend(Backend):
             else:  # cancelled or failed mid-body: drop the connection so the server stops
                 resp.close()
         try:
-            reply = json.loads(raw)
+            reply = _loads(raw)
         except ValueError:
             text = raw[:_BODY_SNIPPET].decode("utf-8", "replace")
             raise BackendError(f"backend {self.name!r}: the reply from POST {url} is not JSON: {text[:200]!r}",
@@ -461,7 +481,7 @@ class OpenAIBackend(Backend):
 
     def _event(self, payload: bytes, url: str, chunks: int) -> dict[str, Any]:
         try:
-            event = json.loads(payload)
+            event = _loads(payload)
         except ValueError:
             raise StreamInterrupted(
                 f"backend {self.name!r}: event {chunks + 1} of the stream from POST {url} is not JSON: "
