@@ -15,7 +15,7 @@ shape). Every sample is given to one component:
    ``gc_collect_main``), ``getpid`` (asyncio's running-loop check calls it on Python < 3.12),
    the access log (``logging`` or the gateway's ``_log``), aiohttp trace hooks
    (``aiohttp/tracing.py``), metrics (``prometheus_client``, ``sfq/policy/metrics.py``), JSON
-   (``json``, ``_json.c``);
+   (``json``, ``_json.c``, ``orjson`` and sfq's wrappers around it);
 2. otherwise by its innermost Python frame (helpers such as ``abc``, ``typing``, ``enum``,
    ``contextlib`` count for their caller): ``sfq/serve`` the gateway handler, ``sfq/dispatch``
    the dispatcher, ``sfq/engine``, ``sfq/policy``, ``sfq/cost.py`` and the core the policy
@@ -65,6 +65,8 @@ _GENERIC = ("<frozen abc>", "<frozen ", "typing.py", "enum.py", "contextlib.py",
 _CLIENT = ("aiohttp/client.py", "aiohttp/client_reqrep.py", "aiohttp/connector.py", "aiohttp/client_proto.py",
            "aiohttp/client_exceptions.py", "aiohttp/client_ws.py", "aiohappyeyeballs/")
 _SERVER = ("aiohttp/web_",)
+#: sfq's own wrappers around orjson (their frames are the JSON work)
+_JSON_HELPERS = {("_loads", "sfq/backends/openai.py"), ("_dumps", "sfq/serve/app.py")}
 _SHARED = ("aiohttp/", "yarl/", "multidict/", "propcache/", "aiosignal/", "frozenlist/")
 
 
@@ -91,7 +93,8 @@ def classify(frames: list[str]) -> tuple[str, str]:
                                                                          fl == "sfq/serve/app.py")),
              ("trace hooks", lambda fn, fl: fl == "aiohttp/tracing.py" or fn == "_on_reuse"),
              ("metrics", lambda fn, fl: fl.startswith("prometheus_client/") or fl == "sfq/policy/metrics.py"),
-             ("JSON decode/encode", lambda fn, fl: fl.startswith("json/") or fl == "_json.c"))
+             ("JSON decode/encode", lambda fn, fl: fl.startswith(("json/", "orjson/")) or fl == "_json.c"
+              or (fn, fl) in _JSON_HELPERS))
     leaf = _leaf(parsed)
     for name, rule in rules:
         if any(rule(fn, fl) for fn, fl, _ in parsed):
