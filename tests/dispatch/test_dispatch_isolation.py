@@ -131,6 +131,23 @@ async def test_a_pooled_connection_that_fails_before_writing_is_resent(fake: Fak
     assert b.resent == 1 and len(fake.requests) == 2  # the server saw each request once
 
 
+async def test_a_pooled_connection_is_known_without_a_trace_hook(fake: FakeServer):
+    """No TraceConfig runs by default (each costs awaited signals at every step of every
+    request): the connector itself says that the connection came from the pool."""
+    b = OpenAIBackend(fake.url)
+    async with Dispatcher([b]) as d:
+        await d.submit("f", BODY)
+        session = b._session
+        assert session is not None and session.trace_configs == []
+        pooled = [p for conns in session.connector._conns.values() for p, _ in conns]  # type: ignore[union-attr]
+        assert len(pooled) == 1
+        pooled[0].is_connected = lambda: True  # still looks alive to the pool, but ...
+        pooled[0].transport.is_closing = lambda: True  # ... the server closed it, seen just too late
+        r = await d.submit("f", BODY)
+        assert r["usage"]["completion_tokens"] == 4
+    assert b.resent == 1 and len(fake.requests) == 2
+
+
 async def test_an_idempotent_request_is_resent_after_a_lost_connection(fake: FakeServer):
     fake.modes.extend(["drop", "ok"])
     b = OpenAIBackend(fake.url)

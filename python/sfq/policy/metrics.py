@@ -66,6 +66,41 @@ class FlowCounters:
 Key = tuple[str, str, str]
 
 
+class _Bound:
+    """One flow's counters and its Prometheus children, each bound on first use and kept
+    (``labels()`` checks, joins and looks up its label values under a lock on every call).
+    The series a flow shows before its first event (queue length, in flight, requests by
+    outcome) are bound when the flow is made; the others appear when first counted, as before."""
+
+    __slots__ = ("fc", "key", "queue_length", "in_flight", "wait", "charged", "served", "cancelled_work",
+                 "upstream_429", "timeouts", "attempts", "retries", "outcomes", "reasons")
+
+    def __init__(self, m: PolicyMetrics, key: Key) -> None:
+        self.fc = FlowCounters()
+        self.key = key
+        self.queue_length = m.queue_length.labels(*key)
+        self.in_flight = m.in_flight.labels(*key)
+        self.outcomes = {o: m.requests.labels(*key, o) for o in OUTCOMES}
+        self.wait: Any = None
+        self.charged: Any = None
+        self.served: Any = None
+        self.cancelled_work: Any = None
+        self.upstream_429: Any = None
+        self.timeouts: Any = None
+        self.attempts: Any = None
+        self.retries: Any = None
+        self.reasons: dict[tuple[bool, str], Any] = {}  # (refused?, reason) -> child
+
+
+def _child(m: PolicyMetrics, b: _Bound, name: str) -> Any:
+    """``b``'s child of the metric ``name`` (an attribute of both), bound on first use."""
+    c = getattr(b, name)
+    if c is None:
+        c = getattr(m, name).labels(*b.key)
+        setattr(b, name, c)
+    return c
+
+
 class PolicyMetrics:
     """Counters and Prometheus series per (org, class, pool); ``registry`` is created when not
     given (pass one to expose the policy's series next to the embedder's own)."""
@@ -94,78 +129,90 @@ class PolicyMetrics:
         self.attempts = Counter("sfq_attempts", "Attempts started (first tries and retries)", _LABELS, registry=r)
         self.retries = Counter("sfq_retries", "Retries started", _LABELS, registry=r)
         self.flows: dict[Key, FlowCounters] = {}
+        self._bound: dict[Key, _Bound] = {}
         for k in flows:
             self._get(k)
 
+    def _flow(self, key: Key) -> _Bound:
+        b = self._bound.get(key)
+        if b is None:
+            # binds (and so creates) the flow's labelled series: they show, as 0, before the first event
+            b = self._bound[key] = _Bound(self, key)
+            self.flows[key] = b.fc
+        return b
+
     def _get(self, key: Key) -> FlowCounters:
-        fc = self.flows.get(key)
-        if fc is None:
-            fc = self.flows[key] = FlowCounters()
-            # create the labelled series so they show (as 0) before the first event
-            self.queue_length.labels(*key)
-            self.in_flight.labels(*key)
-            for o in OUTCOMES:
-                self.requests.labels(*key, o)
-        return fc
+        return self._flow(key).fc
 
     # ------------------------------------------------------------ events
     def queued(self, key: Key, n: int = 1) -> None:
-        self._get(key).waiting += n
-        self.queue_length.labels(*key).inc(n)
+        b = self._flow(key)
+        b.fc.waiting += n
+        b.queue_length.inc(n)
 
     def started(self, key: Key, wait: float, cost: float, retry: bool) -> None:
-        fc = self._get(key)
+        b = self._flow(key)
+        fc = b.fc
         fc.waiting -= 1
         fc.in_flight += 1
         fc.attempts += 1
         fc.charged_cost += cost
         fc.waits += wait
-        self.queue_length.labels(*key).dec()
-        self.in_flight.labels(*key).inc()
-        self.wait.labels(*key).observe(wait)
-        self.charged.labels(*key).inc(cost)
-        self.attempts.labels(*key).inc()
+        b.queue_length.dec()
+        b.in_flight.inc()
+        _child(self, b, "wait").observe(wait)
+        _child(self, b, "charged").inc(cost)
+        _child(self, b, "attempts").inc()
         if retry:
             fc.retries += 1
-            self.retries.labels(*key).inc()
+            _child(self, b, "retries").inc()
 
     def attempt_ended(self, key: Key, *, served_cost: float | None = None, upstream_429: bool = False,
                       timeout: bool = False) -> None:
-        fc = self._get(key)
+        b = self._flow(key)
+        fc = b.fc
         fc.in_flight -= 1
-        self.in_flight.labels(*key).dec()
+        b.in_flight.dec()
         if served_cost:
             fc.served_cost += served_cost
-            self.served.labels(*key).inc(served_cost)
+            _child(self, b, "served").inc(served_cost)
         if upstream_429:
             fc.upstream_429 += 1
-            self.upstream_429.labels(*key).inc()
+            _child(self, b, "upstream_429").inc()
         if timeout:
             self.timeout(key)
 
     def left_queue(self, key: Key) -> None:
-        fc = self._get(key)
-        fc.waiting -= 1
-        self.queue_length.labels(*key).dec()
+        b = self._flow(key)
+        b.fc.waiting -= 1
+        b.queue_length.dec()
 
     def timeout(self, key: Key) -> None:
-        self._get(key).timeouts += 1
-        self.timeouts.labels(*key).inc()
+        b = self._flow(key)
+        b.fc.timeouts += 1
+        _child(self, b, "timeouts").inc()
 
     def cancelled_work_tokens(self, key: Key, tokens: float) -> None:
         if tokens > 0:
-            self._get(key).cancelled_work += tokens
-            self.cancelled_work.labels(*key).inc(tokens)
+            b = self._flow(key)
+            b.fc.cancelled_work += tokens
+            _child(self, b, "cancelled_work").inc(tokens)
 
     def ended(self, key: Key, outcome: str, reason: str | None = None) -> None:
         if outcome not in OUTCOMES:
             raise ValueError(f"unknown outcome {outcome!r}")
-        fc = self._get(key)
+        b = self._flow(key)
+        fc = b.fc
         fc.outcomes[outcome] += 1
-        self.requests.labels(*key, outcome).inc()
+        b.outcomes[outcome].inc()
         if reason is not None:
             fc.reasons[reason] = fc.reasons.get(reason, 0) + 1
-            (self.refusals if outcome == "refused" else self.failures).labels(*key, reason).inc()
+            refused = outcome == "refused"
+            child = b.reasons.get((refused, reason))
+            if child is None:
+                metric = self.refusals if refused else self.failures
+                child = b.reasons[(refused, reason)] = metric.labels(*key, reason)
+            child.inc()
 
     def snapshot(self) -> dict[Key, dict[str, Any]]:
         return {k: fc.as_dict() for k, fc in self.flows.items()}

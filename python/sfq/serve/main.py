@@ -4,6 +4,11 @@ is installed), logging.
 * SIGTERM (or SIGINT): stop accepting connections; answer new requests on open connections
   and every waiting request 503; let the running ones finish within ``--grace`` seconds;
   then close the backends (aborting what still runs) and exit 0.
+* Once listening, the objects made at start-up (modules, the policy, the backends' sessions)
+  are moved out of the garbage collector's sight (``gc.freeze``), and its youngest generation
+  is collected after ``GC_THRESHOLD`` net allocations instead of 700: a full collection no
+  longer walks everything the process has loaded, and requests in flight no longer trigger
+  collections that find nothing to free.
 * SIGHUP: re-read the policy file (keys, weights, classes, orgs, limits, the ``server:``
   section) without losing a waiting request; a file that is bad, or that changes what needs
   a restart (pools' backends, ``cost``, ``state``), is refused and logged, and the policy in
@@ -16,6 +21,7 @@ is installed), logging.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -31,6 +37,12 @@ from .edge import EdgeSite, raise_fd_limit
 __all__ = ["run", "serve", "configure_logging"]
 
 log = logging.getLogger("sfq.serve")
+
+#: the garbage collector's generation-0 threshold once ``sfq serve`` is listening (CPython's
+#: default is 700, which the live objects of a few dozen concurrent requests pass all the time:
+#: each collection then walks them and moves them to an older generation, only for them to be
+#: freed by reference counting moments later)
+GC_THRESHOLD = 10_000
 
 
 def configure_logging(access_log: str = "-", level: int = logging.INFO, stream: TextIO | None = None) -> None:
@@ -102,6 +114,23 @@ async def serve(config: str | Path, *, host: str = "127.0.0.1", port: int = 8080
             await gw.pd.close()
 
 
+def _freeze_gc() -> None:
+    """Start-up garbage collected, the survivors frozen (never walked again), the youngest
+    generation's threshold raised."""
+    gc.collect()
+    gc.freeze()
+    _, g1, g2 = gc.get_threshold()
+    gc.set_threshold(GC_THRESHOLD, g1, g2)
+
+
+async def _serve_process(config: str | Path, **kwargs: Any) -> None:
+    """``serve`` as the process runs it: the garbage collector tuned once it listens (an
+    embedder awaiting ``serve`` keeps its own settings)."""
+    ready: asyncio.Future[tuple[str, int]] = asyncio.get_running_loop().create_future()
+    ready.add_done_callback(lambda f: _freeze_gc() if not f.cancelled() and f.exception() is None else None)
+    await serve(config, ready=ready, **kwargs)
+
+
 def _run(coro: Coroutine[Any, Any, None]) -> None:
     try:
         import uvloop  # type: ignore[import-not-found,unused-ignore]
@@ -119,7 +148,7 @@ def run(config: str | Path, *, host: str = "127.0.0.1", port: int = 8080, grace:
 
     configure_logging(access_log)
     try:
-        _run(serve(config, host=host, port=port, grace=grace))
+        _run(_serve_process(config, host=host, port=port, grace=grace))
     except PolicyError as exc:
         print(f"sfq serve: {config}: {exc}", file=sys.stderr)
         return 1
