@@ -62,13 +62,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
+
+from bench_serve import Proc as _ServeProc, _pin  # noqa: E402  (the same child-process helpers)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -153,46 +154,13 @@ def wait_port(port: int, proc: subprocess.Popen[bytes], limit: float = 20.0) -> 
     raise RuntimeError(f"nothing listening on port {port} after {limit:g} s")
 
 
-def _pin(cpu: int | None) -> Any:
-    if cpu is None or not hasattr(os, "sched_setaffinity"):
-        return None
-    return lambda: os.sched_setaffinity(0, {cpu})
-
-
-class Proc:
-    """A child process pinned to ``cpu``, its output collected by reader threads."""
+class Proc(_ServeProc):
+    """``bench_serve``'s child process (pinned to ``cpu``, its output collected by reader
+    threads), named, with the scheduler's account of its CPU too."""
 
     def __init__(self, name: str, cmd: list[str], *, cpu: int | None, env: dict[str, str] | None = None) -> None:
         self.name = name
-        self.cmd = cmd
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     preexec_fn=_pin(cpu), env={**os.environ, **(env or {})})
-        self.lines: list[str] = []
-        for pipe in (self.proc.stdout, self.proc.stderr):
-            threading.Thread(target=self._read, args=(pipe,), daemon=True).start()
-
-    def _read(self, pipe: Any) -> None:
-        for raw in iter(pipe.readline, b""):
-            self.lines.append(raw.decode("utf-8", "replace"))
-
-    def wait_for(self, pattern: str, limit: float = 30.0) -> re.Match[str]:
-        rx = re.compile(pattern)
-        deadline = time.monotonic() + limit
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                m = rx.search(line)
-                if m:
-                    return m
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.02)
-        raise RuntimeError(f"{self.name}: no line matching {pattern!r}:\n{''.join(self.lines[-20:])}")
-
-    def cpu_seconds(self) -> float:
-        """User + system CPU the process (all its threads) has used so far, /proc/PID/stat."""
-        with open(f"/proc/{self.proc.pid}/stat") as fh:
-            f = fh.read().rsplit(")", 1)[1].split()
-        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+        super().__init__(cmd, cpu=cpu, env=env)
 
     def run_seconds(self) -> float:
         """The scheduler's account of the same (ns resolution): the sum of every thread's
@@ -205,15 +173,6 @@ class Proc:
         except (OSError, ValueError, IndexError):
             return float("nan")
         return total / 1e9
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
 
 
 # ------------------------------------------------------------------ nginx
