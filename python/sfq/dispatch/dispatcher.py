@@ -4,6 +4,7 @@ request engine (``sfq.engine``) over a policy made from the fleet."""
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import time
@@ -38,6 +39,12 @@ _CLASS = ClassSpec(DEFAULT_CLASS, small_cost=None)
 _ANY_ORG = OrgSpec("*", (), (DEFAULT_CLASS,))
 
 
+@functools.lru_cache(maxsize=1024)
+def _weighted(weight: float) -> OrgSpec:
+    """The org spec of a flow of ``weight`` (one per weight, not one per call)."""
+    return OrgSpec("*", (), (DEFAULT_CLASS,), weight)
+
+
 @dataclass(frozen=True)
 class FleetPolicy(Policy):
     """The policy a ``Dispatcher`` runs its fleet under: one pool per model, one class, and
@@ -48,7 +55,7 @@ class FleetPolicy(Policy):
 
     def org(self, name: str) -> OrgSpec | None:
         w = self.weights.get(name)
-        return _ANY_ORG if w is None else OrgSpec("*", (), (DEFAULT_CLASS,), w)
+        return _ANY_ORG if w is None else _weighted(w)
 
 
 class Dispatcher(Calls, Admission, Placement, Health, Statistics, Lifecycle):

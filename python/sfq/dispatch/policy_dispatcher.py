@@ -743,12 +743,6 @@ class PolicyDispatcher:
         engine, ended = self.engine.reloaded(local_policy(policy) if self._shared else policy)
         self.engine = engine
         self.policy = policy
-        for name, m in self._monitors.items():  # the monitors' word stands in the new engine
-            pool = self._pool_of[name]
-            if not m.healthy:
-                engine.backend_down(pool, name, m.down_reason)
-            if m.saturated:
-                engine.backend_saturated(pool, name, True)
         if self._shared:
             self.state.reloaded(policy)
         for r in ended:

@@ -491,9 +491,9 @@ class PolicyEngine:
         ``DeadlineExceeded`` for a deadline that ran out between retries, else ``Refused``)."""
         reason = r.reason or "closed"
         if reason == "unavailable":
-            err: Exception = NoHealthyBackend(f"no backend of pool {r.flow.pool!r} is in rotation")
-            err.retry_after = self.unavailable_retry_after  # type: ignore[attr-defined]
-            return err
+            down = NoHealthyBackend(f"no backend of pool {r.flow.pool!r} is in rotation")
+            down.retry_after = self.unavailable_retry_after
+            return down
         if reason == "deadline" and r.tries:
             return DeadlineExceeded("the request's deadline ran out while it waited to be retried")
         if reason in ("queue_timeout", "deadline"):
