@@ -410,6 +410,42 @@ class PolicyEngine:
                 n += t if t > 1.0 else 1.0
         return n
 
+    def passed(self, r: Request, event: Mapping[str, Any]) -> int:
+        """One parsed SSE event of the stream ``r`` reached its client: while ``r`` runs, its
+        tokens (:meth:`event_tokens`) are :meth:`delivered`. Returns the characters of text it
+        carried (``choices[].text`` or ``delta.content``: the ``output_text_chars`` that
+        :meth:`complete` takes when no usage comes). One pass over the event, for a driver
+        that calls it for every event of every stream."""
+        choices = event.get("choices")
+        chars = 0
+        tokens = 0.0
+        if choices and type(choices) is list:
+            cpt = 0.0
+            for ch in choices:
+                if not isinstance(ch, Mapping):
+                    continue
+                text = ch.get("text")
+                counted = text
+                if text is None:
+                    delta = ch.get("message") or ch.get("delta")
+                    if isinstance(delta, Mapping):
+                        text = delta.get("content")
+                        counted = text or delta.get("reasoning_content")
+                if isinstance(text, str):
+                    chars += len(text)
+                if isinstance(counted, str) and counted:
+                    if not cpt:
+                        cpt = self.estimator.chars_per_token_of(r.est.model if r.est is not None else "")
+                    t = len(counted) / cpt
+                    tokens += t if t > 1.0 else 1.0
+        u = event.get("usage")
+        if u:  # a running count of the tokens so far: it, not the text, says what was delivered
+            ct = u.get("completion_tokens") if isinstance(u, Mapping) else None
+            tokens = max(0.0, float(ct) - r.delivered) if type(ct) is int and ct >= 0 else 0.0
+        if tokens and r.state == RUNNING:
+            self.queues[r.flow.pool].delivered(r, tokens)
+        return chars
+
     def _actual(self, r: Request, usage: Mapping[str, Any] | None,
                 text_chars: int | None) -> tuple[float | None, float | None]:
         """``(tokens, cost units)`` the attempt of ``r`` really used, clamped to what it could

@@ -667,8 +667,9 @@ class Gateway:
         if task is not None and hasattr(task, "uncancel"):
             task.uncancel()
         e.reason = "deadline"
-        with contextlib.suppress(Exception):
-            await agen.athrow(asyncio.TimeoutError())
+        expire = getattr(agen, "expire", None)  # sfq's own stream: ended as its deadline ends it
+        if expire is not None:
+            expire()
         if request.transport is not None:
             request.transport.abort()
         log.info("request %s: the client stopped reading its stream; ended at its deadline", e.rid)
