@@ -438,27 +438,27 @@ class PolicyEngine:
         if choices and type(choices) is list:
             cpt = 0.0
             for ch in choices:
-                if not isinstance(ch, Mapping):
+                if type(ch) is not dict and not isinstance(ch, Mapping):
                     continue
                 text = ch.get("text")
                 counted = text
                 if text is None:
-                    delta = ch.get("message") or ch.get("delta")
-                    if isinstance(delta, Mapping):
+                    delta = ch.get("delta") or ch.get("message")
+                    if type(delta) is dict or isinstance(delta, Mapping):
                         text = delta.get("content")
                         counted = text or delta.get("reasoning_content")
-                if isinstance(text, str):
+                if type(text) is str:
                     chars += len(text)
-                if isinstance(counted, str) and counted:
+                if counted and type(counted) is str:
                     if not cpt:
                         cpt = self.estimator.chars_per_token_of(r.est.model if r.est is not None else "")
                     t = len(counted) / cpt
                     tokens += t if t > 1.0 else 1.0
         u = event.get("usage")
         if u:  # a running count of the tokens so far: it, not the text, says what was delivered
-            ct = u.get("completion_tokens") if isinstance(u, Mapping) else None
-            tokens = max(0.0, float(ct) - r.delivered) if type(ct) is int and ct >= 0 else 0.0
-        if tokens and r.state == RUNNING:
+            ct = u.get("completion_tokens") if type(u) is dict or isinstance(u, Mapping) else None
+            tokens = ct - r.delivered if type(ct) is int and ct >= 0 else 0.0
+        if tokens > 0 and r.state == RUNNING:
             self.queues[r.flow.pool].delivered(r, tokens)
         return chars
 
