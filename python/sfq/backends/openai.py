@@ -63,7 +63,7 @@ from ..errors import (
     BackendUnavailable,
     StreamInterrupted,
 )
-from .base import ENDPOINTS, Backend
+from .base import ENDPOINTS, Backend, JSONBody, body_bytes
 from .probe import SaturationProbe
 from .sse import DONE, Payload, SSEParser
 
@@ -337,10 +337,12 @@ class OpenAIBackend(Backend):
                     idempotent: bool = False) -> aiohttp.ClientResponse:
         """POST and return a response with a 2xx status; every failure mapped to an sfq error."""
         session = await self._sess()
-        try:  # once, whatever the resends; the session's Content-Type says JSON
-            data = _encode(body).encode()
-        except Exception as exc:  # not JSON-serialisable
-            raise self._map(exc, url, "POST") from exc
+        data = body_bytes(body)  # a client's body, unchanged: sent as it came
+        if data is None:
+            try:  # once, whatever the resends; the session's Content-Type says JSON
+                data = _encode(body).encode()
+            except Exception as exc:  # not JSON-serialisable
+                raise self._map(exc, url, "POST") from exc
         for attempt in range(_RESENDS + 1):
             att = _Attempt()
             token = _ATTEMPT.set(att)
@@ -420,11 +422,14 @@ class OpenAIBackend(Backend):
     async def stream(self, endpoint: str, body: dict[str, Any], *,
                      idempotent: bool = False) -> AsyncIterator[dict[str, Any]]:
         url = self._url(endpoint)
-        body = dict(body)
-        body["stream"] = True
-        so = body.get("stream_options")
-        if not (isinstance(so, Mapping) and so.get("include_usage")):
-            body["stream_options"] = {**(so if isinstance(so, Mapping) else {}), "include_usage": True}
+        if type(body) is JSONBody:
+            body = body.streamed_with_usage()
+        else:
+            body = dict(body)
+            body["stream"] = True
+            so = body.get("stream_options")
+            if not (isinstance(so, Mapping) and so.get("include_usage")):
+                body["stream_options"] = {**(so if isinstance(so, Mapping) else {}), "include_usage": True}
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         if self._stream_deadline is not None:

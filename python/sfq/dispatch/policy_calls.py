@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ..backends import CHAT_COMPLETIONS, COMPLETIONS
+from ..backends.base import JSONBody
 from ..engine.pool import RUNNING, Request
 from ..errors import BackendError, DeadlineExceeded
 from ..policy.classify import Flow
@@ -266,9 +267,12 @@ class PolicyEventStream(EventStream):
         self.request = r
         if self._on_admit is not None:
             self._on_admit(r)
-        send = dict(body)
-        send["stream"] = True
-        send["stream_options"] = {**(so if isinstance(so, Mapping) else {}), "include_usage": True}
+        if type(body) is JSONBody:  # its bytes go upstream as they came, where nothing changes
+            send: dict[str, Any] = body.streamed_with_usage()
+        else:
+            send = dict(body)
+            send["stream"] = True
+            send["stream_options"] = {**(so if isinstance(so, Mapping) else {}), "include_usage": True}
         self._send = send
         try:
             await self._attempt()
