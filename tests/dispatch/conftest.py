@@ -140,6 +140,7 @@ class FakeServer:
         self.finished = 0  # handlers that ran to completion
         self.port = 0
         self.url = ""
+        self.loop: asyncio.AbstractEventLoop | None = None  # the loop it runs on, when not the test's
         self._runner: web.AppRunner | None = None
 
     def big_payload(self, chat: bool = False) -> bytes:
@@ -306,6 +307,8 @@ def servers_in_a_thread(n: int) -> Iterator[list[FakeServer]]:
     of the dispatcher under test (so a loop-lag probe measures the dispatcher alone)."""
     loop = asyncio.new_event_loop()
     servers = [FakeServer() for _ in range(n)]
+    for srv in servers:
+        srv.loop = loop
     th = threading.Thread(target=loop.run_forever, name="fake-servers", daemon=True)
     th.start()
     try:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import select
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -107,45 +109,56 @@ async def test_a_fresh_connection_that_drops_is_not_resent(fake: FakeServer):
         assert d.stats()["backends"][fake.url]["healthy"]  # two isolated drops: not down
 
 
+def _pooled(b: OpenAIBackend) -> list[Any]:
+    """The connections waiting in the backend's keep-alive pool."""
+    assert b._pool is not None
+    return list(b._pool._idle)
+
+
 async def test_a_pooled_connection_that_fails_before_writing_is_resent(fake: FakeServer):
     """A kept-alive connection that turns out closed when the request is written: the request
     provably never left, so it goes out again on another connection - once."""
-    connector: list[aiohttp.BaseConnector] = []
-    armed = [False]
-
-    async def close_on_reuse(session: Any, ctx: Any, params: Any) -> None:
-        if armed[0]:
-            armed[0] = False
-            for proto in list(connector[0]._acquired):  # type: ignore[attr-defined]
-                proto.transport.is_closing = lambda: True  # closed by the server, seen just too late
-
-    tc = aiohttp.TraceConfig()
-    tc.on_connection_reuseconn.append(close_on_reuse)
-    b = OpenAIBackend(fake.url, trace_configs=[tc])
+    b = OpenAIBackend(fake.url)
     async with Dispatcher([b], max_attempts=1) as d:
         await d.submit("f", BODY)
-        connector.append(b._session.connector)  # type: ignore[union-attr]
-        armed[0] = True
+        pooled = _pooled(b)
+        assert len(pooled) == 1
+        pooled[0].transport.is_closing = lambda: True  # closed by the server, seen just too late
         r = await d.submit("f", BODY)
         assert r["usage"]["completion_tokens"] == 4
     assert b.resent == 1 and len(fake.requests) == 2  # the server saw each request once
 
 
-async def test_a_pooled_connection_is_known_without_a_trace_hook(fake: FakeServer):
-    """No TraceConfig runs by default (each costs awaited signals at every step of every
-    request): the connector itself says that the connection came from the pool."""
-    b = OpenAIBackend(fake.url)
-    async with Dispatcher([b]) as d:
-        await d.submit("f", BODY)
-        session = b._session
-        assert session is not None and session.trace_configs == []
-        pooled = [p for conns in session.connector._conns.values() for p, _ in conns]  # type: ignore[union-attr]
-        assert len(pooled) == 1
-        pooled[0].is_connected = lambda: True  # still looks alive to the pool, but ...
-        pooled[0].transport.is_closing = lambda: True  # ... the server closed it, seen just too late
-        r = await d.submit("f", BODY)
-        assert r["usage"]["completion_tokens"] == 4
-    assert b.resent == 1 and len(fake.requests) == 2
+async def test_a_connection_the_server_closed_unseen_is_resent():
+    """The server closes a kept-alive connection; its end is waiting in the client's socket but
+    the event loop has not read it yet. The request is not written there (the pool looks at the
+    socket before writing) but on a new connection: the server sees it once, nothing fails.
+    No aiohttp TraceConfig runs on requests (each costs awaited signals at every step)."""
+    with servers_in_a_thread(1) as (srv,):
+        b = OpenAIBackend(srv.url)
+        try:
+            await b.complete("completions", BODY)
+            pooled = _pooled(b)
+            assert len(pooled) == 1
+            fd = pooled[0].transport.get_extra_info("socket").fileno()
+            runner = srv._runner
+            assert runner is not None and runner.server is not None
+
+            async def close_kept_alive() -> None:
+                for handler in runner.server.connections:  # type: ignore[union-attr]
+                    handler.transport.get_extra_info("socket").shutdown(socket.SHUT_RDWR)
+
+            assert srv.loop is not None
+            asyncio.run_coroutine_threadsafe(close_kept_alive(), srv.loop).result(5)
+            readable, _, _ = select.select([fd], [], [], 5)  # the server's end reached this socket
+            assert readable
+            # no await between here and the write: the loop cannot have read the end yet
+            r = await b.complete("completions", BODY)
+            assert r["usage"]["completion_tokens"] == 4
+            assert b.resent == 1 and len(srv.requests) == 2
+            assert b._aux is not None and b._aux.trace_configs == []
+        finally:
+            await b.close()
 
 
 async def test_an_idempotent_request_is_resent_after_a_lost_connection(fake: FakeServer):

@@ -99,7 +99,7 @@ async def test_breaking_out_of_a_stream_without_aclosing_aborts_it(fake: FakeSer
 
 async def test_close_aborts_what_outlives_the_grace(fake: FakeServer):
     """A request still running when ``close_grace`` runs out ends with an error; close returns,
-    nothing is left in flight and no aiohttp session is left open."""
+    nothing is left in flight, no connection and no aiohttp session is left open."""
     fake.mode = "stall"
     backend = OpenAIBackend(fake.url)
     d = Dispatcher([backend], max_attempts=1, close_grace=0.2)
@@ -113,7 +113,7 @@ async def test_close_aborts_what_outlives_the_grace(fake: FakeServer):
             await asyncio.wait_for(t, 5)
     s = d.stats()
     assert s["flows"]["f"]["in_flight"] == 0 and s["flows"]["f"]["failed"] == 1
-    assert backend._session is None and backend._aux is None
+    assert backend._pool is None and backend._aux is None
 
 
 async def test_a_calibration_failure_does_not_break_the_reply_or_the_loop(sched):

@@ -1,5 +1,9 @@
 """``OpenAIBackend``: an OpenAI-compatible HTTP server (vLLM, SGLang, llama.cpp's
-``llama-server``, TGI, ...) over aiohttp, with one pooled session per backend.
+``llama-server``, TGI, ...), with one pool of kept-alive connections per backend.
+
+Requests go through the lean HTTP/1.1 client of ``_http.py`` (asyncio transports, replies
+parsed by httptools); health checks and metrics fetches through an aiohttp session of their
+own (one connection, so that a burst of requests never starves them).
 
 Speaks ``POST /v1/completions`` and ``POST /v1/chat/completions``, plain (one JSON reply)
 and streaming (server-sent events, ``data: {...}`` up to ``data: [DONE]``). Streaming
@@ -26,12 +30,13 @@ reply that is not JSON                 ``BackendError``            yes
 =====================================  ==========================  ===========
 
 Resending: a request is sent again (on another connection, at most twice) only when it
-provably never reached the server: the connection came from the keep-alive pool and failed
-before the request was written. With ``idempotent=True`` (the caller's promise that a
-duplicate is harmless) a connection that failed before any reply is also resent. A
-``ServerDisconnectedError`` on a fresh connection, a timeout or an HTTP error is never
-resent here. Idle pooled connections are dropped after ``keepalive_timeout`` seconds (below
-the 5 s most servers use), which keeps stale connections rare in the first place.
+provably never reached the server: the connection came from the keep-alive pool and was found
+closed (or with bytes of the server's waiting on it) the moment before the request would have
+been written, so nothing was. With ``idempotent=True`` (the caller's promise that a duplicate
+is harmless) a connection that failed before any reply is also resent. A connection that drops
+once the request was written (with no reply byte, fresh or reused), a timeout or an HTTP error
+is never resent here. Idle pooled connections are dropped after ``keepalive_timeout`` seconds
+(below the 5 s most servers use), which keeps stale connections rare in the first place.
 
 Cancelling the calling task closes the connection, which llama.cpp, vLLM and SGLang all
 take as "stop generating".
@@ -40,20 +45,15 @@ take as "stop generating".
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import email.utils
 import json
 import math
 import time
-import weakref
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import aiohttp
 import orjson
-from aiohttp.client_reqrep import ClientRequest
-from aiohttp.connector import Connection
-from aiohttp.tracing import Trace
 
 from ..errors import (
     BackendError,
@@ -63,6 +63,7 @@ from ..errors import (
     BackendUnavailable,
     StreamInterrupted,
 )
+from ._http import ConnectFailed, Disconnected, HTTPPool, NotWritten, Origin, ProtocolError, Reply, Timeout, header_lines
 from .base import ENDPOINTS, Backend, JSONBody, body_bytes
 from .probe import SaturationProbe
 from .sse import DONE, Payload, SSEParser
@@ -70,10 +71,11 @@ from .sse import DONE, Payload, SSEParser
 __all__ = ["OpenAIBackend"]
 
 _BODY_SNIPPET = 2000  # characters of an error body kept on the exception
-#: connection failures of session.post() that may be resent when the request provably never
-#: got through (or the caller marked it idempotent)
-_CONNECTION_LOST = (aiohttp.ClientConnectionResetError, aiohttp.ClientOSError, aiohttp.ServerDisconnectedError)
+#: bytes of an error reply read for its message; the rest is not waited for (the connection is dropped)
+_ERROR_READ = 64 << 10
 _RESENDS = 2
+#: headers the client itself writes (a request's framing): not accepted in ``headers``
+_FRAMING = ("content-length", "transfer-encoding")
 #: event payloads larger than this are decoded in a worker thread (the GIL's switch interval
 #: lets the event loop run meanwhile), so one huge event does not stall every other request
 _BIG_EVENT = 1 << 20
@@ -101,59 +103,6 @@ def _loads(raw: bytes) -> Any:
         except orjson.JSONDecodeError:
             pass
     return json.loads(raw)
-
-
-class _Attempt:
-    """What the connector saw of one POST: whether its connection came from the pool."""
-
-    __slots__ = ("reused",)
-
-    def __init__(self) -> None:
-        self.reused = False
-
-
-#: the POST being sent in this task (``_post`` sets it around ``session.post``)
-_ATTEMPT: contextvars.ContextVar[_Attempt | None] = contextvars.ContextVar("sfq_openai_attempt", default=None)
-
-
-class _Connector(aiohttp.TCPConnector):
-    """A ``TCPConnector`` that tells the POST being sent whether its connection came from the
-    keep-alive pool (a connection it has handed out before). That is what decides whether a
-    failed request may be resent; knowing it this way costs a set lookup per request, where an
-    ``aiohttp.TraceConfig`` costs a round of awaited signals at every step of every request."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._handed_out: weakref.WeakSet[Any] = weakref.WeakSet()
-
-    async def connect(self, req: ClientRequest, traces: list[Trace], timeout: aiohttp.ClientTimeout) -> Connection:
-        conn = await super().connect(req, traces, timeout)
-        proto = conn.protocol
-        if proto is not None:
-            if proto in self._handed_out:
-                att = _ATTEMPT.get()
-                if att is not None:
-                    att.reused = True
-            else:
-                try:
-                    self._handed_out.add(proto)
-                except TypeError:  # not weak-referenceable: never counted as reused, so never resent
-                    pass
-        return conn
-
-
-def _never_written(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what caused it) is aiohttp's refusal to write to a transport that was
-    already closing: that check comes before any byte of the request is handed to the socket
-    (the headers go out with the body), so the server cannot have seen the request."""
-    e: BaseException | None = exc
-    for _ in range(4):
-        if e is None:
-            return False
-        if isinstance(e, ConnectionResetError) and "closing transport" in str(e):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
 
 
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
@@ -223,8 +172,8 @@ class OpenAIBackend(Backend):
         a one-token completion (or chat completion): it works on any OpenAI-compatible server,
         and remembers which route answered.
     trace_configs:
-        ``aiohttp.TraceConfig`` objects for the request session (tracing, tests); none by
-        default, since every one costs awaited signals at each step of every request.
+        ``aiohttp.TraceConfig`` objects for the aiohttp session of the health checks and
+        metrics fetches (tracing, tests). Requests do not go through aiohttp.
     """
 
     def __init__(
@@ -252,6 +201,7 @@ class OpenAIBackend(Backend):
         base = url.rstrip("/")
         if base.endswith("/v1"):
             base = base[:-3]
+        origin = Origin(base)
         if probe is True:
             probe = SaturationProbe()
         elif probe is False:
@@ -273,19 +223,30 @@ class OpenAIBackend(Backend):
             self._headers["Authorization"] = f"Bearer {api_key}"
         if headers:
             self._headers.update(headers)
-        self._timeout = aiohttp.ClientTimeout(total=timeout, connect=connect_timeout, sock_read=read_timeout)
-        # aiohttp's total covers the body too: past it the next read of the stream fails
-        self._stream_timeout = aiohttp.ClientTimeout(total=stream_timeout, connect=connect_timeout,
-                                                     sock_read=read_timeout)
-        self.stream_total = stream_timeout
+        for k in self._headers:
+            if isinstance(k, str) and k.lower() in _FRAMING:
+                raise ValueError(f"header {k!r} cannot be set: the client writes a request's framing itself")
+        # each endpoint's request head, made once: request line, Host, the headers, and the
+        # Content-Length's name (its value and the body follow per request)
+        sent = {k.lower() for k in self._headers}
+        own = {} if "host" in sent else {"Host": origin.authority}
+        if "user-agent" not in sent:
+            own["User-Agent"] = "sfq"
+        lines = header_lines({**own, **self._headers})
+        self._origin = origin
+        self._heads = {ep: f"POST {origin.path}/v1/{ep} HTTP/1.1\r\n".encode("latin-1") + lines + b"Content-Length: "
+                       for ep in ENDPOINTS}
+        self.connect_timeout = None if connect_timeout is None else float(connect_timeout)
+        self.read_timeout = None if read_timeout is None else float(read_timeout)
+        self.timeout = None if timeout is None else float(timeout)
+        self.stream_total = None if stream_timeout is None else float(stream_timeout)
         self.keepalive_timeout = float(keepalive_timeout)
         self._trace_configs = list(trace_configs)
         self.resent = 0  # requests sent again because they provably never got through
         self._aux_timeout = aiohttp.ClientTimeout(total=max(connect_timeout or 0.0, 5.0) + 5.0,
                                                   connect=connect_timeout or 5.0)
-        self._session: aiohttp.ClientSession | None = None
+        self._pool: HTTPPool | None = None
         self._aux: aiohttp.ClientSession | None = None  # health checks and metrics: their own connection
-        self._stream_deadline = timeout  # headers of a stream must come within this
 
     @property
     def headers(self) -> dict[str, str]:
@@ -294,31 +255,24 @@ class OpenAIBackend(Backend):
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        if self._session is None or self._session.closed:
-            # limit=0: the dispatcher already bounds what is in flight; connections are kept alive
-            self._session = aiohttp.ClientSession(
-                connector=_Connector(limit=0, enable_cleanup_closed=True, keepalive_timeout=self.keepalive_timeout),
-                headers=self._headers,
-                json_serialize=json.dumps,
-                trace_configs=self._trace_configs or None,
-            )
+        if self._pool is None or self._pool.closed:
+            # no connection limit of its own: the dispatcher already bounds what is in flight
+            self._pool = HTTPPool(self._origin, connect_timeout=self.connect_timeout,
+                                  keepalive_timeout=self.keepalive_timeout)
         if self._aux is None or self._aux.closed:
             # the probe's and health checks' own kept-alive connection: a burst of requests never
             # takes it, so a server that serves HTTP from a fixed thread pool (llama-server: np + 4
             # threads, a kept-alive connection holds one) cannot starve the probe of a connection
-            self._aux = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1), headers=self._headers)
+            self._aux = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1), headers=self._headers,
+                                              trace_configs=self._trace_configs or None)
 
     async def close(self) -> None:
-        for s in (self._session, self._aux):
-            if s is not None:
-                await s.close()
-        self._session = self._aux = None
-
-    async def _sess(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            await self.start()
-        assert self._session is not None
-        return self._session
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()  # every connection aborted: a request still running fails
+        aux, self._aux = self._aux, None
+        if aux is not None:
+            await aux.close()
 
     async def _aux_sess(self) -> aiohttp.ClientSession:
         if self._aux is None or self._aux.closed:
@@ -333,91 +287,111 @@ class OpenAIBackend(Backend):
         except KeyError:
             raise ValueError(f"unknown endpoint {endpoint!r}; expected one of {ENDPOINTS}") from None
 
-    async def _post(self, url: str, body: Mapping[str, Any], timeout: aiohttp.ClientTimeout,
-                    idempotent: bool = False) -> aiohttp.ClientResponse:
-        """POST and return a response with a 2xx status; every failure mapped to an sfq error."""
-        session = await self._sess()
+    async def _post(self, endpoint: str, url: str, body: Mapping[str, Any], stream: bool,
+                    idempotent: bool = False) -> Reply:
+        """POST and return a reply with a 2xx status whose head has come; every failure mapped
+        to an sfq error. The bound of a plain request (``timeout``) covers its body too; a
+        stream's bound here is its head's (the caller moves it to the stream's total)."""
+        pool = self._pool
+        if pool is None or pool.closed:
+            await self.start()
+            pool = self._pool
+            assert pool is not None
         data = body_bytes(body)  # a client's body, unchanged: sent as it came
         if data is None:
-            try:  # once, whatever the resends; the session's Content-Type says JSON
+            try:  # once, whatever the resends; the head says JSON
                 data = _encode(body).encode()
             except Exception as exc:  # not JSON-serialisable
                 raise self._map(exc, url, "POST") from exc
+        msg = b"%b%d\r\n\r\n%b" % (self._heads[endpoint], len(data), data)
+        now = pool.loop.time()
+        t = self.timeout
+        if stream and self.stream_total is not None and (t is None or self.stream_total < t):
+            t, kind = self.stream_total, "stream"
+        else:
+            kind = "headers" if stream else "timeout"
+        deadline = math.inf if t is None else now + t
         for attempt in range(_RESENDS + 1):
-            att = _Attempt()
-            token = _ATTEMPT.set(att)
             try:
-                resp = await session.post(url, data=data, timeout=timeout)
+                reply = await pool.send(msg, deadline=deadline, kind=kind, seconds=t, silence=self.read_timeout)
                 break
-            except aiohttp.ClientConnectorError as exc:  # refused, unreachable: nothing was sent
-                raise self._map(exc, url, "POST", never_sent=True) from exc
-            except _CONNECTION_LOST as exc:
-                # resend only what provably never got through: a pooled keep-alive connection
-                # that the server had closed, failing before the request was written (or any
-                # lost connection when the caller said a duplicate is harmless)
-                never = att.reused and _never_written(exc)
-                if not (never or idempotent) or attempt == _RESENDS or session.closed:
-                    raise self._map(exc, url, "POST", never_sent=never) from exc
+            except NotWritten as exc:
+                # a kept-alive connection found closed before anything was written: the request
+                # provably never left
+                if attempt == _RESENDS or pool.closed:
+                    raise self._map(exc, url, "POST", never_sent=True) from exc
                 self.resent += 1
+            except Disconnected as exc:
+                # written, then the connection ended before a reply: resent only when the caller
+                # said a duplicate is harmless
+                if not idempotent or attempt == _RESENDS or pool.closed:
+                    raise self._map(exc, url, "POST") from exc
+                self.resent += 1
+            except Timeout as exc:
+                if kind != "timeout" and exc.kind in ("headers", "stream"):
+                    raise BackendTimeout(f"backend {self.name!r}: POST {url}: no reply headers within {t:g} s",
+                                         backend=self.name, never_sent=exc.never_sent) from exc
+                raise self._map(exc, url, "POST") from exc
             except Exception as exc:
                 raise self._map(exc, url, "POST") from exc
-            finally:
-                _ATTEMPT.reset(token)
-        if resp.status >= 400:
+        status = reply.status
+        if status >= 400:
             try:
-                text = await resp.text(errors="replace")
+                text = (await reply.read_some(_ERROR_READ)).decode("utf-8", "replace")
             except Exception:
                 text = ""
             finally:
-                resp.close()
-            headers = {k: v for k, v in resp.headers.items()}
-            retry_after = parse_retry_after(resp.headers.get("Retry-After"))
-            cls = BackendRateLimited if resp.status == 429 else BackendHTTPError
+                reply.close()
+            headers = dict(reply.header_items())
+            retry_after = parse_retry_after(reply.header("retry-after"))
+            cls = BackendRateLimited if status == 429 else BackendHTTPError
             raise cls(
-                f"backend {self.name!r}: HTTP {resp.status} from POST {url}: {text[:200]}",
-                backend=self.name, status=resp.status, body=text[:_BODY_SNIPPET], unhealthy=resp.status >= 500,
+                f"backend {self.name!r}: HTTP {status} from POST {url}: {text[:200]}",
+                backend=self.name, status=status, body=text[:_BODY_SNIPPET], unhealthy=status >= 500,
                 headers=headers, retry_after=retry_after)
-        return resp
+        return reply
 
     def _map(self, exc: BaseException, url: str, verb: str, never_sent: bool = False) -> BackendError:
         where = f"backend {self.name!r}: {verb} {url}"
         if isinstance(exc, BackendError):
             return exc
+        if isinstance(exc, Timeout):
+            s = exc.seconds
+            what = ("the server sent nothing for" if exc.kind == "silence" else
+                    "no connection within" if exc.kind == "connect" else
+                    "no complete reply within" if exc.kind == "timeout" else f"the {exc.kind} bound of")
+            return BackendTimeout(f"{where}: timed out ({what} {s:g} s)" if s is not None else f"{where}: timed out",
+                                  backend=self.name, never_sent=never_sent or exc.never_sent)
         if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
             return BackendTimeout(f"{where}: timed out ({type(exc).__name__}: {exc})", backend=self.name,
                                   never_sent=never_sent or isinstance(exc, aiohttp.ClientConnectorError))
-        if isinstance(exc, aiohttp.ClientConnectorError):
+        if isinstance(exc, (ConnectFailed, aiohttp.ClientConnectorError)):
             return BackendUnavailable(f"{where}: cannot connect ({exc})", backend=self.name, never_sent=True)
         if isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError)):
             return BackendUnavailable(f"{where}: connection lost ({type(exc).__name__}: {exc})", backend=self.name,
                                       never_sent=never_sent)
+        if isinstance(exc, ProtocolError):
+            return BackendError(f"{where}: the reply is not HTTP this client reads ({exc})", backend=self.name)
         return BackendError(f"{where}: {type(exc).__name__}: {exc}", backend=self.name)
 
     async def complete(self, endpoint: str, body: dict[str, Any], *, idempotent: bool = False) -> dict[str, Any]:
         url = self._url(endpoint)
-        resp = await self._post(url, body, self._timeout, idempotent)
-        ok = False
+        reply = await self._post(endpoint, url, body, False, idempotent)
         try:
-            raw = await resp.read()
-            ok = True
+            raw = await reply.read()  # a failure or a cancellation drops the connection: the server stops
         except Exception as exc:
             raise self._map(exc, url, "POST") from exc
-        finally:
-            if ok:
-                resp.release()
-            else:  # cancelled or failed mid-body: drop the connection so the server stops
-                resp.close()
         try:
-            reply = _loads(raw)
+            out = _loads(raw)
         except ValueError:
             text = raw[:_BODY_SNIPPET].decode("utf-8", "replace")
             raise BackendError(f"backend {self.name!r}: the reply from POST {url} is not JSON: {text[:200]!r}",
-                               backend=self.name, status=resp.status, body=text) from None
-        if not isinstance(reply, dict):
+                               backend=self.name, status=reply.status, body=text) from None
+        if not isinstance(out, dict):
             raise BackendError(f"backend {self.name!r}: the reply from POST {url} is not a JSON object",
-                               backend=self.name, status=resp.status,
+                               backend=self.name, status=reply.status,
                                body=raw[:_BODY_SNIPPET].decode("utf-8", "replace"))
-        return reply
+        return out
 
     async def stream(self, endpoint: str, body: dict[str, Any], *,
                      idempotent: bool = False) -> AsyncIterator[dict[str, Any]]:
@@ -430,30 +404,27 @@ class OpenAIBackend(Backend):
             so = body.get("stream_options")
             if not (isinstance(so, Mapping) and so.get("include_usage")):
                 body["stream_options"] = {**(so if isinstance(so, Mapping) else {}), "include_usage": True}
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        if self._stream_deadline is not None:
-            try:
-                resp = await asyncio.wait_for(self._post(url, body, self._stream_timeout, idempotent),
-                                              self._stream_deadline)
-            except asyncio.TimeoutError as exc:
-                raise BackendTimeout(f"backend {self.name!r}: POST {url}: no reply headers within "
-                                     f"{self._stream_deadline:g} s", backend=self.name) from exc
-        else:
-            resp = await self._post(url, body, self._stream_timeout, idempotent)
+        pool = self._pool
+        t0 = (pool.loop if pool is not None else asyncio.get_running_loop()).time()
+        reply = await self._post(endpoint, url, body, True, idempotent)
+        total = self.stream_total
+        # the head came: from here the stream's whole length is bounded (from its start)
+        reply.set_deadline(math.inf if total is None else t0 + total, "stream", total)
         done = False
         chunks = 0
         parser = SSEParser()
+        take = reply.take
         try:
-            it = resp.content.iter_any().__aiter__()
             while not done:
                 try:
-                    piece = await it.__anext__()
-                except StopAsyncIteration:
-                    break
+                    piece = take()
+                    if piece is None:
+                        break
+                    if not piece:
+                        await reply.more()
+                        continue
                 except Exception as exc:
-                    total = self.stream_total
-                    if total is not None and loop.time() - t0 >= total:
+                    if isinstance(exc, Timeout) and exc.kind == "stream":
                         raise BackendTimeout(
                             f"backend {self.name!r}: the stream from POST {url} passed its total deadline of "
                             f"{total:g} s after {chunks} events", backend=self.name, unhealthy=False) from exc
@@ -477,9 +448,9 @@ class OpenAIBackend(Backend):
                     "without its end marker (data: [DONE])", backend=self.name, chunks=chunks, unhealthy=True)
         finally:
             if done:
-                resp.release()
+                reply.release()  # back to the pool once the reply's last bytes come
             else:  # an error, a cancellation or the consumer stopped early: drop the connection
-                resp.close()
+                reply.close()
 
     def _big_event(self, payload: Payload, url: str, chunks: int) -> dict[str, Any]:
         return self._event(payload.join(), url, chunks)
