@@ -148,9 +148,9 @@ class _Conn(asyncio.Protocol):
     """One connection, its reply parser and its timer; one request at a time."""
 
     __slots__ = ("pool", "loop", "transport", "parser", "poller", "state", "pooled", "exc", "waiter", "headers",
-                 "head_bytes", "head_done", "interim", "complete", "extra", "got_reply", "pieces", "buffered",
-                 "paused", "keep", "idle_since", "deadline", "deadline_kind", "deadline_s", "silence", "last",
-                 "timer", "timer_at", "drained")
+                 "head_bytes", "head_size", "head_done", "interim", "complete", "extra", "got_reply", "pieces",
+                 "buffered", "paused", "keep", "idle_since", "deadline", "deadline_kind", "deadline_s", "silence",
+                 "last", "timer", "timer_at", "drained")
 
     def __init__(self, pool: HTTPPool) -> None:
         self.pool = pool
@@ -163,7 +163,8 @@ class _Conn(asyncio.Protocol):
         self.exc: BaseException | None = None  # why the reply failed
         self.waiter: asyncio.Future[None] | None = None
         self.headers: list[tuple[bytes, bytes]] = []
-        self.head_bytes = 0
+        self.head_bytes = 0  # bytes received before the head was complete (a bound on what is held for it)
+        self.head_size = 0  # the head's own length, as parsed
         self.head_done = False
         self.interim = False  # the head being parsed is a 1xx
         self.complete = False
@@ -217,9 +218,10 @@ class _Conn(asyncio.Protocol):
             return
         except httptools.HttpParserError as exc:
             cause = exc.__context__
-            self._fail(cause if isinstance(cause, ProtocolError) else ProtocolError(f"the reply is not HTTP/1.1: {exc}"))
+            self._fail(cause if isinstance(cause, ProtocolError) else
+                       ProtocolError(f"the reply is not HTTP/1.1: {exc}"))
             return
-        if not self.head_done and self.head_bytes > MAX_HEAD:
+        if not self.head_done and self.head_bytes > MAX_HEAD:  # no head yet, and more than one may be
             self._fail(ProtocolError(f"the reply's head is over {MAX_HEAD} bytes"))
             return
         if state == _DRAINING:
@@ -249,6 +251,9 @@ class _Conn(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
+        self.head_size += len(name) + len(value) + 4
+        if self.head_size > MAX_HEAD:
+            raise ProtocolError(f"the reply's head is over {MAX_HEAD} bytes")
 
     def on_headers_complete(self) -> None:
         if self.complete:
@@ -425,6 +430,7 @@ class _Conn(asyncio.Protocol):
         """Ready for the next request (the parser carries over: llhttp reads one reply after another)."""
         self.headers = []
         self.head_bytes = 0
+        self.head_size = 0
         self.head_done = False
         self.complete = False
         self.got_reply = False

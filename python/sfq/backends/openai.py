@@ -63,7 +63,17 @@ from ..errors import (
     BackendUnavailable,
     StreamInterrupted,
 )
-from ._http import ConnectFailed, Disconnected, HTTPPool, NotWritten, Origin, ProtocolError, Reply, Timeout, header_lines
+from ._http import (
+    ConnectFailed,
+    Disconnected,
+    HTTPPool,
+    NotWritten,
+    Origin,
+    ProtocolError,
+    Reply,
+    Timeout,
+    header_lines,
+)
 from .base import ENDPOINTS, Backend, JSONBody, body_bytes
 from .probe import SaturationProbe
 from .sse import DONE, Payload, SSEParser
