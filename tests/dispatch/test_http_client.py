@@ -848,9 +848,18 @@ def test_headers_that_would_break_a_request_are_refused():
             OpenAIBackend("http://127.0.0.1:1", headers=bad)
     with pytest.raises(ValueError, match="url"):
         OpenAIBackend("http://:80")
-    b = OpenAIBackend("http://127.0.0.1:1", headers={"Host": "api.example", "User-Agent": "me"})
+    b = OpenAIBackend("http://127.0.0.1:1", headers={"host": "api.example", "User-Agent": "me",
+                                                     "content-type": "application/json; charset=utf-8"})
     head = b._heads["completions"]
-    assert b"Host: api.example\r\n" in head and b"User-Agent: me\r\n" in head and head.count(b"Host") == 1
+    assert b"host: api.example\r\n" in head and b"User-Agent: me\r\n" in head
+    assert head.lower().count(b"host:") == 1 and head.lower().count(b"content-type:") == 1
+    assert b"content-type: application/json; charset=utf-8\r\n" in head
+    # credentials in the URL: basic authentication (an api_key's bearer token wins); a path as given
+    b = OpenAIBackend("http://us%40er:p%3Ass@127.0.0.1:1/a b/v1")
+    assert b"Authorization: Basic dXNAZXI6cDpzcw==\r\n" in b._heads["completions"]  # "us@er:p:ss"
+    assert b._heads["completions"].startswith(b"POST /a%20b/v1/completions HTTP/1.1\r\nHost: 127.0.0.1:1\r\n")
+    b = OpenAIBackend("http://u:p@127.0.0.1:1", api_key="sk")
+    assert b"Authorization: Bearer sk\r\n" in b._heads["completions"] and b"Basic" not in b._heads["completions"]
 
 
 async def test_a_timeout_is_not_the_callers_timeout_error(serve):

@@ -67,7 +67,7 @@ import math
 import select
 import ssl as _ssl
 from typing import Any, cast
-from urllib.parse import urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import httptools
 
@@ -78,6 +78,8 @@ __all__ = ["ConnectFailed", "Disconnected", "DRAIN_SECONDS", "HIGH_WATER", "HTTP
 HIGH_WATER = 256 << 10
 #: the largest reply head (status line and headers) accepted, bytes
 MAX_HEAD = 64 << 10
+#: bytes that came with a reply's head past which only the head's own are kept (for its headers)
+_HEAD_KEPT = 8 << 10
 #: how long a released reply may take to send its last bytes before its connection is aborted
 DRAIN_SECONDS = 1.0
 #: the most body bytes a released reply may still send (more: the connection is aborted)
@@ -144,34 +146,68 @@ def header_lines(headers: dict[str, str]) -> bytes:
     return "".join(out).encode("latin-1")
 
 
-class _Conn(asyncio.Protocol):
-    """One connection, its reply parser and its timer; one request at a time."""
+def _head(raw: bytes) -> tuple[list[tuple[bytes, bytes]], int]:
+    """The header fields of the reply head at the start of ``raw`` (after any 1xx heads), and
+    where that head ends. The parser has already accepted these bytes (so the lines end in
+    CRLF and the fields are well formed); a line folded onto the one before it is joined."""
+    pos = 0
+    while True:
+        end = raw.find(b"\r\n\r\n", pos)
+        if end < 0:
+            return [], len(raw)
+        lines = raw[pos:end].split(b"\r\n")
+        status = lines[0].split(None, 2)
+        pos = end + 4
+        if len(status) > 1 and status[1][:1] == b"1" and status[1] != b"101":
+            continue  # an interim head
+        fields: list[tuple[bytes, bytes]] = []
+        for line in lines[1:]:
+            if line[:1] in (b" ", b"\t") and fields:
+                n, v = fields[-1]
+                fields[-1] = (n, (v + b" " + line.strip()).strip())
+                continue
+            name, _, value = line.partition(b":")
+            fields.append((name.strip(), value.strip()))
+        return fields, pos
 
-    __slots__ = ("pool", "loop", "transport", "parser", "poller", "state", "pooled", "exc", "waiter", "headers",
-                 "head_bytes", "head_size", "head_done", "interim", "complete", "extra", "got_reply", "pieces",
+
+class _Conn(asyncio.Protocol):
+    """One connection, its reply parser and its timer; one request at a time.
+
+    A reply costs two Python calls from the parser (the head's end and the reply's end), not
+    one per header and per piece: headers are not handed over one by one (the bytes the head
+    came in are kept, ``head_raw``, and read only when asked: an error's headers, a
+    ``Retry-After``), and two callbacks are C methods of the connection's own containers:
+    ``on_body`` appends to ``pieces``, ``on_message_begin`` empties ``ended`` (a list that the
+    end of a reply fills: emptied again, another reply began after it)."""
+
+    __slots__ = ("pool", "loop", "transport", "parser", "poller", "state", "pooled", "exc", "waiter", "head_raw",
+                 "head_bytes", "head_done", "interim", "complete", "ended", "extra", "got_reply", "pieces",
                  "buffered", "paused", "keep", "idle_since", "deadline", "deadline_kind", "deadline_s", "silence",
-                 "last", "timer", "timer_at", "drained")
+                 "last", "timer", "timer_at", "drained", "on_body", "on_message_begin")
 
     def __init__(self, pool: HTTPPool) -> None:
         self.pool = pool
         self.loop = pool.loop
         self.transport: asyncio.Transport | None = None
+        self.head_raw: list[bytes] = []  # what came until the head was complete (the head, and maybe more)
+        self.pieces: collections.deque[bytes] = collections.deque()
+        self.ended: list[None] = []
+        self.on_body = self.pieces.append
+        self.on_message_begin = self.ended.clear
         self.parser = httptools.HttpResponseParser(self)
         self.poller: Any = None
         self.state = _BUSY  # made for a request
         self.pooled = False  # in the pool's idle list
         self.exc: BaseException | None = None  # why the reply failed
         self.waiter: asyncio.Future[None] | None = None
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.head_bytes = 0  # bytes received before the head was complete (a bound on what is held for it)
-        self.head_size = 0  # the head's own length, as parsed
+        self.head_bytes = 0  # bytes received until the head was complete (a bound on what is held for it)
         self.head_done = False
         self.interim = False  # the head being parsed is a 1xx
         self.complete = False
         self.extra = False  # bytes after the reply's end: the connection cannot be reused
         self.got_reply = False
-        self.pieces: collections.deque[bytes] = collections.deque()
-        self.buffered = 0
+        self.buffered = 0  # bytes received and not taken (framing included: a bound, not a count)
         self.paused = False
         self.keep = False
         self.idle_since = 0.0
@@ -209,8 +245,11 @@ class _Conn(asyncio.Protocol):
         self.got_reply = True
         if self.silence is not None:
             self.last = self.loop.time()
+        n = len(data)
         if not self.head_done:
-            self.head_bytes += len(data)
+            self.head_raw.append(data)
+            self.head_bytes += n
+        self.buffered += n
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -221,11 +260,17 @@ class _Conn(asyncio.Protocol):
             self._fail(cause if isinstance(cause, ProtocolError) else
                        ProtocolError(f"the reply is not HTTP/1.1: {exc}"))
             return
+        if self.complete and not self.ended:  # another reply began after this one
+            self.extra = True
         if not self.head_done and self.head_bytes > MAX_HEAD:  # no head yet, and more than one may be
             self._fail(ProtocolError(f"the reply's head is over {MAX_HEAD} bytes"))
             return
         if state == _DRAINING:
-            if self.complete:
+            self.pieces.clear()  # a released reply's rest is not wanted
+            self.drained += n
+            if self.drained > _DRAIN_BYTES:
+                self.abort()
+            elif self.complete:
                 self.release()
             return
         if self.buffered > HIGH_WATER and not self.paused:
@@ -245,16 +290,7 @@ class _Conn(asyncio.Protocol):
         self._ended(exc)
 
     # ------------------------------------------------------------ httptools callbacks
-    def on_message_begin(self) -> None:
-        if self.complete:
-            self.extra = True
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
-        self.head_size += len(name) + len(value) + 4
-        if self.head_size > MAX_HEAD:
-            raise ProtocolError(f"the reply's head is over {MAX_HEAD} bytes")
-
+    # (on_message_begin, on_body: the C methods set in __init__)
     def on_headers_complete(self) -> None:
         if self.complete:
             raise ProtocolError("the server sent more than one reply")
@@ -263,18 +299,14 @@ class _Conn(asyncio.Protocol):
             if status == 101:
                 raise ProtocolError("the server switched protocols (101)")
             self.interim = True
-            self.headers = []
             return
+        if self.head_bytes > _HEAD_KEPT:  # much came with the head: keep the head's bytes alone
+            raw = b"".join(self.head_raw)
+            end = _head(raw)[1]
+            if end > MAX_HEAD:
+                raise ProtocolError(f"the reply's head is over {MAX_HEAD} bytes")
+            self.head_raw = [raw[:end]]
         self.head_done = True
-
-    def on_body(self, body: bytes) -> None:
-        if self.state == _DRAINING:
-            self.drained += len(body)
-            if self.drained > _DRAIN_BYTES:
-                raise ProtocolError("a released reply kept sending")
-            return
-        self.pieces.append(body)
-        self.buffered += len(body)
 
     def on_message_complete(self) -> None:
         if self.interim:
@@ -282,6 +314,7 @@ class _Conn(asyncio.Protocol):
             return
         self.complete = True
         self.keep = self.parser.should_keep_alive()
+        self.ended.append(None)
 
     # ------------------------------------------------------------ ending
     def _ended(self, exc: Exception | None) -> None:
@@ -324,11 +357,15 @@ class _Conn(asyncio.Protocol):
     def _until_close(self) -> bool:
         """Whether the reply's body is delimited by the end of the connection (neither a length
         nor chunked)."""
-        for n, v in self.headers:
+        for n, v in self.fields():
             ln = n.lower()
             if ln == b"content-length" or (ln == b"transfer-encoding" and b"chunked" in v.lower()):
                 return False
         return True
+
+    def fields(self) -> list[tuple[bytes, bytes]]:
+        """The reply's header fields (read from the bytes of its head: only when asked)."""
+        return _head(b"".join(self.head_raw))[0] if self.head_done else []
 
     def _fail(self, exc: BaseException) -> None:
         """The reply cannot go on: ``exc`` for its reader (a reply already complete keeps its
@@ -394,6 +431,17 @@ class _Conn(asyncio.Protocol):
     # ------------------------------------------------------------ requests
     def begin(self, data: bytes, deadline: float, kind: str, seconds: float | None, silence: float | None,
               now: float) -> None:
+        """Write a request (the connection fresh, or back from the pool: ready for another reply;
+        the parser carries over, llhttp reads one reply after another)."""
+        if self.complete:  # reused
+            self.head_raw = []
+            self.head_bytes = 0
+            self.head_done = False
+            self.complete = False
+            self.got_reply = False
+            self.keep = False
+            self.drained = 0
+            self.buffered = 0
         self.state = _BUSY
         self.deadline = deadline
         self.deadline_kind = kind
@@ -426,20 +474,6 @@ class _Conn(asyncio.Protocol):
             return
         self.abort()
 
-    def reset(self) -> None:
-        """Ready for the next request (the parser carries over: llhttp reads one reply after another)."""
-        self.headers = []
-        self.head_bytes = 0
-        self.head_size = 0
-        self.head_done = False
-        self.complete = False
-        self.got_reply = False
-        self.keep = False
-        self.drained = 0
-        if self.pieces:
-            self.pieces.clear()
-        self.buffered = 0
-
 
 class Reply:
     """One reply: ``status``, its headers (:meth:`header`, :meth:`header_items`) once its head
@@ -453,16 +487,17 @@ class Reply:
         self._done = False
 
     def header(self, name: str) -> str | None:
-        """The last value of header ``name`` (any case), or ``None``."""
+        """The value of header ``name`` (any case; the last one of a repeated name), or ``None``."""
         want = name.lower().encode("latin-1")
-        for n, v in reversed(self._c.headers):
+        found = None
+        for n, v in self._c.fields():
             if n.lower() == want:
-                return v.decode("latin-1")
-        return None
+                found = v
+        return None if found is None else found.decode("latin-1")
 
     def header_items(self) -> list[tuple[str, str]]:
-        """Every header as received (names as the server spelled them)."""
-        return [(n.decode("latin-1"), v.decode("latin-1")) for n, v in self._c.headers]
+        """The headers as received (names as the server spelled them, repeated ones each)."""
+        return [(n.decode("latin-1"), v.decode("latin-1")) for n, v in self._c.fields()]
 
     def take(self) -> bytes | None:
         """What has come of the body and not been taken yet, in one piece: ``b""`` when nothing
@@ -506,6 +541,22 @@ class Reply:
             except BaseException:
                 self.close()
                 raise
+
+    def body(self) -> bytes | None:
+        """The whole body when it has all come (then the connection goes back to the pool, or
+        is closed), else ``None`` (then :meth:`read`)."""
+        c = self._c
+        if c.complete and not self._done:
+            pieces = c.pieces
+            n = len(pieces)
+            out = pieces.popleft() if n == 1 else b"".join(pieces)
+            if n > 1:
+                pieces.clear()
+            c.buffered = 0
+            self._done = True
+            c.release()
+            return out
+        return None
 
     async def read(self) -> bytes:
         """The whole body (then the connection goes back to the pool, or is closed); any failure
@@ -599,10 +650,12 @@ class Reply:
 
 class Origin:
     """Where requests go, from a URL: ``scheme``, ``host`` (an IPv6 literal without brackets),
-    ``port``, ``authority`` (what a ``Host`` header says) and ``path`` (the URL's path, no
-    trailing slash). ``ValueError`` for a URL that is not ``http://`` or ``https://`` with a host."""
+    ``port``, ``authority`` (what a ``Host`` header says), ``path`` (the URL's path, no
+    trailing slash, percent-encoded where it was not) and ``credentials`` (``(user, password)``
+    from ``http://user:password@host``, or ``None``). ``ValueError`` for a URL that is not
+    ``http://`` or ``https://`` with a host."""
 
-    __slots__ = ("scheme", "host", "port", "authority", "path")
+    __slots__ = ("scheme", "host", "port", "authority", "path", "credentials")
 
     def __init__(self, url: str) -> None:
         u = urlsplit(url)
@@ -617,7 +670,10 @@ class Origin:
         self.port: int = port or (443 if u.scheme == "https" else 80)
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.authority: str = host if self.port == (443 if u.scheme == "https" else 80) else f"{host}:{self.port}"
-        self.path: str = u.path.rstrip("/")
+        self.path: str = quote(u.path.rstrip("/"), safe="/%:@!$&'()*+,;=-._~")
+        self.credentials: tuple[str, str] | None = None
+        if u.username is not None:
+            self.credentials = (unquote(u.username), unquote(u.password or ""))
 
 
 class HTTPPool:
@@ -677,7 +733,6 @@ class HTTPPool:
                     conn.abort()
                     raise NotWritten(f"the kept-alive connection to {self.authority} was closed by the server "
                                      "before the request was written")
-                conn.reset()
         if conn is None:
             conn = await self._connect(deadline, kind, seconds)
             now = loop.time()
@@ -689,7 +744,8 @@ class HTTPPool:
                     raise exc
                 if conn.state == _DEAD:
                     raise Disconnected("the connection was closed by the client", conn.got_reply)
-                await conn.wait()
+                fut = conn.waiter = loop.create_future()
+                await fut
         except BaseException:
             conn.abort()
             raise

@@ -45,6 +45,7 @@ take as "stop generating".
 from __future__ import annotations
 
 import asyncio
+import base64
 import email.utils
 import json
 import math
@@ -233,16 +234,20 @@ class OpenAIBackend(Backend):
             self._headers["Authorization"] = f"Bearer {api_key}"
         if headers:
             self._headers.update(headers)
-        for k in self._headers:
-            if isinstance(k, str) and k.lower() in _FRAMING:
-                raise ValueError(f"header {k!r} cannot be set: the client writes a request's framing itself")
+        for hk, hv in self._headers.items():
+            if not isinstance(hk, str) or not isinstance(hv, str):
+                raise ValueError(f"header names and values must be strings, got {hk!r}: {hv!r}")
+            if hk.lower() in _FRAMING:
+                raise ValueError(f"header {hk!r} cannot be set: the client writes a request's framing itself")
         # each endpoint's request head, made once: request line, Host, the headers, and the
         # Content-Length's name (its value and the body follow per request)
-        sent = {k.lower() for k in self._headers}
-        own = {} if "host" in sent else {"Host": origin.authority}
-        if "user-agent" not in sent:
-            own["User-Agent"] = "sfq"
-        lines = header_lines({**own, **self._headers})
+        merged: dict[str, tuple[str, str]] = {"host": ("Host", origin.authority), "user-agent": ("User-Agent", "sfq")}
+        if origin.credentials is not None:  # http://user:password@host
+            token = base64.b64encode(":".join(origin.credentials).encode()).decode()
+            merged["authorization"] = ("Authorization", f"Basic {token}")
+        for hk, hv in self._headers.items():  # one line per name whatever its case: the last one given
+            merged[hk.lower()] = (hk, hv)
+        lines = header_lines(dict(merged.values()))
         self._origin = origin
         self._heads = {ep: f"POST {origin.path}/v1/{ep} HTTP/1.1\r\n".encode("latin-1") + lines + b"Content-Length: "
                        for ep in ENDPOINTS}
@@ -346,14 +351,14 @@ class OpenAIBackend(Backend):
                 raise self._map(exc, url, "POST") from exc
         status = reply.status
         if status >= 400:
+            headers = dict(reply.header_items())
+            retry_after = parse_retry_after(reply.header("retry-after"))
             try:
                 text = (await reply.read_some(_ERROR_READ)).decode("utf-8", "replace")
             except Exception:
                 text = ""
             finally:
                 reply.close()
-            headers = dict(reply.header_items())
-            retry_after = parse_retry_after(reply.header("retry-after"))
             cls = BackendRateLimited if status == 429 else BackendHTTPError
             raise cls(
                 f"backend {self.name!r}: HTTP {status} from POST {url}: {text[:200]}",
@@ -387,10 +392,12 @@ class OpenAIBackend(Backend):
     async def complete(self, endpoint: str, body: dict[str, Any], *, idempotent: bool = False) -> dict[str, Any]:
         url = self._url(endpoint)
         reply = await self._post(endpoint, url, body, False, idempotent)
-        try:
-            raw = await reply.read()  # a failure or a cancellation drops the connection: the server stops
-        except Exception as exc:
-            raise self._map(exc, url, "POST") from exc
+        raw = reply.body()  # most often it all came with the head
+        if raw is None:
+            try:
+                raw = await reply.read()  # a failure or a cancellation drops the connection: the server stops
+            except Exception as exc:
+                raise self._map(exc, url, "POST") from exc
         try:
             out = _loads(raw)
         except ValueError:
