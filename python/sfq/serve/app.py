@@ -559,7 +559,7 @@ class Gateway:
         e.outcome = "joined"
         m = self.pd.engine.metrics
         if e.flow is not None and isinstance(m, PolicyMetrics):
-            m.requests.labels(*e.flow, "joined").inc()
+            m.joined(e.flow)
 
     def _log_failure(self, e: _Entry, exc: BaseException, err: HTTPError) -> None:
         if not (isinstance(exc, BackendError) or err.status >= 500):
