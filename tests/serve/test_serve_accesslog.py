@@ -170,12 +170,26 @@ def _pipe(size: int = 4096) -> tuple[int, int]:
     return r, w
 
 
-async def test_a_reader_that_stops_reading_never_blocks_the_loop(monkeypatch: pytest.MonkeyPatch,
-                                                                 caplog: pytest.LogCaptureFixture):
+def _run_on(kind: str, coro: Any) -> None:
+    """``coro`` on asyncio's own loop or on uvloop's (what ``sfq serve`` runs on when installed)."""
+    if kind == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        uvloop.run(coro)
+    else:
+        asyncio.run(coro)
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_a_reader_that_stops_reading_never_blocks_the_loop(loop_kind: str, monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture):
     """The pipe fills; the loop goes on (it is the loop that later drains the pipe); past the
     cap new lines are dropped and counted, one warning while it lasts and one tally when the
     buffer is written; every line that was kept arrives whole and in order."""
     monkeypatch.setattr(accesslog, "WARN_EVERY", 1e9)  # one warning per episode, however slow the machine
+    _run_on(loop_kind, _stalled_reader(caplog))
+
+
+async def _stalled_reader(caplog: pytest.LogCaptureFixture) -> None:
     r, w = _pipe()
     sink = accesslog._sink_of_fd(w, "test-pipe", owned=False)
     assert sink.fd != w and os.get_blocking(w) and not os.get_blocking(sink.fd)  # its own description only
