@@ -1,5 +1,7 @@
 """``OpenAIBackend``: an OpenAI-compatible HTTP server (vLLM, SGLang, llama.cpp's
-``llama-server``, TGI, ...) over aiohttp, with one pooled session per backend.
+``llama-server``, TGI, ...) over the backend's own pooled HTTP/1.1 connections
+(``_http.py``: asyncio transports, ``httptools`` parsing); health checks and metrics fetches
+use an aiohttp session of their own.
 
 Speaks ``POST /v1/completions`` and ``POST /v1/chat/completions``, plain (one JSON reply)
 and streaming (server-sent events, ``data: {...}`` up to ``data: [DONE]``). Streaming
@@ -25,13 +27,14 @@ error event inside a stream            ``StreamInterrupted``       no
 reply that is not JSON                 ``BackendError``            yes
 =====================================  ==========================  ===========
 
-Resending: a request is sent again (on another connection, at most twice) only when it
-provably never reached the server: the connection came from the keep-alive pool and failed
-before the request was written. With ``idempotent=True`` (the caller's promise that a
-duplicate is harmless) a connection that failed before any reply is also resent. A
-``ServerDisconnectedError`` on a fresh connection, a timeout or an HTTP error is never
-resent here. Idle pooled connections are dropped after ``keepalive_timeout`` seconds (below
-the 5 s most servers use), which keeps stale connections rare in the first place.
+Resending: a request goes out on another connection only when it provably never got
+through: the kept-alive connection it was given turned out closed before a byte was written
+(``resent`` counts them). With ``idempotent=True`` (the caller's promise that a duplicate is
+harmless) a connection lost before any reply is also resent, at most twice. A lost
+connection otherwise, a timeout or an HTTP error is never resent here. Idle pooled
+connections are dropped after ``keepalive_timeout`` seconds (below the 5 s most servers
+use), which keeps stale connections rare in the first place. A client's body that came as
+JSON bytes (``JSONBody``) is sent as those bytes.
 
 Cancelling the calling task closes the connection, which llama.cpp, vLLM and SGLang all
 take as "stop generating".
@@ -164,8 +167,9 @@ class OpenAIBackend(Backend):
         a one-token completion (or chat completion): it works on any OpenAI-compatible server,
         and remembers which route answered.
     trace_configs:
-        ``aiohttp.TraceConfig`` objects for the request session (tracing, tests); none by
-        default, since every one costs awaited signals at each step of every request.
+        ``aiohttp.TraceConfig`` objects for the aiohttp session of the health checks and
+        metrics fetches; requests themselves go over the backend's own connections, which
+        no ``TraceConfig`` sees.
     """
 
     def __init__(
