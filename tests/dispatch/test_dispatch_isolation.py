@@ -108,44 +108,33 @@ async def test_a_fresh_connection_that_drops_is_not_resent(fake: FakeServer):
 
 
 async def test_a_pooled_connection_that_fails_before_writing_is_resent(fake: FakeServer):
-    """A kept-alive connection that turns out closed when the request is written: the request
-    provably never left, so it goes out again on another connection - once."""
-    connector: list[aiohttp.BaseConnector] = []
-    armed = [False]
-
-    async def close_on_reuse(session: Any, ctx: Any, params: Any) -> None:
-        if armed[0]:
-            armed[0] = False
-            for proto in list(connector[0]._acquired):  # type: ignore[attr-defined]
-                proto.transport.is_closing = lambda: True  # closed by the server, seen just too late
-
-    tc = aiohttp.TraceConfig()
-    tc.on_connection_reuseconn.append(close_on_reuse)
-    b = OpenAIBackend(fake.url, trace_configs=[tc])
+    """A kept-alive connection that turns out closed when the request is about to be written:
+    the request provably never left on it, so it goes out on another connection."""
+    b = OpenAIBackend(fake.url)
     async with Dispatcher([b], max_attempts=1) as d:
         await d.submit("f", BODY)
-        connector.append(b._session.connector)  # type: ignore[union-attr]
-        armed[0] = True
+        pool = b._pool
+        assert pool is not None and len(pool.idle) == 1  # kept alive for the next request
+        conn = pool.idle[0]
+        assert conn.transport is not None
+        conn.transport.is_closing = lambda: True  # type: ignore[method-assign]  # closed by the server, seen late
         r = await d.submit("f", BODY)
         assert r["usage"]["completion_tokens"] == 4
+        assert len(pool.idle) == 1 and pool.idle[0] is not conn  # the new connection is kept instead
     assert b.resent == 1 and len(fake.requests) == 2  # the server saw each request once
 
 
-async def test_a_pooled_connection_is_known_without_a_trace_hook(fake: FakeServer):
-    """No TraceConfig runs by default (each costs awaited signals at every step of every
-    request): the connector itself says that the connection came from the pool."""
+async def test_the_request_path_runs_no_client_session(fake: FakeServer):
+    """Requests go over the backend's own pooled connections (no aiohttp session, no trace
+    hook): one connection serves request after request."""
     b = OpenAIBackend(fake.url)
     async with Dispatcher([b]) as d:
-        await d.submit("f", BODY)
-        session = b._session
-        assert session is not None and session.trace_configs == []
-        pooled = [p for conns in session.connector._conns.values() for p, _ in conns]  # type: ignore[union-attr]
-        assert len(pooled) == 1
-        pooled[0].is_connected = lambda: True  # still looks alive to the pool, but ...
-        pooled[0].transport.is_closing = lambda: True  # ... the server closed it, seen just too late
-        r = await d.submit("f", BODY)
-        assert r["usage"]["completion_tokens"] == 4
-    assert b.resent == 1 and len(fake.requests) == 2
+        for _ in range(5):
+            await d.submit("f", BODY)
+        pool = b._pool
+        assert pool is not None and len(pool.idle) == 1 and pool.idle[0].uses == 5
+        assert b._aux is not None and b._aux.trace_configs == []  # the health checks' own session
+    assert b.resent == 0 and len(fake.requests) == 5
 
 
 async def test_an_idempotent_request_is_resent_after_a_lost_connection(fake: FakeServer):

@@ -113,7 +113,7 @@ async def test_close_aborts_what_outlives_the_grace(fake: FakeServer):
             await asyncio.wait_for(t, 5)
     s = d.stats()
     assert s["flows"]["f"]["in_flight"] == 0 and s["flows"]["f"]["failed"] == 1
-    assert backend._session is None and backend._aux is None
+    assert backend._pool is None and backend._aux is None
 
 
 async def test_a_calibration_failure_does_not_break_the_reply_or_the_loop(sched):

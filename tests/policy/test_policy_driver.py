@@ -312,6 +312,15 @@ async def test_total_timeout_of_a_busy_stream(server: FakeOpenAI) -> None:
         assert pd.stats()["backends"][server.url]["healthy"]  # a long stream is not the backend's fault
 
 
+async def test_a_stream_longer_than_its_silence_bound_is_not_cut(server: FakeOpenAI) -> None:
+    # the bound is on the silence between two events, not on the stream: 30 events 0.05 s apart
+    # (1.5 s in all) pass a between_events bound of 0.25 s (the watchdog looks again when it fires)
+    server.event_delay = 0.05
+    async with dispatcher(make_policy([server.url], timeouts="{first_byte: 10, between_events: 0.25}")) as pd:
+        got = [e async for e in pd.stream_flow(FLOW, {**STREAM, "max_tokens": 30})]
+        assert len(got) >= 30 and row(pd)["failed"] == 0 and row(pd)["timeouts"] == 0
+
+
 async def test_a_deadline_frees_the_slot_of_a_stream_whose_reader_stopped(server: FakeOpenAI) -> None:
     server.event_delay = 0.01
     async with dispatcher(make_policy([server.url])) as pd:

@@ -14,12 +14,51 @@ from typing import Any
 
 from .probe import SaturationProbe
 
-__all__ = ["Backend", "COMPLETIONS", "CHAT_COMPLETIONS", "ENDPOINTS"]
+__all__ = ["Backend", "COMPLETIONS", "CHAT_COMPLETIONS", "ENDPOINTS", "JSONBody"]
 
 #: endpoint names, relative to the OpenAI API root ``/v1/``
 COMPLETIONS = "completions"
 CHAT_COMPLETIONS = "chat/completions"
 ENDPOINTS = (COMPLETIONS, CHAT_COMPLETIONS)
+
+
+class JSONBody(dict[str, Any]):
+    """A request body parsed from JSON, with the bytes it was parsed from (``raw``): a backend
+    that speaks JSON may send ``raw`` as it is instead of encoding the dict again (a gateway
+    forwards its client's body unchanged). Whoever changes the dict must drop ``raw``
+    (:meth:`changed`); every other backend reads it as the plain dict it is."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, parsed: dict[str, Any], raw: bytes | None) -> None:
+        super().__init__(parsed)
+        self.raw = raw
+
+    def changed(self) -> dict[str, Any]:
+        """A plain copy to change (its bytes would no longer say the same)."""
+        return dict(self)
+
+    def streamed_with_usage(self) -> JSONBody:
+        """This body as a stream that asks the server for usage (``"stream": true`` and
+        ``stream_options.include_usage``): itself when it already does; when it has no
+        ``stream_options`` at all, the key is written before the others in ``raw`` (no
+        re-encoding); otherwise a copy without ``raw``."""
+        so = self.get("stream_options")
+        if self.get("stream") is True and type(so) is dict and so.get("include_usage") is True:
+            return self
+        usage = {**(so if isinstance(so, dict) else {}), "include_usage": True}
+        out = JSONBody({**self, "stream": True, "stream_options": usage}, None)
+        raw = self.raw
+        if raw is not None and "stream_options" not in self and self.get("stream") is True:
+            head = raw.lstrip()
+            if head[:1] == b"{" and head[1:].lstrip()[:1] not in (b"}", b""):
+                out.raw = b'{"stream_options":{"include_usage":true},' + head[1:]
+        return out
+
+
+def body_bytes(body: object) -> bytes | None:
+    """The JSON bytes ``body`` was parsed from, when it is a :class:`JSONBody` that has them."""
+    return body.raw if type(body) is JSONBody else None
 
 
 class Backend(abc.ABC):

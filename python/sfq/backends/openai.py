@@ -1,5 +1,7 @@
 """``OpenAIBackend``: an OpenAI-compatible HTTP server (vLLM, SGLang, llama.cpp's
-``llama-server``, TGI, ...) over aiohttp, with one pooled session per backend.
+``llama-server``, TGI, ...) over the backend's own pooled HTTP/1.1 connections
+(``_http.py``: asyncio transports, ``httptools`` parsing); health checks and metrics fetches
+use an aiohttp session of their own.
 
 Speaks ``POST /v1/completions`` and ``POST /v1/chat/completions``, plain (one JSON reply)
 and streaming (server-sent events, ``data: {...}`` up to ``data: [DONE]``). Streaming
@@ -25,13 +27,14 @@ error event inside a stream            ``StreamInterrupted``       no
 reply that is not JSON                 ``BackendError``            yes
 =====================================  ==========================  ===========
 
-Resending: a request is sent again (on another connection, at most twice) only when it
-provably never reached the server: the connection came from the keep-alive pool and failed
-before the request was written. With ``idempotent=True`` (the caller's promise that a
-duplicate is harmless) a connection that failed before any reply is also resent. A
-``ServerDisconnectedError`` on a fresh connection, a timeout or an HTTP error is never
-resent here. Idle pooled connections are dropped after ``keepalive_timeout`` seconds (below
-the 5 s most servers use), which keeps stale connections rare in the first place.
+Resending: a request goes out on another connection only when it provably never got
+through: the kept-alive connection it was given turned out closed before a byte was written
+(``resent`` counts them). With ``idempotent=True`` (the caller's promise that a duplicate is
+harmless) a connection lost before any reply is also resent, at most twice. A lost
+connection otherwise, a timeout or an HTTP error is never resent here. Idle pooled
+connections are dropped after ``keepalive_timeout`` seconds (below the 5 s most servers
+use), which keeps stale connections rare in the first place. A client's body that came as
+JSON bytes (``JSONBody``) is sent as those bytes.
 
 Cancelling the calling task closes the connection, which llama.cpp, vLLM and SGLang all
 take as "stop generating".
@@ -40,20 +43,16 @@ take as "stop generating".
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import email.utils
 import json
 import math
 import time
-import weakref
+from urllib.parse import urlsplit
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import aiohttp
 import orjson
-from aiohttp.client_reqrep import ClientRequest
-from aiohttp.connector import Connection
-from aiohttp.tracing import Trace
 
 from ..errors import (
     BackendError,
@@ -63,16 +62,14 @@ from ..errors import (
     BackendUnavailable,
     StreamInterrupted,
 )
-from .base import ENDPOINTS, Backend
+from ._http import ConnectFailed, HTTPPool, ProtocolError, Reply, header_lines
+from .base import ENDPOINTS, Backend, JSONBody, body_bytes
 from .probe import SaturationProbe
 from .sse import DONE, Payload, SSEParser
 
 __all__ = ["OpenAIBackend"]
 
 _BODY_SNIPPET = 2000  # characters of an error body kept on the exception
-#: connection failures of session.post() that may be resent when the request provably never
-#: got through (or the caller marked it idempotent)
-_CONNECTION_LOST = (aiohttp.ClientConnectionResetError, aiohttp.ClientOSError, aiohttp.ServerDisconnectedError)
 _RESENDS = 2
 #: event payloads larger than this are decoded in a worker thread (the GIL's switch interval
 #: lets the event loop run meanwhile), so one huge event does not stall every other request
@@ -101,59 +98,6 @@ def _loads(raw: bytes) -> Any:
         except orjson.JSONDecodeError:
             pass
     return json.loads(raw)
-
-
-class _Attempt:
-    """What the connector saw of one POST: whether its connection came from the pool."""
-
-    __slots__ = ("reused",)
-
-    def __init__(self) -> None:
-        self.reused = False
-
-
-#: the POST being sent in this task (``_post`` sets it around ``session.post``)
-_ATTEMPT: contextvars.ContextVar[_Attempt | None] = contextvars.ContextVar("sfq_openai_attempt", default=None)
-
-
-class _Connector(aiohttp.TCPConnector):
-    """A ``TCPConnector`` that tells the POST being sent whether its connection came from the
-    keep-alive pool (a connection it has handed out before). That is what decides whether a
-    failed request may be resent; knowing it this way costs a set lookup per request, where an
-    ``aiohttp.TraceConfig`` costs a round of awaited signals at every step of every request."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._handed_out: weakref.WeakSet[Any] = weakref.WeakSet()
-
-    async def connect(self, req: ClientRequest, traces: list[Trace], timeout: aiohttp.ClientTimeout) -> Connection:
-        conn = await super().connect(req, traces, timeout)
-        proto = conn.protocol
-        if proto is not None:
-            if proto in self._handed_out:
-                att = _ATTEMPT.get()
-                if att is not None:
-                    att.reused = True
-            else:
-                try:
-                    self._handed_out.add(proto)
-                except TypeError:  # not weak-referenceable: never counted as reused, so never resent
-                    pass
-        return conn
-
-
-def _never_written(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what caused it) is aiohttp's refusal to write to a transport that was
-    already closing: that check comes before any byte of the request is handed to the socket
-    (the headers go out with the body), so the server cannot have seen the request."""
-    e: BaseException | None = exc
-    for _ in range(4):
-        if e is None:
-            return False
-        if isinstance(e, ConnectionResetError) and "closing transport" in str(e):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
 
 
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
@@ -223,8 +167,9 @@ class OpenAIBackend(Backend):
         a one-token completion (or chat completion): it works on any OpenAI-compatible server,
         and remembers which route answered.
     trace_configs:
-        ``aiohttp.TraceConfig`` objects for the request session (tracing, tests); none by
-        default, since every one costs awaited signals at each step of every request.
+        ``aiohttp.TraceConfig`` objects for the aiohttp session of the health checks and
+        metrics fetches; requests themselves go over the backend's own connections, which
+        no ``TraceConfig`` sees.
     """
 
     def __init__(
@@ -273,17 +218,19 @@ class OpenAIBackend(Backend):
             self._headers["Authorization"] = f"Bearer {api_key}"
         if headers:
             self._headers.update(headers)
-        self._timeout = aiohttp.ClientTimeout(total=timeout, connect=connect_timeout, sock_read=read_timeout)
-        # aiohttp's total covers the body too: past it the next read of the stream fails
-        self._stream_timeout = aiohttp.ClientTimeout(total=stream_timeout, connect=connect_timeout,
-                                                     sock_read=read_timeout)
+        self._head_lines = header_lines(self._headers)  # ValueError for a header that would break the head
+        prefix = urlsplit(base).path.rstrip("/")
+        self._paths = {u: f"{prefix}/v1/{ep}" for ep, u in self._urls.items()}
+        self._pool: HTTPPool | None = None
+        self._connect_timeout = connect_timeout
+        self._read_timeout = read_timeout
+        self._total = timeout
         self.stream_total = stream_timeout
         self.keepalive_timeout = float(keepalive_timeout)
         self._trace_configs = list(trace_configs)
         self.resent = 0  # requests sent again because they provably never got through
         self._aux_timeout = aiohttp.ClientTimeout(total=max(connect_timeout or 0.0, 5.0) + 5.0,
                                                   connect=connect_timeout or 5.0)
-        self._session: aiohttp.ClientSession | None = None
         self._aux: aiohttp.ClientSession | None = None  # health checks and metrics: their own connection
         self._stream_deadline = timeout  # headers of a stream must come within this
 
@@ -294,31 +241,24 @@ class OpenAIBackend(Backend):
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        if self._session is None or self._session.closed:
-            # limit=0: the dispatcher already bounds what is in flight; connections are kept alive
-            self._session = aiohttp.ClientSession(
-                connector=_Connector(limit=0, enable_cleanup_closed=True, keepalive_timeout=self.keepalive_timeout),
-                headers=self._headers,
-                json_serialize=json.dumps,
-                trace_configs=self._trace_configs or None,
-            )
+        if self._pool is None:
+            self._pool = HTTPPool(self.url, connect_timeout=self._connect_timeout,
+                                  keepalive_timeout=self.keepalive_timeout)
         if self._aux is None or self._aux.closed:
             # the probe's and health checks' own kept-alive connection: a burst of requests never
             # takes it, so a server that serves HTTP from a fixed thread pool (llama-server: np + 4
             # threads, a kept-alive connection holds one) cannot starve the probe of a connection
-            self._aux = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1), headers=self._headers)
+            self._aux = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1), headers=self._headers,
+                                              trace_configs=self._trace_configs or None)
 
     async def close(self) -> None:
-        for s in (self._session, self._aux):
-            if s is not None:
-                await s.close()
-        self._session = self._aux = None
-
-    async def _sess(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            await self.start()
-        assert self._session is not None
-        return self._session
+        if self._pool is not None:
+            self.resent = max(self.resent, self._pool.resent)
+            self._pool.close()
+            self._pool = None
+        if self._aux is not None:
+            await self._aux.close()
+        self._aux = None
 
     async def _aux_sess(self) -> aiohttp.ClientSession:
         if self._aux is None or self._aux.closed:
@@ -333,49 +273,55 @@ class OpenAIBackend(Backend):
         except KeyError:
             raise ValueError(f"unknown endpoint {endpoint!r}; expected one of {ENDPOINTS}") from None
 
-    async def _post(self, url: str, body: Mapping[str, Any], timeout: aiohttp.ClientTimeout,
-                    idempotent: bool = False) -> aiohttp.ClientResponse:
-        """POST and return a response with a 2xx status; every failure mapped to an sfq error."""
-        session = await self._sess()
-        try:  # once, whatever the resends; the session's Content-Type says JSON
-            data = _encode(body).encode()
-        except Exception as exc:  # not JSON-serialisable
-            raise self._map(exc, url, "POST") from exc
+    async def _post(self, url: str, body: Mapping[str, Any], *, head_within: float | None,
+                    total_within: float | None, idempotent: bool = False) -> Reply:
+        """POST and return a reply with a 2xx status; every failure mapped to an sfq error."""
+        pool = self._pool
+        if pool is None:
+            await self.start()
+            pool = self._pool
+            assert pool is not None
+        data = body_bytes(body)  # a client's body, unchanged: sent as it came
+        if data is None:
+            try:  # once, whatever the resends
+                data = _encode(body).encode()
+            except Exception as exc:  # not JSON-serialisable
+                raise self._map(exc, url, "POST") from exc
+        req = pool.head("POST", self._paths[url], self._head_lines, len(data)) + data
         for attempt in range(_RESENDS + 1):
-            att = _Attempt()
-            token = _ATTEMPT.set(att)
             try:
-                resp = await session.post(url, data=data, timeout=timeout)
+                reply = await pool.request(req, head_within=head_within, total_within=total_within,
+                                           read_timeout=self._read_timeout)
                 break
-            except aiohttp.ClientConnectorError as exc:  # refused, unreachable: nothing was sent
+            except ConnectFailed as exc:  # refused, unreachable: nothing was sent
+                self.resent = pool.resent
                 raise self._map(exc, url, "POST", never_sent=True) from exc
-            except _CONNECTION_LOST as exc:
-                # resend only what provably never got through: a pooled keep-alive connection
-                # that the server had closed, failing before the request was written (or any
-                # lost connection when the caller said a duplicate is harmless)
-                never = att.reused and _never_written(exc)
-                if not (never or idempotent) or attempt == _RESENDS or session.closed:
-                    raise self._map(exc, url, "POST", never_sent=never) from exc
+            except ConnectionError as exc:
+                # resend only what the caller said may be sent twice (a pooled connection found
+                # closed before the write was never used: the pool took another one)
+                self.resent = pool.resent
+                if not idempotent or attempt == _RESENDS or self._pool is not pool:
+                    raise self._map(exc, url, "POST") from exc
                 self.resent += 1
+                pool.resent += 1
             except Exception as exc:
                 raise self._map(exc, url, "POST") from exc
-            finally:
-                _ATTEMPT.reset(token)
-        if resp.status >= 400:
+        self.resent = pool.resent
+        if reply.status >= 400:
             try:
-                text = await resp.text(errors="replace")
+                text = (await reply.read()).decode("utf-8", "replace")
             except Exception:
                 text = ""
             finally:
-                resp.close()
-            headers = {k: v for k, v in resp.headers.items()}
-            retry_after = parse_retry_after(resp.headers.get("Retry-After"))
-            cls = BackendRateLimited if resp.status == 429 else BackendHTTPError
+                reply.release()
+            headers = dict(reply.headers)
+            retry_after = parse_retry_after(reply.header("Retry-After"))
+            cls = BackendRateLimited if reply.status == 429 else BackendHTTPError
             raise cls(
-                f"backend {self.name!r}: HTTP {resp.status} from POST {url}: {text[:200]}",
-                backend=self.name, status=resp.status, body=text[:_BODY_SNIPPET], unhealthy=resp.status >= 500,
+                f"backend {self.name!r}: HTTP {reply.status} from POST {url}: {text[:200]}",
+                backend=self.name, status=reply.status, body=text[:_BODY_SNIPPET], unhealthy=reply.status >= 500,
                 headers=headers, retry_after=retry_after)
-        return resp
+        return reply
 
     def _map(self, exc: BaseException, url: str, verb: str, never_sent: bool = False) -> BackendError:
         where = f"backend {self.name!r}: {verb} {url}"
@@ -384,8 +330,10 @@ class OpenAIBackend(Backend):
         if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
             return BackendTimeout(f"{where}: timed out ({type(exc).__name__}: {exc})", backend=self.name,
                                   never_sent=never_sent or isinstance(exc, aiohttp.ClientConnectorError))
-        if isinstance(exc, aiohttp.ClientConnectorError):
+        if isinstance(exc, (aiohttp.ClientConnectorError, ConnectFailed)):
             return BackendUnavailable(f"{where}: cannot connect ({exc})", backend=self.name, never_sent=True)
+        if isinstance(exc, ProtocolError):
+            return BackendError(f"{where}: {exc}", backend=self.name)
         if isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError)):
             return BackendUnavailable(f"{where}: connection lost ({type(exc).__name__}: {exc})", backend=self.name,
                                       never_sent=never_sent)
@@ -393,18 +341,19 @@ class OpenAIBackend(Backend):
 
     async def complete(self, endpoint: str, body: dict[str, Any], *, idempotent: bool = False) -> dict[str, Any]:
         url = self._url(endpoint)
-        resp = await self._post(url, body, self._timeout, idempotent)
+        resp = await self._post(url, body, head_within=self._total, total_within=self._total, idempotent=idempotent)
         ok = False
         try:
             raw = await resp.read()
             ok = True
-        except Exception as exc:
-            raise self._map(exc, url, "POST") from exc
+        except BaseException as exc:
+            resp.close()  # cancelled or failed mid-body: drop the connection so the server stops
+            if isinstance(exc, Exception):
+                raise self._map(exc, url, "POST") from exc
+            raise
         finally:
             if ok:
                 resp.release()
-            else:  # cancelled or failed mid-body: drop the connection so the server stops
-                resp.close()
         try:
             reply = _loads(raw)
         except ValueError:
@@ -420,32 +369,31 @@ class OpenAIBackend(Backend):
     async def stream(self, endpoint: str, body: dict[str, Any], *,
                      idempotent: bool = False) -> AsyncIterator[dict[str, Any]]:
         url = self._url(endpoint)
-        body = dict(body)
-        body["stream"] = True
-        so = body.get("stream_options")
-        if not (isinstance(so, Mapping) and so.get("include_usage")):
-            body["stream_options"] = {**(so if isinstance(so, Mapping) else {}), "include_usage": True}
+        if type(body) is JSONBody:
+            body = body.streamed_with_usage()
+        else:
+            body = dict(body)
+            body["stream"] = True
+            so = body.get("stream_options")
+            if not (isinstance(so, Mapping) and so.get("include_usage")):
+                body["stream_options"] = {**(so if isinstance(so, Mapping) else {}), "include_usage": True}
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        if self._stream_deadline is not None:
-            try:
-                resp = await asyncio.wait_for(self._post(url, body, self._stream_timeout, idempotent),
-                                              self._stream_deadline)
-            except asyncio.TimeoutError as exc:
+        try:
+            resp = await self._post(url, body, head_within=self._stream_deadline, total_within=self.stream_total,
+                                    idempotent=idempotent)
+        except BackendTimeout as exc:
+            if self._stream_deadline is not None and loop.time() - t0 >= self._stream_deadline:
                 raise BackendTimeout(f"backend {self.name!r}: POST {url}: no reply headers within "
                                      f"{self._stream_deadline:g} s", backend=self.name) from exc
-        else:
-            resp = await self._post(url, body, self._stream_timeout, idempotent)
+            raise
         done = False
         chunks = 0
         parser = SSEParser()
         try:
-            it = resp.content.iter_any().__aiter__()
             while not done:
                 try:
-                    piece = await it.__anext__()
-                except StopAsyncIteration:
-                    break
+                    piece = await resp.next_piece()
                 except Exception as exc:
                     total = self.stream_total
                     if total is not None and loop.time() - t0 >= total:
@@ -455,6 +403,8 @@ class OpenAIBackend(Backend):
                     err = self._map(exc, url, "stream from")
                     raise StreamInterrupted(f"{err} after {chunks} events", backend=self.name, chunks=chunks,
                                             unhealthy=True) from exc
+                if piece is None:
+                    break
                 for payload in parser.feed(piece):
                     if payload.size > _BIG_EVENT:  # joined and decoded off the loop
                         event = await asyncio.to_thread(self._big_event, payload, url, chunks)

@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ..backends import CHAT_COMPLETIONS, COMPLETIONS
+from ..backends.base import JSONBody
 from ..engine.pool import RUNNING, Request
 from ..errors import BackendError, DeadlineExceeded
 from ..policy.classify import Flow
@@ -39,6 +40,10 @@ __all__ = ["BackendAddress", "EventStream", "Grant", "GrantOwner", "PolicyEventS
 Reply = dict[str, Any]
 Event = dict[str, Any]
 T = TypeVar("T")
+
+
+#: seconds a loop may run a timer before its time (its clock's resolution; uvloop's is 1 ms)
+_EARLY = 0.001
 
 
 class _Expired(Exception):
@@ -189,7 +194,16 @@ class PolicyEventStream(EventStream):
         self._first = True  # the next event is the first of its attempt
         self._reading = False  # inside _open or __anext__: the reads' own bounds apply
         self._expired: DeadlineExceeded | None = None
+        # one timer per attempt for every bound (the request's deadline, the attempt's total, the
+        # upstream's silence), armed for the earliest and moved only when it fires: an event
+        # costs a clock read, not a timeout entered and left
         self._watchdog: asyncio.TimerHandle | None = None
+        self._task: asyncio.Task[Any] | None = None  # the task awaiting the upstream, while it does
+        self._pull_at = 0.0  # clock time the current wait on the upstream began (while _task is set)
+        self._step: float | None = None  # seconds that wait may last (first byte, or between events)
+        self._cut: str | None = None  # why the watchdog cancelled that wait: deadline, total or step
+        self._late: str | None = None  # a bound that ran out while nobody waited on the upstream
+        self._due: float | None = None  # clock time the watchdog is armed for
 
     # ---------------------------------------------------------------- the protocol
     def __aiter__(self) -> PolicyEventStream:
@@ -253,9 +267,12 @@ class PolicyEventStream(EventStream):
         self.request = r
         if self._on_admit is not None:
             self._on_admit(r)
-        send = dict(body)
-        send["stream"] = True
-        send["stream_options"] = {**(so if isinstance(so, Mapping) else {}), "include_usage": True}
+        if type(body) is JSONBody:  # its bytes go upstream as they came, where nothing changes
+            send: dict[str, Any] = body.streamed_with_usage()
+        else:
+            send = dict(body)
+            send["stream"] = True
+            send["stream_options"] = {**(so if isinstance(so, Mapping) else {}), "include_usage": True}
         self._send = send
         try:
             await self._attempt()
@@ -294,35 +311,52 @@ class PolicyEventStream(EventStream):
     # ---------------------------------------------------------------- reading
     async def _pull(self) -> Event | None:
         """The attempt's next event from the upstream (``None``: its end), within the pool's
-        upstream timeouts and the deadline. Raises ``BackendError`` (a failure),
-        ``DeadlineExceeded``."""
+        upstream timeouts and the deadline (the watchdog's bounds). Raises ``BackendError`` (a
+        failure), ``DeadlineExceeded``."""
         pd = self._pd
         r = self.request
-        assert r is not None and self._agen is not None
-        t = pd._timeouts(r)
+        agen = self._agen
+        assert r is not None and agen is not None
         first = self._first
-        limit, why = pd._bound(r, t.first_byte if first else t.between_events, self._total_until)
-        try:
-            ev = await _within(self._agen.__anext__(), limit)
-        except StopAsyncIteration:
-            return None
-        except _Expired:
-            if why == "deadline":
-                self._done = True
-                await self._drop_agen()
-                raise pd._deadline_hit(r, "streaming") from None
-            raise pd._upstream_timeout(r, why, "waiting for the first event" if first else
-                                       "waiting for the next event", limit) from None
-        except (asyncio.CancelledError, GeneratorExit):
-            raise
-        except Exception as exc:
-            raise pd._wrap(r, exc) from exc
-        self._first = False
-        u = ev.get("usage")
-        if u:
-            self._usage = u if isinstance(u, Mapping) else None
-        self._chars += _text_chars(ev.get("choices"))
-        return ev
+        t = pd._timeouts(r)
+        step = self._step = t.first_byte if first else t.between_events
+        why = self._late
+        if why is None:
+            task = self._task = asyncio.current_task()
+            now = self._pull_at = pd.clock()
+            if step is not None and (self._due is None or now + step < self._due):
+                self._disarm()  # the silence allowed is shorter now (between events, not the first)
+                self._rearm(now, now)
+            try:
+                ev = await agen.__anext__()
+            except StopAsyncIteration:
+                return None
+            except asyncio.CancelledError:
+                why, self._cut = self._cut, None
+                if why is None:
+                    raise
+                if task is not None and hasattr(task, "uncancel"):
+                    task.uncancel()
+            except GeneratorExit:
+                raise
+            except Exception as exc:
+                raise pd._wrap(r, exc) from exc
+            else:
+                self._first = False
+                u = ev.get("usage")
+                if u:
+                    self._usage = u if isinstance(u, Mapping) else None
+                return ev
+            finally:
+                self._task = None
+        self._late = None
+        if why == "deadline":
+            self._done = True
+            await self._drop_agen()
+            raise pd._deadline_hit(r, "streaming") from None
+        limit = step if why == "step" else t.total
+        raise pd._upstream_timeout(r, why, "waiting for the first event" if first else
+                                   "waiting for the next event", limit) from None
 
     async def _next(self) -> Event:
         pd = self._pd
@@ -361,8 +395,7 @@ class PolicyEventStream(EventStream):
             if not self._wants_usage and ev.get("usage") and not ev.get("choices"):
                 continue  # the usage-only event the client did not ask for
             self._passed += 1
-            if r.state == RUNNING:
-                pd.engine.delivered(r, pd.engine.event_tokens(r, ev))
+            self._chars += pd.engine.passed(r, ev)
             return ev
 
     # ---------------------------------------------------------------- endings
@@ -391,25 +424,78 @@ class PolicyEventStream(EventStream):
                     await aclose()
 
     def _arm(self) -> None:
-        """At the request's deadline, abort the upstream call even while the consumer is busy
-        elsewhere (a client that stopped reading must not keep its slot)."""
+        """The attempt's watchdog, at the earliest of its bounds: it aborts the upstream call at
+        the request's deadline even while the consumer is busy elsewhere (a client that stopped
+        reading must not keep its slot), and ends a wait on the upstream past its bound."""
         r = self.request
-        if r is None or r.deadline is None or self._watchdog is not None:
+        if r is None:
             return
-        delay = max(0.0, r.deadline - self._pd.clock())
-        self._watchdog = asyncio.get_running_loop().call_later(delay, self._on_deadline)
+        self._disarm()
+        self._late = None
+        t = self._pd._timeouts(r)
+        self._step = t.first_byte if self._first else t.between_events
+        now = self._pd.clock()
+        self._rearm(now, now)
+
+    def _rearm(self, now: float, pull_at: float) -> None:
+        r = self.request
+        assert r is not None
+        due = r.deadline
+        total = self._total_until
+        if total is not None and (due is None or total < due):
+            due = total
+        step = self._step
+        if step is not None and (due is None or pull_at + step < due):
+            due = pull_at + step
+        self._due = due
+        if due is not None:
+            self._watchdog = asyncio.get_running_loop().call_later(max(0.0, due - now), self._on_watchdog)
 
     def _disarm(self) -> None:
+        self._due = None
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
 
-    def _on_deadline(self) -> None:
+    def _on_watchdog(self) -> None:
         self._watchdog = None
+        self._due = None
         r = self.request
-        if self._reading or self._done or r is None or r.state != RUNNING:
-            return  # the reader's own bound applies (or it has ended)
+        if self._done or r is None or r.state != RUNNING:
+            return
+        # the loop runs a timer up to its clock's resolution early (uvloop: a millisecond)
+        now = self._pd.clock() + _EARLY
+        reading = self._task is not None
+        why = None
+        if r.deadline is not None and now >= r.deadline:
+            why = "deadline"
+        elif self._total_until is not None and now >= self._total_until:
+            why = "total"
+        elif reading and self._step is not None and now >= self._pull_at + self._step:
+            why = "step"
+        if why is None:  # not yet (the upstream spoke since): the next bound
+            now -= _EARLY
+            self._rearm(now, self._pull_at if reading else now)
+            return
+        if reading:  # the wait on the upstream ends now, with what bounded it
+            self._cut = why
+            assert self._task is not None
+            self._task.cancel()
+            return
+        if why == "total" or self._reading:  # nobody waits on the upstream: the next read fails at once
+            self._late = why
+            return
+        self.expire()
+
+    def expire(self) -> None:
+        """End the running request now as its deadline does, while its consumer is busy
+        elsewhere (a gateway blocked writing to a client that stopped reading): the upstream
+        call is aborted and its slot freed; the next iteration raises ``DeadlineExceeded``."""
+        r = self.request
+        if self._done or r is None or r.state != RUNNING:
+            return
         self._done = True
+        self._disarm()
         self._pending.clear()
         self._expired = self._pd._deadline_hit(r, "streaming to a client that did not read")
         agen, self._agen = self._agen, None

@@ -58,6 +58,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from ..backends import Backend, OpenAIBackend
+from ..backends.base import JSONBody
 from ..backends.health import BackendMonitor, HealthOptions
 from ..cost import CostEstimator, Estimate
 from ..engine import PolicyEngine
@@ -661,7 +662,7 @@ class PolicyDispatcher:
         if on_admit is not None:
             on_admit(r)
         endpoint = _endpoint(body)
-        send = dict(body)
+        send = body if type(body) is JSONBody else dict(body)  # (a JSONBody is its caller's, unchanged)
         try:
             while True:
                 await self._turn(r)

@@ -42,6 +42,10 @@ from ..policy.metrics import PolicyMetrics
 from ..policy.retry import RetryDecision, RetryPlanner, retry_after_of, retry_safe
 from .pool import BACKOFF, ENDED, RUNNING, WAITING, Fits, PolicyQueue, Request, SharedLimits
 
+_INF = math.inf
+#: flows remembered as allowed, at most (then the memory starts again)
+_ALLOWED_CACHE = 4096
+
 __all__ = ["NO_METRICS", "NoMetrics", "PolicyEngine", "UNKNOWN"]
 
 #: label value for what a refused request's flow did not get as far as (e.g. an unknown key)
@@ -146,6 +150,7 @@ class PolicyEngine:
                 metrics._get(k)
         self.metrics = metrics
         self.live: dict[int, Request] = {}
+        self._allowed: set[Flow] = set()  # flows the policy allows, as submit() met them
         self.submitted = 0
         #: requests the last poll() (or next_start() calls since) ended for their queue age or deadline
         self.dropped: list[Request] = []
@@ -212,10 +217,10 @@ class PolicyEngine:
         of the pool is in rotation; ``ValueError`` for a flow the policy does not allow or a
         bad number (nothing recorded).
         """
-        if not isinstance(flow, Flow):
+        if type(flow) is not Flow:
             flow = Flow(*flow)
         q = self.queues.get(flow.pool)
-        if q is None or not self.policy.allows(flow):
+        if q is None or (flow not in self._allowed and not self._allow(flow)):
             raise ValueError(f"flow {tuple(flow)!r} is not allowed by the policy")
         fixed = cost is not None
         if estimate is not None:
@@ -233,7 +238,7 @@ class PolicyEngine:
         need = 0.0 if need is None else need
         cost = check_cost(cost)  # the core's own check and message (TypeError, ValueError, OverflowError)
         for what, v in (("tokens", tokens), ("need", need)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            if not ((type(v) is int or type(v) is float) and 0 <= v < _INF):  # (bool is neither)
                 raise ValueError(f"{what} must be a finite number >= 0, got {v!r}")
         if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
                                      or math.isnan(deadline)):
@@ -272,12 +277,23 @@ class PolicyEngine:
                     idempotency_key=idempotency_key, est=estimate,
                     epoch=self.estimator.epoch if estimate is not None else -1, streaming=bool(streaming))
         r.fixed = fixed
-        q.push(r, check_length=False)
+        q.queue_new(r, now)  # (checked above: the flow, its need, its cost, its class's room)
         self.submitted += 1
         self.live[r.id] = r
         self.metrics.queued(key)  # type: ignore[arg-type]
         self.retry.first_attempt(flow, now)
         return r
+
+    def _allow(self, flow: Flow) -> bool:
+        """Whether the policy allows ``flow``, remembered when it does (the policy of an
+        engine never changes; a reload makes a new engine)."""
+        if not self.policy.allows(flow):
+            return False
+        allowed = self._allowed
+        if len(allowed) >= _ALLOWED_CACHE:  # flows of template orgs: bounded, never a leak
+            allowed.clear()
+        allowed.add(flow)
+        return True
 
     def _org_bucket(self, org: str, now: float) -> TokenBucket | None:
         b = self.org_rate.get(org)
@@ -409,6 +425,42 @@ class PolicyEngine:
                 t = len(text) / cpt
                 n += t if t > 1.0 else 1.0
         return n
+
+    def passed(self, r: Request, event: Mapping[str, Any]) -> int:
+        """One parsed SSE event of the stream ``r`` reached its client: while ``r`` runs, its
+        tokens (:meth:`event_tokens`) are :meth:`delivered`. Returns the characters of text it
+        carried (``choices[].text`` or ``delta.content``: the ``output_text_chars`` that
+        :meth:`complete` takes when no usage comes). One pass over the event, for a driver
+        that calls it for every event of every stream."""
+        choices = event.get("choices")
+        chars = 0
+        tokens = 0.0
+        if choices and type(choices) is list:
+            cpt = 0.0
+            for ch in choices:
+                if type(ch) is not dict and not isinstance(ch, Mapping):
+                    continue
+                text = ch.get("text")
+                counted = text
+                if text is None:
+                    delta = ch.get("delta") or ch.get("message")
+                    if type(delta) is dict or isinstance(delta, Mapping):
+                        text = delta.get("content")
+                        counted = text or delta.get("reasoning_content")
+                if type(text) is str:
+                    chars += len(text)
+                if counted and type(counted) is str:
+                    if not cpt:
+                        cpt = self.estimator.chars_per_token_of(r.est.model if r.est is not None else "")
+                    t = len(counted) / cpt
+                    tokens += t if t > 1.0 else 1.0
+        u = event.get("usage")
+        if u:  # a running count of the tokens so far: it, not the text, says what was delivered
+            ct = u.get("completion_tokens") if type(u) is dict or isinstance(u, Mapping) else None
+            tokens = ct - r.delivered if type(ct) is int and ct >= 0 else 0.0
+        if tokens > 0 and r.state == RUNNING:
+            self.queues[r.flow.pool].delivered(r, tokens)
+        return chars
 
     def _actual(self, r: Request, usage: Mapping[str, Any] | None,
                 text_chars: int | None) -> tuple[float | None, float | None]:

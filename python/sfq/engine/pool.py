@@ -378,7 +378,14 @@ class PolicyQueue:
             raise ValueError(f"cost must be a finite number > 0, got {r.cost!r}")
         if check_length:
             self.check_room(flow.cls)
-        now = self.clock() if queued_at is None else queued_at
+        self.queue_new(r, self.clock() if queued_at is None else queued_at, spec)
+
+    def queue_new(self, r: Request, now: float, spec: ClassSpec | None = None) -> None:
+        """:meth:`push` without its checks, for a request the caller checked (the engine's
+        ``submit``): its flow allowed, its need and cost in range, its class's queue not full."""
+        flow = r.flow
+        if spec is None:
+            spec = self.policy.classes[flow.cls]
         r.state = WAITING
         r.queued_at = now
         age = spec.max_queue_age_seconds

@@ -42,6 +42,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, generate_latest
 
+from ..backends.base import JSONBody
 from ..dispatch.policy_dispatcher import PolicyDispatcher
 from ..engine import Request
 from ..policy.metrics import PolicyMetrics
@@ -434,6 +435,7 @@ class Gateway:
         if type(body) is not dict:
             return self._refused(e, e.flow, _bad(f"the request body must be a JSON object, got {type(body).__name__}"),
                                  "bad_request")
+        body = JSONBody(body, raw)  # sent upstream as it came (nothing in it changes)
         e.model = model = body.get("model")
         try:
             pool = cl.pool_for(model)
@@ -580,7 +582,8 @@ class Gateway:
         so = body.get("stream_options")
         wants_usage = isinstance(so, dict) and bool(so.get("include_usage"))
         if not wants_usage:  # ask for it anyway (the access log's actual tokens), pass it on only if asked
-            body = {**body, "stream_options": {**(so if isinstance(so, dict) else {}), "include_usage": True}}
+            body = body.streamed_with_usage() if type(body) is JSONBody else {
+                **body, "stream_options": {**(so if isinstance(so, dict) else {}), "include_usage": True}}
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         agen = self.pd.stream(_bearer(auth), body, cls=cls, timeout=timeout, on_admit=e.admitted)
@@ -668,8 +671,9 @@ class Gateway:
         if task is not None and hasattr(task, "uncancel"):
             task.uncancel()
         e.reason = "deadline"
-        with contextlib.suppress(Exception):
-            await agen.athrow(asyncio.TimeoutError())
+        expire = getattr(agen, "expire", None)  # sfq's own stream: ended as its deadline ends it
+        if expire is not None:
+            expire()
         if request.transport is not None:
             request.transport.abort()
         log.info("request %s: the client stopped reading its stream; ended at its deadline", e.rid)
