@@ -126,14 +126,27 @@ async def test_a_pooled_connection_that_fails_before_writing_is_resent(fake: Fak
         pooled[0].transport.is_closing = lambda: True  # closed by the server, seen just too late
         r = await d.submit("f", BODY)
         assert r["usage"]["completion_tokens"] == 4
+        assert _pooled(b)[0] is not pooled[0]  # the new connection is kept instead
     assert b.resent == 1 and len(fake.requests) == 2  # the server saw each request once
+
+
+async def test_the_request_path_runs_no_client_session(fake: FakeServer):
+    """Requests go over the backend's own pooled connections (no aiohttp session, no trace
+    hook): one connection serves request after request."""
+    b = OpenAIBackend(fake.url)
+    async with Dispatcher([b]) as d:
+        for _ in range(5):
+            await d.submit("f", BODY)
+        pool = b._pool
+        assert pool is not None and pool.idle == 1 and pool.connects == 1
+        assert b._aux is not None and b._aux.trace_configs == []  # the health checks' own session
+    assert b.resent == 0 and len(fake.requests) == 5
 
 
 async def test_a_connection_the_server_closed_unseen_is_resent():
     """The server closes a kept-alive connection; its end is waiting in the client's socket but
     the event loop has not read it yet. The request is not written there (the pool looks at the
-    socket before writing) but on a new connection: the server sees it once, nothing fails.
-    No aiohttp TraceConfig runs on requests (each costs awaited signals at every step)."""
+    socket before writing) but on a new connection: the server sees it once, nothing fails."""
     with servers_in_a_thread(1) as (srv,):
         b = OpenAIBackend(srv.url)
         try:
@@ -156,7 +169,6 @@ async def test_a_connection_the_server_closed_unseen_is_resent():
             r = await b.complete("completions", BODY)
             assert r["usage"]["completion_tokens"] == 4
             assert b.resent == 1 and len(srv.requests) == 2
-            assert b._aux is not None and b._aux.trace_configs == []
         finally:
             await b.close()
 

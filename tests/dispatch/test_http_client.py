@@ -324,23 +324,24 @@ async def test_every_split_of_a_chunked_stream_gives_the_same_bytes():
     p.close()
 
 
-async def test_connection_close_and_http_1_0_leave_the_pool(serve):
+async def test_connection_close_and_bodies_to_the_close_leave_the_pool(serve):
     async def script(peer: Peer) -> None:
         await peer.request()
         if srv.connections == 1:
             await peer.send(reply(OK_JSON, headers="Connection: close\r\n"))
-        else:  # HTTP/1.0, no length: the body runs to the end of the connection
-            await peer.send(b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n", OK_JSON, gap=0.002)
+        else:  # no length: the body runs to the end of the connection (HTTP/1.0, then 1.1)
+            version = b"1.0" if srv.connections == 2 else b"1.1"
+            await peer.send(b"HTTP/%b 200 OK\r\nConnection: close\r\n\r\n" % version, OK_JSON[:9], OK_JSON[9:],
+                            gap=0.002)
             peer.writer.close()
 
     srv = await serve(script)
     b = OpenAIBackend(srv.url)
     try:
-        assert (await b.complete("completions", BODY))["choices"][0]["text"] == "hi"
-        assert pool_of(b).idle == 0
-        assert (await b.complete("completions", BODY))["choices"][0]["text"] == "hi"
-        assert pool_of(b).idle == 0 and srv.connections == 2
-        await wait_until(lambda: pool_of(b).open == 0, "both connections to be gone")
+        for i in range(3):
+            assert (await b.complete("completions", BODY))["choices"][0]["text"] == "hi"
+            assert pool_of(b).idle == 0 and srv.connections == i + 1
+        await wait_until(lambda: pool_of(b).open == 0, "the connections to be gone")
     finally:
         await b.close()
 
@@ -609,7 +610,8 @@ async def test_garbage_is_not_http(serve):
 async def test_a_429_says_when_to_come_back_and_keeps_the_connection(serve):
     async def script(peer: Peer) -> None:
         await peer.request()
-        await peer.send(reply(b'{"error": {"message": "slow down"}}', "429 Too Many Requests", "Retry-After: 7\r\n"))
+        await peer.send(reply(b'{"error": {"message": "slow down"}}', "429 Too Many Requests",
+                              "Retry-After: 7\r\nX-Twice: 1\r\nX-Twice: 2\r\n"))
         await peer.request()
         await peer.send(reply(b"{}", "503 Service Unavailable"))
         await peer.until_closed()
@@ -621,7 +623,7 @@ async def test_a_429_says_when_to_come_back_and_keeps_the_connection(serve):
             await b.complete("completions", BODY)
         e = ei.value
         assert e.status == 429 and e.retry_after == 7.0 and "slow down" in e.body and not e.unhealthy
-        assert e.headers["Retry-After"] == "7"  # the server's spelling
+        assert e.headers["Retry-After"] == "7" and e.headers["X-Twice"] == "2"  # the server's spelling; the last
         assert pool_of(b).idle == 1  # the error's body was read whole: the connection is kept
         with pytest.raises(BackendError) as e5:
             async for _ in b.stream("completions", BODY):
@@ -629,6 +631,15 @@ async def test_a_429_says_when_to_come_back_and_keeps_the_connection(serve):
         assert e5.value.status == 503 and e5.value.unhealthy and srv.connections == 1
     finally:
         await b.close()
+
+
+def test_headers_are_read_from_the_head_when_asked():
+    raw = (b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\nHTTP/1.1 429 Too Many\r\nRetry-After: 1\r\n"
+           b"X-A:one\r\nretry-after:  2 \r\nX-Fold: a\r\n  b\r\n\r\nbody")
+    fields, end = _http._head(raw)
+    assert fields == [(b"Retry-After", b"1"), (b"X-A", b"one"), (b"retry-after", b"2"), (b"X-Fold", b"a b")]
+    assert raw[end:] == b"body"
+    assert _http._head(b"HTTP/1.1 200 OK\r\nX: y\r\n") == ([], 23)  # not all there
 
 
 # ------------------------------------------------------------------ streams

@@ -127,8 +127,9 @@ def test_chaos(upstream: Upstream, refused_url: str, tmp_path: Path):
     try:
         honest = make_client(gw, "sk-a")
         honest.completions.create(model="m", prompt="warm", max_tokens=1)
-        lines0 = len(gw.access())
         total0 = gw.metric("sfq_requests_total")
+        # (a line is written in the event-loop iteration after its answer: wait for the warm-up's)
+        lines0 = wait_until(lambda: len(gw.access()), "the warm-up's access log line")
         base = gw.rss()
         peak = [0]
         c = Chaos(gw)

@@ -1,18 +1,27 @@
 """Outcome accounting and metrics per (org, class, pool).
 
 Every request the policy sees ends as exactly one outcome (``OUTCOMES``); a refusal carries
-its reason (``REASONS``). The numbers live twice: as plain counters (``stats()`` reads them
-without touching Prometheus, in time proportional to the number of flows, which the policy
-file bounds) and in a ``prometheus_client.CollectorRegistry`` an embedder can mount
-(``generate_latest(metrics.registry)``) under the names below.
+its reason (``REASONS``). The numbers are plain counters per flow (:class:`FlowCounters`):
+an event adds to a few attributes and takes no lock. ``stats()`` reads them, and so does a
+Prometheus scrape: :class:`PolicyMetrics` registers a collector in a
+``prometheus_client.CollectorRegistry`` an embedder can mount
+(``generate_latest(metrics.registry)``) that turns them into the series below when it is
+collected, in time proportional to the number of flows (which the policy file bounds).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
+from prometheus_client import metrics as _prom_metrics
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 __all__ = ["OUTCOMES", "REASONS", "PolicyMetrics", "FlowCounters", "WAIT_BUCKETS"]
 
@@ -32,15 +41,22 @@ REASONS = ("unauthenticated", "class_not_allowed", "unknown_model", "bad_request
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
                 900.0, 3600.0, 7200.0)
 _LABELS = ("org", "class", "pool")
+#: the histogram's ``le`` labels, +Inf last
+_go_float: Callable[[float], str] = floatToGoString  # (prometheus_client's own spelling of a bound)
+_LE = tuple(_go_float(b) for b in WAIT_BUCKETS) + ("+Inf",)
 
 
 class FlowCounters:
-    """Plain counters of one (org, class, pool)."""
+    """Plain counters of one (org, class, pool). ``refused_by``: the refusals among ``reasons``
+    (the rest are failures); ``wait_buckets``: waits before start per bucket of
+    ``WAIT_BUCKETS`` (not cumulative; the last one is over the largest bound); ``created``: when
+    the flow was first seen (``time.time()``)."""
 
     __slots__ = ("waiting", "in_flight", "outcomes", "reasons", "charged_cost", "served_cost", "cancelled_work",
-                 "upstream_429", "timeouts", "attempts", "retries", "waits")
+                 "upstream_429", "timeouts", "attempts", "retries", "waits", "refused_by", "wait_buckets", "created")
 
     def __init__(self) -> None:
+        self.created = time.time()
         self.waiting = 0
         self.in_flight = 0
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
@@ -53,6 +69,8 @@ class FlowCounters:
         self.attempts = 0
         self.retries = 0
         self.waits = 0.0  # sum of waits before start, seconds
+        self.refused_by: dict[str, int] = {}
+        self.wait_buckets = [0] * (len(WAIT_BUCKETS) + 1)
 
     def as_dict(self) -> dict[str, Any]:
         return {"waiting": self.waiting, "in_flight": self.in_flight, **self.outcomes,
@@ -66,153 +84,174 @@ class FlowCounters:
 Key = tuple[str, str, str]
 
 
-class _Bound:
-    """One flow's counters and its Prometheus children, each bound on first use and kept
-    (``labels()`` checks, joins and looks up its label values under a lock on every call).
-    The series a flow shows before its first event (queue length, in flight, requests by
-    outcome) are bound when the flow is made; the others appear when first counted, as before."""
-
-    __slots__ = ("fc", "key", "queue_length", "in_flight", "wait", "charged", "served", "cancelled_work",
-                 "upstream_429", "timeouts", "attempts", "retries", "outcomes", "reasons")
-
-    def __init__(self, m: PolicyMetrics, key: Key) -> None:
-        self.fc = FlowCounters()
-        self.key = key
-        self.queue_length = m.queue_length.labels(*key)
-        self.in_flight = m.in_flight.labels(*key)
-        self.outcomes = {o: m.requests.labels(*key, o) for o in OUTCOMES}
-        self.wait: Any = None
-        self.charged: Any = None
-        self.served: Any = None
-        self.cancelled_work: Any = None
-        self.upstream_429: Any = None
-        self.timeouts: Any = None
-        self.attempts: Any = None
-        self.retries: Any = None
-        self.reasons: dict[tuple[bool, str], Any] = {}  # (refused?, reason) -> child
-
-
-def _child(m: PolicyMetrics, b: _Bound, name: str) -> Any:
-    """``b``'s child of the metric ``name`` (an attribute of both), bound on first use."""
-    c = getattr(b, name)
-    if c is None:
-        c = getattr(m, name).labels(*b.key)
-        setattr(b, name, c)
-    return c
-
-
 class PolicyMetrics:
-    """Counters and Prometheus series per (org, class, pool); ``registry`` is created when not
-    given (pass one to expose the policy's series next to the embedder's own)."""
+    """Counters per (org, class, pool), and their Prometheus series in ``registry`` (created
+    when not given: pass one to expose the policy's series next to the embedder's own). A
+    flow's queue length, in-flight count and requests by outcome show, as 0, from the moment
+    the flow is known (``flows``, or its first event); its other series from their first
+    count."""
 
     def __init__(self, registry: CollectorRegistry | None = None, flows: Iterable[Key] = ()) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.wait = Histogram("sfq_queue_wait_seconds", "Wait before start (seconds)", _LABELS,
-                              buckets=WAIT_BUCKETS, registry=r)
-        self.requests = Counter("sfq_requests", "Requests by outcome", (*_LABELS, "outcome"), registry=r)
-        self.refusals = Counter("sfq_refusals", "Requests refused or dropped before start, by reason",
-                                (*_LABELS, "reason"), registry=r)
-        self.failures = Counter("sfq_failures", "Requests that failed, by reason", (*_LABELS, "reason"), registry=r)
-        self.queue_length = Gauge("sfq_queue_length", "Requests waiting (not started)", _LABELS, registry=r)
-        self.in_flight = Gauge("sfq_in_flight", "Requests running on a backend", _LABELS, registry=r)
-        self.charged = Counter("sfq_charged_cost", "Estimated cost charged at start (cost units)", _LABELS,
-                               registry=r)
-        self.served = Counter("sfq_served_cost", "Actual cost served, from usage reports (cost units)", _LABELS,
-                              registry=r)
-        self.cancelled_work = Counter("sfq_cancelled_work_tokens",
-                                      "Tokens produced for requests cancelled while running (streams)", _LABELS,
-                                      registry=r)
-        self.upstream_429 = Counter("sfq_upstream_429", "Upstream 429 answers", _LABELS, registry=r)
-        self.timeouts = Counter("sfq_timeouts", "Queue-age or deadline expiries and backend timeouts", _LABELS,
-                                registry=r)
-        self.attempts = Counter("sfq_attempts", "Attempts started (first tries and retries)", _LABELS, registry=r)
-        self.retries = Counter("sfq_retries", "Retries started", _LABELS, registry=r)
         self.flows: dict[Key, FlowCounters] = {}
-        self._bound: dict[Key, _Bound] = {}
+        #: requests that joined a running one of the same ``Idempotency-Key`` (the gateway's count)
+        self.joins: dict[Key, int] = {}
+        self._joins_created: dict[Key, float] = {}
         for k in flows:
             self._get(k)
-
-    def _flow(self, key: Key) -> _Bound:
-        b = self._bound.get(key)
-        if b is None:
-            # binds (and so creates) the flow's labelled series: they show, as 0, before the first event
-            b = self._bound[key] = _Bound(self, key)
-            self.flows[key] = b.fc
-        return b
+        self.collector = _Collector(self)
+        self.registry.register(self.collector)
 
     def _get(self, key: Key) -> FlowCounters:
-        return self._flow(key).fc
+        fc = self.flows.get(key)
+        if fc is None:
+            fc = self.flows[key] = FlowCounters()
+        return fc
 
     # ------------------------------------------------------------ events
     def queued(self, key: Key, n: int = 1) -> None:
-        b = self._flow(key)
-        b.fc.waiting += n
-        b.queue_length.inc(n)
+        fc = self.flows.get(key) or self._get(key)
+        fc.waiting += n
 
     def started(self, key: Key, wait: float, cost: float, retry: bool) -> None:
-        b = self._flow(key)
-        fc = b.fc
+        fc = self.flows.get(key) or self._get(key)
         fc.waiting -= 1
         fc.in_flight += 1
         fc.attempts += 1
         fc.charged_cost += cost
         fc.waits += wait
-        b.queue_length.dec()
-        b.in_flight.inc()
-        _child(self, b, "wait").observe(wait)
-        _child(self, b, "charged").inc(cost)
-        _child(self, b, "attempts").inc()
+        fc.wait_buckets[bisect_left(WAIT_BUCKETS, wait)] += 1
         if retry:
             fc.retries += 1
-            _child(self, b, "retries").inc()
 
     def attempt_ended(self, key: Key, *, served_cost: float | None = None, upstream_429: bool = False,
                       timeout: bool = False) -> None:
-        b = self._flow(key)
-        fc = b.fc
+        fc = self.flows.get(key) or self._get(key)
         fc.in_flight -= 1
-        b.in_flight.dec()
         if served_cost:
             fc.served_cost += served_cost
-            _child(self, b, "served").inc(served_cost)
         if upstream_429:
             fc.upstream_429 += 1
-            _child(self, b, "upstream_429").inc()
         if timeout:
-            self.timeout(key)
+            fc.timeouts += 1
 
     def left_queue(self, key: Key) -> None:
-        b = self._flow(key)
-        b.fc.waiting -= 1
-        b.queue_length.dec()
+        fc = self.flows.get(key) or self._get(key)
+        fc.waiting -= 1
 
     def timeout(self, key: Key) -> None:
-        b = self._flow(key)
-        b.fc.timeouts += 1
-        _child(self, b, "timeouts").inc()
+        fc = self.flows.get(key) or self._get(key)
+        fc.timeouts += 1
 
     def cancelled_work_tokens(self, key: Key, tokens: float) -> None:
         if tokens > 0:
-            b = self._flow(key)
-            b.fc.cancelled_work += tokens
-            _child(self, b, "cancelled_work").inc(tokens)
+            fc = self.flows.get(key) or self._get(key)
+            fc.cancelled_work += tokens
 
     def ended(self, key: Key, outcome: str, reason: str | None = None) -> None:
-        if outcome not in OUTCOMES:
+        fc = self.flows.get(key) or self._get(key)
+        outcomes = fc.outcomes
+        if outcome not in outcomes:
             raise ValueError(f"unknown outcome {outcome!r}")
-        b = self._flow(key)
-        fc = b.fc
-        fc.outcomes[outcome] += 1
-        b.outcomes[outcome].inc()
+        outcomes[outcome] += 1
         if reason is not None:
             fc.reasons[reason] = fc.reasons.get(reason, 0) + 1
-            refused = outcome == "refused"
-            child = b.reasons.get((refused, reason))
-            if child is None:
-                metric = self.refusals if refused else self.failures
-                child = b.reasons[(refused, reason)] = metric.labels(*key, reason)
-            child.inc()
+            if outcome == "refused":
+                fc.refused_by[reason] = fc.refused_by.get(reason, 0) + 1
+
+    def joined(self, key: Key) -> None:
+        """A request joined a running one with the same ``Idempotency-Key``: counted in
+        ``sfq_requests_total{outcome="joined"}`` (not an outcome of the policy's: the request
+        it joined has that)."""
+        n = self.joins.get(key)
+        if n is None:
+            self._joins_created[key] = time.time()
+            n = 0
+        self.joins[key] = n + 1
 
     def snapshot(self) -> dict[Key, dict[str, Any]]:
         return {k: fc.as_dict() for k, fc in self.flows.items()}
+
+
+#: (name, help, type, label names beyond org/class/pool); the order the series are exposed in
+_FAMILIES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
+    ("sfq_queue_wait_seconds", "Wait before start (seconds)", "histogram", ()),
+    ("sfq_requests", "Requests by outcome", "counter", ("outcome",)),
+    ("sfq_refusals", "Requests refused or dropped before start, by reason", "counter", ("reason",)),
+    ("sfq_failures", "Requests that failed, by reason", "counter", ("reason",)),
+    ("sfq_queue_length", "Requests waiting (not started)", "gauge", ()),
+    ("sfq_in_flight", "Requests running on a backend", "gauge", ()),
+    ("sfq_charged_cost", "Estimated cost charged at start (cost units)", "counter", ()),
+    ("sfq_served_cost", "Actual cost served, from usage reports (cost units)", "counter", ()),
+    ("sfq_cancelled_work_tokens", "Tokens produced for requests cancelled while running (streams)", "counter", ()),
+    ("sfq_upstream_429", "Upstream 429 answers", "counter", ()),
+    ("sfq_timeouts", "Queue-age or deadline expiries and backend timeouts", "counter", ()),
+    ("sfq_attempts", "Attempts started (first tries and retries)", "counter", ()),
+    ("sfq_retries", "Retries started", "counter", ()),
+)
+_FAMILY = {"histogram": HistogramMetricFamily, "counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
+
+
+class _Collector(Collector):
+    """The policy's series, made from the plain counters when the registry is collected (a
+    scrape): what ``prometheus_client``'s own labelled metrics would say had every event
+    incremented them. A series' ``_created`` is when its flow was first seen (it counted 0
+    from then)."""
+
+    def __init__(self, m: PolicyMetrics) -> None:
+        self.m = m
+
+    def describe(self) -> Iterator[Metric]:
+        for name, doc, typ, extra in _FAMILIES:
+            yield _FAMILY[typ](name, doc, labels=(*_LABELS, *extra))
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.m
+        fam = {name: _FAMILY[typ](name, doc, labels=(*_LABELS, *extra)) for name, doc, typ, extra in _FAMILIES}
+        created = _prom_metrics._use_created  # (prometheus_client.disable_created_metrics() turns it off)
+        wait, requests, refusals, failures = (fam["sfq_queue_wait_seconds"].samples, fam["sfq_requests"].samples,
+                                              fam["sfq_refusals"].samples, fam["sfq_failures"].samples)
+        for key, fc in list(m.flows.items()):
+            org, cls, pool = key
+            lab = {"org": org, "class": cls, "pool": pool}
+            ts = fc.created
+            for o, n in fc.outcomes.items():
+                _counter(requests, "sfq_requests", {**lab, "outcome": o}, n, ts if created else None)
+            for reason, n in list(fc.reasons.items()):
+                refused = fc.refused_by.get(reason, 0)
+                if refused:
+                    _counter(refusals, "sfq_refusals", {**lab, "reason": reason}, refused, ts if created else None)
+                if n - refused:
+                    _counter(failures, "sfq_failures", {**lab, "reason": reason}, n - refused,
+                             ts if created else None)
+            fam["sfq_queue_length"].samples.append(Sample("sfq_queue_length", lab, float(fc.waiting)))
+            fam["sfq_in_flight"].samples.append(Sample("sfq_in_flight", lab, float(fc.in_flight)))
+            if fc.attempts:
+                acc = 0.0
+                for le, n in zip(_LE, fc.wait_buckets):
+                    acc += n
+                    wait.append(Sample("sfq_queue_wait_seconds_bucket", {**lab, "le": le}, acc))
+                wait.append(Sample("sfq_queue_wait_seconds_count", lab, acc))
+                wait.append(Sample("sfq_queue_wait_seconds_sum", lab, float(fc.waits)))
+                if created:
+                    wait.append(Sample("sfq_queue_wait_seconds_created", lab, ts))
+            for name, value, shown in (("sfq_charged_cost", fc.charged_cost, fc.attempts),
+                                       ("sfq_served_cost", fc.served_cost, fc.served_cost),
+                                       ("sfq_cancelled_work_tokens", fc.cancelled_work, fc.cancelled_work),
+                                       ("sfq_upstream_429", fc.upstream_429, fc.upstream_429),
+                                       ("sfq_timeouts", fc.timeouts, fc.timeouts),
+                                       ("sfq_attempts", fc.attempts, fc.attempts),
+                                       ("sfq_retries", fc.retries, fc.retries)):
+                if shown:
+                    _counter(fam[name].samples, name, lab, value, ts if created else None)
+        for key, n in list(m.joins.items()):
+            org, cls, pool = key
+            _counter(requests, "sfq_requests", {"org": org, "class": cls, "pool": pool, "outcome": "joined"}, n,
+                     m._joins_created.get(key, 0.0) if created else None)
+        yield from fam.values()
+
+
+def _counter(samples: list[Sample], name: str, labels: dict[str, str], value: float, created: float | None) -> None:
+    samples.append(Sample(name + "_total", labels, float(value)))
+    if created is not None:
+        samples.append(Sample(name + "_created", labels, created))

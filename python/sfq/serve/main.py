@@ -13,6 +13,9 @@ is installed), logging.
   section) without losing a waiting request; a file that is bad, or that changes what needs
   a restart (pools' backends, ``cost``, ``state``), is refused and logged, and the policy in
   force stays.
+* The access log (``--access-log``): written once per event-loop iteration, never blocking the
+  loop on a reader that stops reading, and flushed when the gateway stops and at exit
+  (:mod:`sfq.serve.accesslog`).
 * The edge (:mod:`sfq.serve.edge`): the soft file-descriptor limit is raised to the hard one,
   connections are capped below it, and the ``server:`` section's timeouts close idle,
   trickling and unread connections.
@@ -31,6 +34,7 @@ from typing import Any, TextIO
 
 from aiohttp import web
 
+from .accesslog import CLOSE_TIMEOUT, AccessLogHandler, open_access_log
 from .app import ACCESS_LOGGER, Gateway
 from .edge import EdgeSite, raise_fd_limit
 
@@ -47,7 +51,12 @@ GC_THRESHOLD = 10_000
 
 def configure_logging(access_log: str = "-", level: int = logging.INFO, stream: TextIO | None = None) -> None:
     """Diagnostics to stderr; the access log (one JSON object per line) to stdout (``-``), a
-    file, or nowhere (``off``)."""
+    file, or nowhere (``off``).
+
+    The access log gets an :class:`~sfq.serve.accesslog.AccessLogHandler`: the gateway's lines
+    skip :mod:`logging` and are written once per event-loop iteration, without ever blocking
+    the loop on a reader that stops reading (:mod:`sfq.serve.accesslog`). Calling this again
+    flushes and closes the writer it installed before."""
     err = logging.StreamHandler(stream if stream is not None else sys.stderr)
     err.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     root = logging.getLogger("sfq")
@@ -55,15 +64,26 @@ def configure_logging(access_log: str = "-", level: int = logging.INFO, stream: 
     root.setLevel(level)
     acc = logging.getLogger(ACCESS_LOGGER)
     acc.propagate = False
-    if access_log == "off":
+    writer = None if access_log == "off" else open_access_log(access_log)  # (an OSError leaves things as they were)
+    old = [h for h in acc.handlers if isinstance(h, AccessLogHandler)]
+    if writer is None:
         acc.handlers[:] = []
         acc.setLevel(logging.WARNING)
-        return
-    h: logging.Handler = (logging.StreamHandler(sys.stdout) if access_log == "-"
-                          else logging.FileHandler(access_log, encoding="utf-8"))
-    h.setFormatter(logging.Formatter("%(message)s"))
-    acc.handlers[:] = [h]
-    acc.setLevel(logging.INFO)
+    else:
+        h = AccessLogHandler(writer)
+        h.setFormatter(logging.Formatter("%(message)s"))
+        acc.handlers[:] = [h]
+        acc.setLevel(logging.INFO)
+    for h in old:
+        h.close()
+
+
+def _flush_access_log(timeout: float = CLOSE_TIMEOUT) -> None:
+    """Write what the access log's writer holds, waiting for its reader (at most ``timeout``
+    seconds without progress): ``serve`` does it once the gateway has stopped."""
+    for h in logging.getLogger(ACCESS_LOGGER).handlers:
+        if isinstance(h, AccessLogHandler):
+            h.writer.flush(timeout)
 
 
 async def serve(config: str | Path, *, host: str = "127.0.0.1", port: int = 8080, grace: float = 30.0,
@@ -107,11 +127,14 @@ async def serve(config: str | Path, *, host: str = "127.0.0.1", port: int = 8080
         await gw.drain()
         log.info("drained")
     finally:
-        for sig in handled:
-            loop.remove_signal_handler(sig)
-        await runner.cleanup()
-        if not gw.pd._closed:
-            await gw.pd.close()
+        try:
+            for sig in handled:
+                loop.remove_signal_handler(sig)
+            await runner.cleanup()
+            if not gw.pd._closed:
+                await gw.pd.close()
+        finally:
+            _flush_access_log()  # every request's line, before the process goes
 
 
 def _freeze_gc() -> None:
