@@ -676,6 +676,8 @@ async def test_a_slow_consumer_holds_bounded_memory(serve):
 
     async def script(peer: Peer) -> None:
         await peer.request()
+        with peer._sock() as sock:  # little held on the sending side: the client's holding is what counts
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 128 << 10)
         await peer.send(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
         while sent[0] < total:
             peer.writer.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
@@ -693,9 +695,14 @@ async def test_a_slow_consumer_holds_bounded_memory(serve):
         held = conn.buffered
         bound = HIGH_WATER + (1 << 20)  # one read past the mark at most (a read is 256 KiB or less)
         assert held <= bound
-        for _ in range(30):  # the loop turns; nothing more is read while paused
-            await asyncio.sleep(0.005)
-        assert conn.buffered == held and sent[0] < total
+        seen = [-1]
+
+        def server_stopped() -> bool:  # two looks in a row at the same progress
+            stopped, seen[0] = sent[0] == seen[0], sent[0]
+            return stopped
+
+        await wait_until(server_stopped, "the server to be held back")
+        assert conn.buffered == held and sent[0] < total  # nothing more read; the server stopped short
         got = 0
         most = 0
         while True:

@@ -20,8 +20,8 @@ connection except before closing it).
 **Replies.** Status and headers, then the body (``Content-Length``, chunked or until the
 connection closes), read whole (:meth:`Reply.read`) or as it arrives (:meth:`Reply.take`,
 pieces de-chunked). Back-pressure: past :data:`HIGH_WATER` bytes received and not taken, the
-connection stops reading until the consumer has taken all but half of that, so a slow consumer
-costs bounded memory. A reply read to its end with keep-alive gives its connection back; one
+connection stops reading until the consumer takes what is held, so a slow consumer costs
+bounded memory (the mark and one read). A reply read to its end with keep-alive gives its connection back; one
 given up early (:meth:`Reply.close`, a cancelled caller, an error) aborts the connection, which
 llama.cpp, vLLM and SGLang take as "stop generating". :meth:`Reply.release` says the caller has
 what it wanted (a stream's ``data: [DONE]``): the connection returns to the pool once the
