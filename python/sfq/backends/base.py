@@ -14,7 +14,7 @@ from typing import Any
 
 from .probe import SaturationProbe
 
-__all__ = ["Backend", "COMPLETIONS", "CHAT_COMPLETIONS", "ENDPOINTS", "JSONBody"]
+__all__ = ["Backend", "COMPLETIONS", "CHAT_COMPLETIONS", "ENDPOINTS", "JSONBody", "JSONEvent"]
 
 #: endpoint names, relative to the OpenAI API root ``/v1/``
 COMPLETIONS = "completions"
@@ -54,6 +54,19 @@ class JSONBody(dict[str, Any]):
             if head[:1] == b"{" and head[1:].lstrip()[:1] not in (b"}", b""):
                 out.raw = b'{"stream_options":{"include_usage":true},' + head[1:]
         return out
+
+
+class JSONEvent(dict[str, Any]):
+    """A streamed event parsed from JSON, with the bytes it was parsed from (``raw``: the
+    event's ``data`` as the server sent it). A gateway writes ``raw`` to its client instead of
+    encoding the dict again, so the client gets the upstream's bytes unchanged; everyone else
+    reads it as the plain dict it is. Whoever changes the dict must not pass ``raw`` on."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, parsed: dict[str, Any], raw: bytes) -> None:
+        super().__init__(parsed)
+        self.raw = raw
 
 
 def body_bytes(body: object) -> bytes | None:

@@ -75,7 +75,7 @@ from ._http import (
     Timeout,
     header_lines,
 )
-from .base import ENDPOINTS, Backend, JSONBody, body_bytes
+from .base import ENDPOINTS, Backend, JSONBody, JSONEvent, body_bytes
 from .probe import SaturationProbe
 from .sse import DONE, Payload, SSEParser
 
@@ -452,7 +452,9 @@ class OpenAIBackend(Backend):
                     if payload.size > _BIG_EVENT:  # joined and decoded off the loop
                         event = await asyncio.to_thread(self._big_event, payload, url, chunks)
                     else:
-                        data = payload.join()
+                        data = payload.data
+                        if data is None:
+                            data = payload.join()
                         if data == DONE:
                             done = True
                             break
@@ -469,10 +471,10 @@ class OpenAIBackend(Backend):
             else:  # an error, a cancellation or the consumer stopped early: drop the connection
                 reply.close()
 
-    def _big_event(self, payload: Payload, url: str, chunks: int) -> dict[str, Any]:
+    def _big_event(self, payload: Payload, url: str, chunks: int) -> JSONEvent:
         return self._event(payload.join(), url, chunks)
 
-    def _event(self, payload: bytes, url: str, chunks: int) -> dict[str, Any]:
+    def _event(self, payload: bytes, url: str, chunks: int) -> JSONEvent:
         try:
             event = _loads(payload)
         except ValueError:
@@ -489,7 +491,7 @@ class OpenAIBackend(Backend):
                 f"backend {self.name!r}: the server reported an error after {chunks} events of the stream from "
                 f"POST {url}: {msg}", backend=self.name, chunks=chunks, unhealthy=False,
                 body=json.dumps(err)[:_BODY_SNIPPET])
-        return event
+        return JSONEvent(event, payload)
 
     # ---------------------------------------------------------------- probes
     async def check_health(self) -> bool:

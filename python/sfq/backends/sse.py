@@ -32,15 +32,20 @@ class EventTooLarge(StreamInterrupted):
 
 
 class Payload:
-    """One event's data, still in pieces: ``join()`` makes the bytes (one copy)."""
+    """One event's data, still in pieces: ``join()`` makes the bytes (one copy). An event that
+    came whole in one piece, as one ``data:`` line, holds its bytes already (``data``)."""
 
-    __slots__ = ("lines", "size")
+    __slots__ = ("lines", "size", "data")
 
-    def __init__(self, lines: list[list[bytes]], size: int) -> None:
+    def __init__(self, lines: list[list[bytes]] | None, size: int, data: bytes | None = None) -> None:
         self.lines = lines  # each data line as its pieces, the "data:" prefix and CR already cut
-        self.size = size
+        self.size = size  # bytes of the joined payload
+        self.data = data  # the payload's bytes, when it needs no joining (then lines is None)
 
     def join(self) -> bytes:
+        if self.data is not None:
+            return self.data
+        assert self.lines is not None
         if len(self.lines) == 1:
             parts = self.lines[0]
             return parts[0] if len(parts) == 1 else b"".join(parts)
@@ -86,12 +91,23 @@ class SSEParser:
         self.bytes_seen = 0
 
     def feed(self, piece: bytes) -> list[Payload]:
-        self.bytes_seen += len(piece)
+        n = len(piece)
+        self.bytes_seen += n
         out: list[Payload] = []
         pos = 0
         find = piece.find
-        n = len(piece)
+        limit = self.max_event_bytes
         while pos < n:
+            if not self._line and not self._data and piece.startswith(b"data: ", pos):
+                # the common shape, one event whole in this piece: "data: <payload>\n\n" (no CR,
+                # one data line); anything else takes the general path below
+                nl = find(b"\n", pos + 6)
+                if nl > 0 and piece[nl + 1:nl + 2] == b"\n" and piece[nl - 1] != 13:
+                    size = nl - pos - 6
+                    if size and (limit is None or size <= limit):
+                        out.append(Payload(None, size, piece[pos + 6:nl]))
+                        pos = nl + 2
+                        continue
             nl = find(b"\n", pos)
             if nl < 0:
                 self._line.append(piece[pos:] if pos else piece)

@@ -255,9 +255,7 @@ class Calls(DispatcherBase):
                 else:
                     agen = bs.backend.stream(job.endpoint, job.body)
                 async for event in agen:
-                    n = e.event_tokens(r, event)
-                    if n:
-                        e.delivered(r, n)  # served: the output is charged as it passes
+                    e.passed(r, event)  # served: the output is charged as it passes
                     u = event.get("usage")
                     if u:
                         usage = u

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ..backends import CHAT_COMPLETIONS, COMPLETIONS
 from ..backends.base import JSONBody
+from ..engine.engine import text_counts
 from ..engine.pool import RUNNING, Request
 from ..errors import BackendError, DeadlineExceeded
 from ..policy.classify import Flow
@@ -24,6 +25,7 @@ from .stream import EventStream
 
 if TYPE_CHECKING:
     from ..engine import PolicyEngine
+    from ..policy.config import UpstreamTimeouts
     from .policy_dispatcher import PolicyDispatcher
 
 
@@ -79,21 +81,8 @@ def _endpoint(body: Mapping[str, Any]) -> str:
 
 
 def _text_chars(choices: object) -> int:
-    """Characters of text in an OpenAI reply's (or event's) ``choices``."""
-    if not isinstance(choices, list):
-        return 0
-    n = 0
-    for ch in choices:
-        if not isinstance(ch, Mapping):
-            continue
-        t = ch.get("text")
-        if t is None:
-            m = ch.get("message") or ch.get("delta")
-            if isinstance(m, Mapping):
-                t = m.get("content")
-        if isinstance(t, str):
-            n += len(t)
-    return n
+    """Characters of text in an OpenAI reply's (or event's) ``choices`` (the engine's one walk)."""
+    return text_counts(choices)[0]
 
 
 class BackendAddress:
@@ -204,6 +193,8 @@ class PolicyEventStream(EventStream):
         self._cut: str | None = None  # why the watchdog cancelled that wait: deadline, total or step
         self._late: str | None = None  # a bound that ran out while nobody waited on the upstream
         self._due: float | None = None  # clock time the watchdog is armed for
+        self._limits: UpstreamTimeouts | None = None  # the pool's upstream timeouts, read as the attempt starts
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop the stream runs on
 
     # ---------------------------------------------------------------- the protocol
     def __aiter__(self) -> PolicyEventStream:
@@ -318,11 +309,12 @@ class PolicyEventStream(EventStream):
         agen = self._agen
         assert r is not None and agen is not None
         first = self._first
-        t = pd._timeouts(r)
+        t = self._limits
+        assert t is not None
         step = self._step = t.first_byte if first else t.between_events
         why = self._late
         if why is None:
-            task = self._task = asyncio.current_task()
+            task = self._task = asyncio.current_task(self._loop)  # (the loop given: no getpid per event)
             now = self._pull_at = pd.clock()
             if step is not None and (self._due is None or now + step < self._due):
                 self._disarm()  # the silence allowed is shorter now (between events, not the first)
@@ -432,7 +424,8 @@ class PolicyEventStream(EventStream):
             return
         self._disarm()
         self._late = None
-        t = self._pd._timeouts(r)
+        t = self._limits = self._pd._timeouts(r)  # the pool's, as the attempt starts
+        self._loop = asyncio.get_running_loop()
         self._step = t.first_byte if self._first else t.between_events
         now = self._pd.clock()
         self._rearm(now, now)
@@ -449,7 +442,10 @@ class PolicyEventStream(EventStream):
             due = pull_at + step
         self._due = due
         if due is not None:
-            self._watchdog = asyncio.get_running_loop().call_later(max(0.0, due - now), self._on_watchdog)
+            loop = self._loop
+            if loop is None:
+                loop = self._loop = asyncio.get_running_loop()
+            self._watchdog = loop.call_later(max(0.0, due - now), self._on_watchdog)
 
     def _disarm(self) -> None:
         self._due = None

@@ -105,6 +105,35 @@ class NoMetrics:
 NO_METRICS = NoMetrics()
 
 
+
+def text_counts(choices: object, cpt: float = 0.0) -> tuple[int, float]:
+    """What an OpenAI reply's (or stream event's) ``choices`` carry: the characters of text
+    (each choice's ``text``, or the ``content`` of its ``delta`` or ``message``) and the output
+    tokens that text counts for at ``cpt`` characters per token: ``max(1, chars / cpt)`` per
+    choice with text, a choice's ``reasoning_content`` counted when it has no ``content``
+    (tokens, not characters of the answer); no tokens when ``cpt`` is 0. The one walk over
+    ``choices`` that the drivers, plain and streamed, all use."""
+    if not choices or not isinstance(choices, list):
+        return 0, 0.0
+    chars = 0
+    tokens = 0.0
+    for ch in choices:
+        if type(ch) is not dict and not isinstance(ch, Mapping):
+            continue
+        text = ch.get("text")
+        counted = text
+        if text is None:
+            delta = ch.get("delta") or ch.get("message")
+            if type(delta) is dict or isinstance(delta, Mapping):
+                text = delta.get("content")
+                counted = text or delta.get("reasoning_content")
+        if type(text) is str:
+            chars += len(text)
+        if cpt and counted and type(counted) is str:
+            t = len(counted) / cpt
+            tokens += t if t > 1.0 else 1.0
+    return chars, tokens
+
 class PolicyEngine:
     """A policy in force. ``clock``: seconds (default ``time.monotonic``); ``scheduler``: the
     core factory (default ``sfq.Scheduler``); ``rng``: the retry jitter's random source;
@@ -399,32 +428,21 @@ class PolicyEngine:
         """The output tokens one parsed SSE event of ``r`` carries beyond those already
         :meth:`delivered`: a usage report in the event (``completion_tokens`` so far) is
         taken as the running count; otherwise each choice's text counts
-        ``max(1, chars / chars_per_token)`` tokens (the estimator's calibration)."""
+        ``max(1, chars / chars_per_token)`` tokens (:func:`text_counts`, at the estimator's
+        calibration when the stream's first text came)."""
         u = event.get("usage")
         if u:
             ct = u.get("completion_tokens") if isinstance(u, Mapping) else None
             if type(ct) is int and ct >= 0:
                 return max(0.0, float(ct) - r.delivered)
             return 0.0
-        choices = event.get("choices")
-        if not choices or not isinstance(choices, list):
-            return 0.0
-        cpt = 0.0
-        n = 0.0
-        for ch in choices:
-            if not isinstance(ch, Mapping):
-                continue
-            text = ch.get("text")
-            if text is None:
-                delta = ch.get("delta")
-                if isinstance(delta, Mapping):
-                    text = delta.get("content") or delta.get("reasoning_content")
-            if isinstance(text, str) and text:
-                if not cpt:
-                    cpt = self.estimator.chars_per_token_of(r.est.model if r.est is not None else "")
-                t = len(text) / cpt
-                n += t if t > 1.0 else 1.0
-        return n
+        return text_counts(event.get("choices"), r.cpt or self._cpt(r))[1]
+
+    def _cpt(self, r: Request) -> float:
+        """Characters per output token the text of ``r`` counts at: the estimator's ratio for
+        its model, read once (when its first text comes) and held for the request."""
+        cpt = r.cpt = self.estimator.chars_per_token_of(r.est.model if r.est is not None else "")
+        return cpt
 
     def passed(self, r: Request, event: Mapping[str, Any]) -> int:
         """One parsed SSE event of the stream ``r`` reached its client: while ``r`` runs, its
@@ -432,34 +450,13 @@ class PolicyEngine:
         carried (``choices[].text`` or ``delta.content``: the ``output_text_chars`` that
         :meth:`complete` takes when no usage comes). One pass over the event, for a driver
         that calls it for every event of every stream."""
-        choices = event.get("choices")
-        chars = 0
-        tokens = 0.0
-        if choices and type(choices) is list:
-            cpt = 0.0
-            for ch in choices:
-                if type(ch) is not dict and not isinstance(ch, Mapping):
-                    continue
-                text = ch.get("text")
-                counted = text
-                if text is None:
-                    delta = ch.get("delta") or ch.get("message")
-                    if type(delta) is dict or isinstance(delta, Mapping):
-                        text = delta.get("content")
-                        counted = text or delta.get("reasoning_content")
-                if type(text) is str:
-                    chars += len(text)
-                if counted and type(counted) is str:
-                    if not cpt:
-                        cpt = self.estimator.chars_per_token_of(r.est.model if r.est is not None else "")
-                    t = len(counted) / cpt
-                    tokens += t if t > 1.0 else 1.0
+        chars, tokens = text_counts(event.get("choices"), r.cpt or self._cpt(r))
         u = event.get("usage")
         if u:  # a running count of the tokens so far: it, not the text, says what was delivered
             ct = u.get("completion_tokens") if type(u) is dict or isinstance(u, Mapping) else None
             tokens = ct - r.delivered if type(ct) is int and ct >= 0 else 0.0
         if tokens > 0 and r.state == RUNNING:
-            self.queues[r.flow.pool].delivered(r, tokens)
+            self.queues[r.flow.pool].add_delivered(r, tokens)
         return chars
 
     def _actual(self, r: Request, usage: Mapping[str, Any] | None,

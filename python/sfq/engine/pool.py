@@ -72,7 +72,7 @@ class Request:
     ``tokens`` the token estimate debited from ``tokens_per_minute`` at start; ``deadline``
     is absolute (the clock's seconds) or ``None``; ``item`` is the caller's."""
 
-    __slots__ = ("id", "flow", "cost", "tokens", "need", "arrival", "queued_at", "deadline", "drop_at",
+    __slots__ = ("id", "flow", "cost", "tokens", "need", "arrival", "queued_at", "deadline", "drop_at", "cpt",
                  "drop_reason", "item", "state", "backend", "started_at", "tries", "idempotency_key",
                  "outcome", "reason", "small", "retrying", "est", "epoch", "streaming", "charged", "delivered",
                  "work_flow", "working", "in_core", "avoid", "start_tag", "fixed")
@@ -105,6 +105,7 @@ class Request:
         self.streaming = streaming  # a stream: in ``served`` mode its output is charged as delivered
         self.charged = 0.0  # cost units charged to the flow's meter for the current attempt
         self.delivered = 0.0  # output tokens the current attempt passed to its client
+        self.cpt = 0.0  # characters per output token its text counts at (0: not read yet)
         self.work_flow: Hashable = None  # the flow its work in flight is reported as (None: the pool's)
         self.working = False  # its work in flight is reported to the core (work_started, not yet done)
         self.in_core = False  # the current attempt was dispatched by the SFQ core (a weighted class)
@@ -721,8 +722,12 @@ class PolicyQueue:
         if isinstance(tokens, bool) or not isinstance(tokens, (int, float)) or not (
                 math.isfinite(tokens) and tokens >= 0):
             raise ValueError(f"tokens must be a finite number >= 0, got {tokens!r}")
+        return self.add_delivered(r, float(tokens))
+
+    def add_delivered(self, r: Request, n: float) -> float:
+        """:meth:`delivered` for a caller that has checked its arguments (``r`` running in
+        this pool, ``n`` a finite float >= 0): a stream's every event comes through here."""
         e = r.est
-        n = float(tokens)
         if e is not None:
             room = e.max_tokens - r.delivered
             if n > room:

@@ -42,7 +42,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, generate_latest
 
-from ..backends.base import JSONBody
+from ..backends.base import JSONBody, JSONEvent
 from ..dispatch.policy_dispatcher import PolicyDispatcher
 from ..engine import Request
 from ..policy.metrics import PolicyMetrics
@@ -605,12 +605,19 @@ class Gateway:
                 e.timer = loop.call_at(deadline, self._stall_check, e, task)
             try:
                 ev = first
+                write = resp.write
                 while ev is not None:
                     u = ev.get("usage")
                     if u:
                         e.usage = u
                     if not (u and not wants_usage and not ev.get("choices")):
-                        await self._send(e, resp, b"data: " + _dumps(ev) + b"\n\n")
+                        # the upstream's bytes as they came, when the event has them
+                        data = ev.raw if type(ev) is JSONEvent else _dumps(ev)
+                        e.writing = True
+                        try:
+                            await write(b"data: %b\n\n" % data)
+                        finally:
+                            e.writing = False
                         e.events += 1
                     try:
                         ev = await agen.__anext__()
