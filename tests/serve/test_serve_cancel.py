@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -99,3 +100,26 @@ def test_a_client_that_stops_reading_holds_the_upstream_back(gateway: GatewayPro
     assert "big-1" not in upstream.finished and upstream.sent["big-1"] < 128 << 20
     s.close()
     wait_until(lambda: "big-1" in upstream.aborted, "the upstream to see the stream aborted")
+
+
+def test_clients_that_leave_mid_write_are_cancellations_not_errors(gateway: GatewayProcess, upstream: Upstream):
+    """Clients that close (or reset) their connection while the gateway is writing to them (a
+    fast stream; a load generator at the end of its run): each request ends cancelled, logged
+    as 499, never as the gateway's own error, and its upstream call is aborted."""
+    for i in range(8):  # one at a time (the tests' pool runs one request at a time)
+        s = _send(gateway, {"model": "m", "prompt": f"big-reset-{i}", "max_tokens": 400, "stream": True})
+        got = 0
+        while got < 1 << 17:  # the stream flows (64 KiB events)
+            piece = s.recv(65536)
+            assert piece, "the gateway closed the stream"
+            got += len(piece)
+        # closed while the gateway writes (a reset for odd ones): its next write finds the
+        # transport closing, or the connection lost
+        if i % 2:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()
+        wait_until(lambda: f"big-reset-{i}" in upstream.aborted, "the upstream call aborted")
+    lines = wait_until(lambda: (x := [x for x in gateway.access() if x["stream"] and x["status"] == 499])
+                       and len(x) >= 8 and x, "the access log lines of the reset streams")
+    assert all(x["outcome"] == "cancelled_during_execution" for x in lines)
+    assert not gateway.log_has("unexpected error"), "a client's reset was logged as the gateway's own error"

@@ -628,8 +628,9 @@ class Gateway:
                 err = http_error_of(exc)
                 self._log_failure(e, exc, err)
                 await self._stream_error(e, resp, err)
-            except ConnectionError:
-                raise  # the client is gone (its handler is cancelled too): nothing to tell it
+            except ConnectionError:  # the client is gone: nothing more can reach it
+                e.status = 499  # (nginx's code for it); leaving here cancels the request
+                return resp
             except asyncio.CancelledError:
                 if not e.stalled:
                     raise
