@@ -72,7 +72,7 @@ def test_no_backend_words_reach_a_client(client: openai.OpenAI, gateway: Gateway
 
 def test_the_sse_parser_cuts_an_event_at_its_limit():
     p = SSEParser(max_event_bytes=1000)
-    assert [x.join() for x in p.feed(b"data: " + b"x" * 900 + b"\n\n")] == [b"x" * 900]
+    assert p.feed(b"data: " + b"x" * 900 + b"\n\n") == [b"x" * 900]
     with pytest.raises(EventTooLarge):
         for _ in range(20):
             p.feed(b"y" * 100)

@@ -449,12 +449,18 @@ class OpenAIBackend(Backend):
                     raise StreamInterrupted(f"{err} after {chunks} events", backend=self.name, chunks=chunks,
                                             unhealthy=True) from exc
                 for payload in parser.feed(piece):
-                    if payload.size > _BIG_EVENT:  # joined and decoded off the loop
+                    if type(payload) is bytes:  # a whole one-line event (the common shape)
+                        if payload == DONE:
+                            done = True
+                            break
+                        if len(payload) > _BIG_EVENT:  # decoded off the loop
+                            event = await asyncio.to_thread(self._event, payload, url, chunks)
+                        else:
+                            event = self._event(payload, url, chunks)
+                    elif payload.size > _BIG_EVENT:  # joined and decoded off the loop
                         event = await asyncio.to_thread(self._big_event, payload, url, chunks)
                     else:
-                        data = payload.data
-                        if data is None:
-                            data = payload.join()
+                        data = payload.join()
                         if data == DONE:
                             done = True
                             break
@@ -491,7 +497,9 @@ class OpenAIBackend(Backend):
                 f"backend {self.name!r}: the server reported an error after {chunks} events of the stream from "
                 f"POST {url}: {msg}", backend=self.name, chunks=chunks, unhealthy=False,
                 body=json.dumps(err)[:_BODY_SNIPPET])
-        return JSONEvent(event, payload)
+        ev = JSONEvent(event)
+        ev.raw = payload
+        return ev
 
     # ---------------------------------------------------------------- probes
     async def check_health(self) -> bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from ..errors import StreamInterrupted
 
-__all__ = ["SSEParser", "Payload", "DONE", "EventTooLarge", "MAX_EVENT_BYTES"]
+__all__ = ["SSEParser", "Payload", "DONE", "EventTooLarge", "MAX_EVENT_BYTES", "payload_bytes"]
 
 #: the payload of OpenAI's end-of-stream event
 DONE = b"[DONE]"
@@ -32,24 +32,24 @@ class EventTooLarge(StreamInterrupted):
 
 
 class Payload:
-    """One event's data, still in pieces: ``join()`` makes the bytes (one copy). An event that
-    came whole in one piece, as one ``data:`` line, holds its bytes already (``data``)."""
+    """One event's data, still in pieces: ``join()`` makes the bytes (one copy)."""
 
-    __slots__ = ("lines", "size", "data")
+    __slots__ = ("lines", "size")
 
-    def __init__(self, lines: list[list[bytes]] | None, size: int, data: bytes | None = None) -> None:
+    def __init__(self, lines: list[list[bytes]], size: int) -> None:
         self.lines = lines  # each data line as its pieces, the "data:" prefix and CR already cut
         self.size = size  # bytes of the joined payload
-        self.data = data  # the payload's bytes, when it needs no joining (then lines is None)
 
     def join(self) -> bytes:
-        if self.data is not None:
-            return self.data
-        assert self.lines is not None
         if len(self.lines) == 1:
             parts = self.lines[0]
             return parts[0] if len(parts) == 1 else b"".join(parts)
         return b"\n".join(b"".join(parts) for parts in self.lines)
+
+
+def payload_bytes(p: bytes | Payload) -> bytes:
+    """What :meth:`SSEParser.feed` returned for one event, as its bytes."""
+    return p if type(p) is bytes else p.join()  # type: ignore[union-attr]
 
 
 def _cut_prefix(parts: list[bytes]) -> tuple[list[bytes], int] | None:
@@ -90,10 +90,17 @@ class SSEParser:
         self._data_len = 0
         self.bytes_seen = 0
 
-    def feed(self, piece: bytes) -> list[Payload]:
+    def feed(self, piece: bytes) -> list[bytes | Payload]:
+        """The events completed by ``piece``, in order: an event that came whole in it as one
+        ``data:`` line as its payload's ``bytes`` (the common shape, with nothing to join), any
+        other as a :class:`Payload`."""
         n = len(piece)
         self.bytes_seen += n
-        out: list[Payload] = []
+        if (n > 8 and piece.startswith(b"data: ") and piece.find(b"\n", 6) == n - 2 and piece[n - 1] == 10
+                and piece[n - 3] != 13 and not self._line and not self._data
+                and (self.max_event_bytes is None or n - 8 <= self.max_event_bytes)):
+            return [piece[6:-2]]  # the piece is one whole event (a token's, most often)
+        out: list[bytes | Payload] = []
         pos = 0
         find = piece.find
         limit = self.max_event_bytes
@@ -105,7 +112,7 @@ class SSEParser:
                 if nl > 0 and piece[nl + 1:nl + 2] == b"\n" and piece[nl - 1] != 13:
                     size = nl - pos - 6
                     if size and (limit is None or size <= limit):
-                        out.append(Payload(None, size, piece[pos + 6:nl]))
+                        out.append(piece[pos + 6:nl])
                         pos = nl + 2
                         continue
             nl = find(b"\n", pos)

@@ -612,7 +612,9 @@ class Gateway:
                         e.usage = u
                     if not (u and not wants_usage and not ev.get("choices")):
                         # the upstream's bytes as they came, when the event has them
-                        data = ev.raw if type(ev) is JSONEvent else _dumps(ev)
+                        data = ev.raw if type(ev) is JSONEvent else None
+                        if data is None:
+                            data = _dumps(ev)
                         e.writing = True
                         try:
                             await write(b"data: %b\n\n" % data)
