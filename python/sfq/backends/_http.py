@@ -537,7 +537,8 @@ class Reply:
         c = self._c
         if not c.pieces and not c.complete and c.exc is None and c.state != _DEAD:
             try:
-                await c.wait()
+                fut = c.waiter = c.loop.create_future()  # (c.wait(), without its frame)
+                await fut
             except BaseException:
                 self.close()
                 raise

@@ -431,14 +431,15 @@ class OpenAIBackend(Backend):
         chunks = 0
         parser = SSEParser()
         take = reply.take
+        more = reply.more
         try:
             while not done:
                 try:
+                    await more()  # at once when a piece is waiting
                     piece = take()
-                    if piece is None:
-                        break
                     if not piece:
-                        await reply.more()
+                        if piece is None:
+                            break
                         continue
                 except Exception as exc:
                     if isinstance(exc, Timeout) and exc.kind == "stream":
@@ -453,6 +454,19 @@ class OpenAIBackend(Backend):
                         if payload == DONE:
                             done = True
                             break
+                        if len(payload) <= _BIG_EVENT and _LONG_NUMBER not in payload.translate(_DIGITS):
+                            # the common event, decoded here (as _loads and _event would: anything
+                            # else, an error event included, takes the path below)
+                            try:
+                                parsed = orjson.loads(payload)
+                            except orjson.JSONDecodeError:
+                                parsed = None
+                            if type(parsed) is dict and "error" not in parsed:
+                                event = JSONEvent(parsed)
+                                event.raw = payload
+                                chunks += 1
+                                yield event
+                                continue
                         if len(payload) > _BIG_EVENT:  # decoded off the loop
                             event = await asyncio.to_thread(self._event, payload, url, chunks)
                         else:

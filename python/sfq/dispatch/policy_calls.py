@@ -216,7 +216,44 @@ class PolicyEventStream(EventStream):
         try:
             if not self._opened:
                 await self._open()
-            return await self._next()
+            pd = self._pd
+            r = self.request
+            assert r is not None
+            while True:
+                if self._expired is not None:
+                    err, self._expired = self._expired, None
+                    raise err
+                if self._pending:
+                    ev = self._pending.popleft()
+                elif self._done:
+                    raise StopAsyncIteration
+                else:
+                    try:
+                        got = await self._pull()
+                    except BackendError as exc:
+                        await self._drop_agen()
+                        if self._passed:  # an event reached the client: never retried
+                            self._done = True
+                            self._disarm()
+                            pd._attempt_failed(r, exc, retryable=False)
+                            raise
+                        try:
+                            await pd._retry(r, exc)
+                            await self._attempt()
+                        except BaseException:
+                            self._done = True
+                            self._disarm()
+                            raise
+                        continue
+                    if got is None:
+                        self._end()
+                        raise StopAsyncIteration
+                    ev = got
+                if not self._wants_usage and ev.get("usage") and not ev.get("choices"):
+                    continue  # the usage-only event the client did not ask for
+                self._passed += 1
+                self._chars += pd.engine.passed(r, ev)
+                return ev
         except (asyncio.CancelledError, GeneratorExit):
             await self._abandon()
             raise
@@ -349,46 +386,6 @@ class PolicyEventStream(EventStream):
         limit = step if why == "step" else t.total
         raise pd._upstream_timeout(r, why, "waiting for the first event" if first else
                                    "waiting for the next event", limit) from None
-
-    async def _next(self) -> Event:
-        pd = self._pd
-        r = self.request
-        assert r is not None
-        while True:
-            if self._expired is not None:
-                err, self._expired = self._expired, None
-                raise err
-            if self._pending:
-                ev = self._pending.popleft()
-            elif self._done:
-                raise StopAsyncIteration
-            else:
-                try:
-                    got = await self._pull()
-                except BackendError as exc:
-                    await self._drop_agen()
-                    if self._passed:  # an event reached the client: never retried
-                        self._done = True
-                        self._disarm()
-                        pd._attempt_failed(r, exc, retryable=False)
-                        raise
-                    try:
-                        await pd._retry(r, exc)
-                        await self._attempt()
-                    except BaseException:
-                        self._done = True
-                        self._disarm()
-                        raise
-                    continue
-                if got is None:
-                    self._end()
-                    raise StopAsyncIteration
-                ev = got
-            if not self._wants_usage and ev.get("usage") and not ev.get("choices"):
-                continue  # the usage-only event the client did not ask for
-            self._passed += 1
-            self._chars += pd.engine.passed(r, ev)
-            return ev
 
     # ---------------------------------------------------------------- endings
     def _end(self) -> None:
