@@ -494,6 +494,39 @@ async def test_a_refused_connection_was_never_sent(unused_tcp_port: int):
         await b.close()
 
 
+async def test_a_server_that_never_answers_the_connect_is_a_connect_timeout_never_sent():
+    """A listener whose accept queue is full drops further connection attempts (Linux): the
+    connect hangs until ``connect_timeout``, which is a ``Timeout`` of kind ``connect``
+    (nothing was sent), and through the backend a ``BackendTimeout`` with ``never_sent``."""
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(0)
+    port = lsock.getsockname()[1]
+    fillers = []
+    try:
+        for _ in range(4):  # fill the accept queue (nobody accepts)
+            f = socket.socket()
+            f.setblocking(False)
+            f.connect_ex(("127.0.0.1", port))
+            fillers.append(f)
+        await asyncio.sleep(0.05)
+        p = await pool(f"http://127.0.0.1:{port}", connect_timeout=0.3)
+        with pytest.raises(Timeout) as ei:  # (a connection made would meet the 5 s bound instead)
+            await p.send(request(), deadline=asyncio.get_running_loop().time() + 5.0, kind="request", seconds=5.0)
+        assert ei.value.kind == "connect" and ei.value.never_sent and p.open == 0
+        b = OpenAIBackend(f"http://127.0.0.1:{port}", connect_timeout=0.3, timeout=5.0)
+        try:
+            with pytest.raises(BackendTimeout, match="no connection within 0.3 s") as bi:
+                await b.complete("completions", BODY)
+            assert bi.value.never_sent and bi.value.unhealthy and b.resent == 0
+        finally:
+            await b.close()
+    finally:
+        for f in fillers:
+            f.close()
+        lsock.close()
+
+
 # ------------------------------------------------------------------ failures mid-way
 async def test_a_reset_mid_body(serve):
     async def script(peer: Peer) -> None:

@@ -83,6 +83,26 @@ def test_the_sse_parser_cuts_an_event_at_its_limit():
         SSEParser(max_event_bytes=0)
 
 
+def test_streamed_events_reach_the_client_as_the_upstream_wrote_them(client: openai.OpenAI, gateway: GatewayProcess):
+    """The gateway passes each event's bytes on as they came (the upstream here writes Python's
+    ``json.dumps``, spaces after separators: a re-encoding would be compact), and the official
+    client reads them."""
+    import urllib.request
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "bytes-1"}], "max_tokens": 5, "stream": True,
+            "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(gateway.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Authorization": "Bearer sk-a", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=LIMIT) as r:
+        lines = [x[6:] for x in r.read().split(b"\n\n") if x.startswith(b"data: ")]
+    assert lines[-1] == b"[DONE]" and len(lines) == 5 + 2  # five tokens, the usage, the end
+    for raw in lines[:-1]:
+        assert raw == json.dumps(json.loads(raw)).encode(), raw  # the upstream's own bytes
+    chunks = list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "bytes-2"}],
+                                                 max_tokens=3, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "xxx"
+
+
 def test_an_endless_event_from_a_backend_is_cut(client: openai.OpenAI, gateway: GatewayProcess,
                                                  upstream: Upstream):
     """A 200 MiB line from the upstream: the stream ends with an error event and the gateway

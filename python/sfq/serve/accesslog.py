@@ -277,21 +277,28 @@ class AccessLog:
             return
         self._scheduled = False
         with self._lock:
-            buf = self._buf
-            while buf and not self._broken:
-                try:
-                    n = self._sink.write(buf)
-                except BlockingIOError:
-                    self._wait_writable()
-                    break
-                except InterruptedError:
-                    continue
-                except OSError as exc:
-                    self._broke(exc)
-                    break
-                del buf[:n]
+            if self._write_out(copy=False):
+                self._wait_writable()
             if self._unreported:
-                self._report(force=not buf)
+                self._report(force=not self._buf)
+
+    def _write_out(self, copy: bool) -> bool:
+        """Write the buffer to the sink until it is empty or the sink broken (``False``) or
+        full (``True``: it would block). ``copy``: write a copy of the buffer (a caller outside
+        the loop: the loop may add to it meanwhile). Under the lock."""
+        buf = self._buf
+        while buf and not self._broken:
+            try:
+                n = self._sink.write(bytes(buf) if copy else buf)
+            except BlockingIOError:
+                return True
+            except InterruptedError:
+                continue
+            except OSError as exc:
+                self._broke(exc)
+                return False
+            del buf[:n]
+        return False
 
     def _wait_writable(self) -> None:
         fd = self._sink.fd
@@ -325,28 +332,22 @@ class AccessLog:
                 self._waiting = False
             buf = self._buf
             deadline = time.monotonic() + timeout
-            while buf and not self._broken:
-                try:
-                    n = self._sink.write(bytes(buf))  # (a copy: any thread may be here)
-                except BlockingIOError:
-                    left = deadline - time.monotonic()
-                    fd = self._sink.fd
-                    if left <= 0 or fd is None:
-                        lines = buf.count(b"\n")
-                        self.dropped += lines
-                        del buf[:]
-                        _stderr(f"sfq serve: the access log's reader ({self.name}) took nothing for {timeout:g} s: "
-                                f"{lines} lines dropped at shutdown")
-                        break
-                    _poll_writable(fd, left)
-                    continue
-                except InterruptedError:
-                    continue
-                except OSError as exc:
-                    self._broke(exc)
+            held = len(buf)
+            while self._write_out(copy=True):  # (a copy: any thread may be here)
+                now = time.monotonic()
+                if len(buf) < held:  # the reader took some: it has another timeout to take the rest
+                    held = len(buf)
+                    deadline = now + timeout
+                left = deadline - now
+                fd = self._sink.fd
+                if left <= 0 or fd is None:
+                    lines = buf.count(b"\n")
+                    self.dropped += lines
+                    del buf[:]
+                    _stderr(f"sfq serve: the access log's reader ({self.name}) took nothing for {timeout:g} s: "
+                            f"{lines} lines dropped at shutdown")
                     break
-                del buf[:n]
-                deadline = time.monotonic() + timeout
+                _poll_writable(fd, left)
             if self._unreported:
                 self._report(force=True)
 
