@@ -65,6 +65,7 @@ class JSONEvent(dict[str, Any]):
     event). Whoever changes the dict must not pass ``raw`` on."""
 
     __slots__ = ("raw",)
+    raw: bytes | None
 
     def __getattr__(self, name: str) -> Any:
         if name == "raw":  # not set

@@ -450,7 +450,7 @@ class OpenAIBackend(Backend):
                     raise StreamInterrupted(f"{err} after {chunks} events", backend=self.name, chunks=chunks,
                                             unhealthy=True) from exc
                 for payload in parser.feed(piece):
-                    if type(payload) is bytes:  # a whole one-line event (the common shape)
+                    if isinstance(payload, bytes):  # a whole one-line event (the common shape)
                         if payload == DONE:
                             done = True
                             break

@@ -49,7 +49,7 @@ class Payload:
 
 def payload_bytes(p: bytes | Payload) -> bytes:
     """What :meth:`SSEParser.feed` returned for one event, as its bytes."""
-    return p if type(p) is bytes else p.join()  # type: ignore[union-attr]
+    return p if isinstance(p, bytes) else p.join()
 
 
 def _cut_prefix(parts: list[bytes]) -> tuple[list[bytes], int] | None:
