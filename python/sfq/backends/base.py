@@ -58,19 +58,14 @@ class JSONBody(dict[str, Any]):
 
 class JSONEvent(dict[str, Any]):
     """A streamed event parsed from JSON, with the bytes it was parsed from (``raw``: the
-    event's ``data`` as the server sent it; ``None`` until its maker sets it). A gateway writes
-    ``raw`` to its client instead of encoding the dict again, so the client gets the
-    upstream's bytes unchanged; everyone else reads it as the plain dict it is. Made as
-    ``ev = JSONEvent(parsed); ev.raw = data`` (the dict's own constructor: no Python frame per
-    event). Whoever changes the dict must not pass ``raw`` on."""
+    event's ``data`` as the server sent it). A gateway writes ``raw`` to its client instead of
+    encoding the dict again, so the client gets the upstream's bytes unchanged; everyone else
+    reads it as the plain dict it is. Made as ``ev = JSONEvent(parsed); ev.raw = data`` (the
+    dict's own constructor, no Python frame per event; no ``__getattr__`` either, which would
+    slow every method call on it). Whoever changes the dict must not pass ``raw`` on."""
 
     __slots__ = ("raw",)
-    raw: bytes | None
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "raw":  # not set
-            return None
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    raw: bytes
 
 
 def body_bytes(body: object) -> bytes | None:

@@ -108,7 +108,9 @@ def _loads(raw: bytes) -> Any:
     event where ``json`` takes 4): orjson, unless the text has a run of 19 digits or more,
     and ``json`` for what orjson refuses (``NaN``, ``Infinity``, UTF-16, ...), so that the same
     documents parse to the same values and the same ones fail (``ValueError``)."""
-    if _LONG_NUMBER not in raw.translate(_DIGITS):
+    # (find, not ``in``: a bytes ``in`` tries the operand as an int first, and makes and clears
+    # a TypeError for it, every time)
+    if raw.translate(_DIGITS).find(_LONG_NUMBER) < 0:
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -454,7 +456,7 @@ class OpenAIBackend(Backend):
                         if payload == DONE:
                             done = True
                             break
-                        if len(payload) <= _BIG_EVENT and _LONG_NUMBER not in payload.translate(_DIGITS):
+                        if len(payload) <= _BIG_EVENT and payload.translate(_DIGITS).find(_LONG_NUMBER) < 0:
                             # the common event, decoded here (as _loads and _event would: anything
                             # else, an error event included, takes the path below)
                             try:

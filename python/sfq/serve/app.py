@@ -612,7 +612,7 @@ class Gateway:
                         e.usage = u
                     if not (u and not wants_usage and not ev.get("choices")):
                         # the upstream's bytes as they came, when the event has them
-                        data = ev.raw if type(ev) is JSONEvent else None
+                        data = getattr(ev, "raw", None) if type(ev) is JSONEvent else None
                         if data is None:
                             data = _dumps(ev)
                         e.writing = True
