@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from conftest import wait_until
 
-from sfq.backends import OpenAIBackend
+from sfq.backends import JSONEvent, OpenAIBackend
 from sfq.backends import _http
 from sfq.backends._http import HIGH_WATER, MAX_HEAD, ConnectFailed, Disconnected, HTTPPool, NotWritten, Timeout
 from sfq.errors import (
@@ -695,6 +695,32 @@ async def test_a_stream_keeps_its_connection_when_the_terminator_comes_late(serv
             await wait_until(lambda: pool_of(b).idle == 1, "the connection back in the pool")
         assert srv.connections == 1
         assert b"include_usage" in srv.requests[0][1]
+    finally:
+        await b.close()
+
+
+async def test_an_event_keeps_its_bytes_only_when_they_are_one_data_line(serve):
+    """``JSONEvent.raw`` is the event's ``data: `` line as the server sent it, so that a proxy can
+    write it on unchanged; an event in two data lines (or ``data:`` without the space) has the
+    same dict and no ``raw`` (one line made of it would be another event)."""
+    one = b'{"choices": [{"index": 0, "text": "a"}],   "n": 1}'
+
+    async def script(peer: Peer) -> None:
+        await peer.request()
+        await peer.send(STREAM_HEAD + chunked(b"data: " + one + b"\n\n",
+                                              b'data: {"choices": [{"index": 0,\ndata:  "text": "b"}]}\n\n',
+                                              b'data:{"choices": [{"index": 0, "text": "c"}]}\n\n',
+                                              b"data: " + one + b"\n\ndata: " + one + b"\n\n",
+                                              b"data: [DONE]\n\n"))
+        await peer.until_closed()
+
+    srv = await serve(script)
+    b = OpenAIBackend(srv.url)
+    try:
+        got = [ev async for ev in b.stream("completions", BODY)]
+        assert [ev["choices"][0]["text"] for ev in got] == ["a", "b", "c", "a", "a"]
+        assert [getattr(ev, "raw", None) for ev in got] == [one, None, None, one, one]
+        assert all(type(ev) is JSONEvent and isinstance(ev, dict) for ev in got)
     finally:
         await b.close()
 

@@ -58,9 +58,11 @@ class JSONBody(dict[str, Any]):
 
 class JSONEvent(dict[str, Any]):
     """A streamed event parsed from JSON, with the bytes it was parsed from (``raw``: the
-    event's ``data`` as the server sent it). A gateway writes ``raw`` to its client instead of
-    encoding the dict again, so the client gets the upstream's bytes unchanged; everyone else
-    reads it as the plain dict it is. Made as ``ev = JSONEvent(parsed); ev.raw = data`` (the
+    event's ``data`` as the server sent it, in one ``data: `` line; not set for an event that
+    came in several lines, or ``data:`` without its space: ``getattr(ev, "raw", None)``). A
+    gateway writes ``raw`` to its client instead of encoding the dict again, so the client gets
+    the upstream's bytes unchanged; everyone else reads it as the plain dict it is. Made as
+    ``ev = JSONEvent(parsed); ev.raw = data`` (the
     dict's own constructor, no Python frame per event; no ``__getattr__`` either, which would
     slow every method call on it). Whoever changes the dict must not pass ``raw`` on."""
 

@@ -470,9 +470,9 @@ class OpenAIBackend(Backend):
                                 yield event
                                 continue
                         if len(payload) > _BIG_EVENT:  # decoded off the loop
-                            event = await asyncio.to_thread(self._event, payload, url, chunks)
+                            event = await asyncio.to_thread(self._event, payload, url, chunks, True)
                         else:
-                            event = self._event(payload, url, chunks)
+                            event = self._event(payload, url, chunks, True)
                     elif payload.size > _BIG_EVENT:  # joined and decoded off the loop
                         event = await asyncio.to_thread(self._big_event, payload, url, chunks)
                     else:
@@ -496,7 +496,11 @@ class OpenAIBackend(Backend):
     def _big_event(self, payload: Payload, url: str, chunks: int) -> JSONEvent:
         return self._event(payload.join(), url, chunks)
 
-    def _event(self, payload: bytes, url: str, chunks: int) -> JSONEvent:
+    def _event(self, payload: bytes, url: str, chunks: int, whole: bool = False) -> JSONEvent:
+        """The event ``payload`` as a :class:`JSONEvent`; ``whole``: the payload is the event's
+        one ``data: `` line as the server sent it, so it is kept as ``raw`` (an event of several
+        data lines, or without the space, keeps none: written out as one line it would not
+        be the same event)."""
         try:
             event = _loads(payload)
         except ValueError:
@@ -514,7 +518,8 @@ class OpenAIBackend(Backend):
                 f"POST {url}: {msg}", backend=self.name, chunks=chunks, unhealthy=False,
                 body=json.dumps(err)[:_BODY_SNIPPET])
         ev = JSONEvent(event)
-        ev.raw = payload
+        if whole:
+            ev.raw = payload
         return ev
 
     # ---------------------------------------------------------------- probes
