@@ -62,9 +62,9 @@ class JSONEvent(dict[str, Any]):
     came in several lines, or ``data:`` without its space: ``getattr(ev, "raw", None)``). A
     gateway writes ``raw`` to its client instead of encoding the dict again, so the client gets
     the upstream's bytes unchanged; everyone else reads it as the plain dict it is. Made as
-    ``ev = JSONEvent(parsed); ev.raw = data`` (the
-    dict's own constructor, no Python frame per event; no ``__getattr__`` either, which would
-    slow every method call on it). Whoever changes the dict must not pass ``raw`` on."""
+    ``ev = JSONEvent(parsed); ev.raw = data`` (the dict's own constructor, no Python frame per
+    event; no ``__getattr__`` either, which would slow every method call on it). Whoever
+    changes the dict must not pass ``raw`` on."""
 
     __slots__ = ("raw",)
     raw: bytes

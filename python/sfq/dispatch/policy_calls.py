@@ -439,10 +439,8 @@ class PolicyEventStream(EventStream):
             due = pull_at + step
         self._due = due
         if due is not None:
-            loop = self._loop
-            if loop is None:
-                loop = self._loop = asyncio.get_running_loop()
-            self._watchdog = loop.call_later(max(0.0, due - now), self._on_watchdog)
+            assert self._loop is not None  # (set by _arm, which every attempt starts with)
+            self._watchdog = self._loop.call_later(max(0.0, due - now), self._on_watchdog)
 
     def _disarm(self) -> None:
         self._due = None

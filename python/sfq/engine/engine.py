@@ -10,7 +10,7 @@ discipline) call it like this::
 
     r = engine.submit(flow, estimate=est, streaming=True)  # accepted (or refused, recorded)
     for r in engine.poll(): ...                            # start these now, on r.backend
-    engine.delivered(r, engine.event_tokens(r, event))     # a stream's event passed to its client
+    engine.passed(r, event)                                # a stream's event passed to its client
     engine.complete(r, usage) / engine.fail(r, error) / engine.cancel(r)
     engine.backend_down(pool, name) / backend_up / backend_paused / backend_saturated
     engine.wake_at()                                       # poll() again at this time at the latest
@@ -430,19 +430,8 @@ class PolicyEngine:
         taken as the running count; otherwise each choice's text counts
         ``max(1, chars / chars_per_token)`` tokens (:func:`text_counts`, at the estimator's
         calibration when the stream's first text came)."""
-        u = event.get("usage")
-        if u:
-            ct = u.get("completion_tokens") if isinstance(u, Mapping) else None
-            if type(ct) is int and ct >= 0:
-                return max(0.0, float(ct) - r.delivered)
-            return 0.0
-        return text_counts(event.get("choices"), r.cpt or self._cpt(r))[1]
-
-    def _cpt(self, r: Request) -> float:
-        """Characters per output token the text of ``r`` counts at: the estimator's ratio for
-        its model, read once (when its first text comes) and held for the request."""
-        cpt = r.cpt = self.estimator.chars_per_token_of(r.est.model if r.est is not None else "")
-        return cpt
+        tokens = self._counts(r, event)[1]
+        return tokens if tokens > 0 else 0.0
 
     def passed(self, r: Request, event: Mapping[str, Any]) -> int:
         """One parsed SSE event of the stream ``r`` reached its client: while ``r`` runs, its
@@ -450,14 +439,27 @@ class PolicyEngine:
         carried (``choices[].text`` or ``delta.content``: the ``output_text_chars`` that
         :meth:`complete` takes when no usage comes). One pass over the event, for a driver
         that calls it for every event of every stream."""
-        chars, tokens = text_counts(event.get("choices"), r.cpt or self._cpt(r))
-        u = event.get("usage")
-        if u:  # a running count of the tokens so far: it, not the text, says what was delivered
-            ct = u.get("completion_tokens") if type(u) is dict or isinstance(u, Mapping) else None
-            tokens = ct - r.delivered if type(ct) is int and ct >= 0 else 0.0
+        chars, tokens = self._counts(r, event)
         if tokens > 0 and r.state == RUNNING:
             self.queues[r.flow.pool].add_delivered(r, tokens)
         return chars
+
+    def _counts(self, r: Request, event: Mapping[str, Any]) -> tuple[int, float]:
+        """``(characters of text, tokens beyond those delivered)`` of one event of ``r``: the
+        text's (:func:`text_counts`), unless the event reports usage, whose running
+        ``completion_tokens`` then says what was delivered (the tokens may be <= 0)."""
+        chars, tokens = text_counts(event.get("choices"), r.cpt or self._cpt(r))
+        u = event.get("usage")
+        if u:
+            ct = u.get("completion_tokens") if type(u) is dict or isinstance(u, Mapping) else None
+            tokens = ct - r.delivered if type(ct) is int and ct >= 0 else 0.0
+        return chars, tokens
+
+    def _cpt(self, r: Request) -> float:
+        """Characters per output token the text of ``r`` counts at: the estimator's ratio for
+        its model, read once (when its first text comes) and held for the request."""
+        cpt = r.cpt = self.estimator.chars_per_token_of(r.est.model if r.est is not None else "")
+        return cpt
 
     def _actual(self, r: Request, usage: Mapping[str, Any] | None,
                 text_chars: int | None) -> tuple[float | None, float | None]:
