@@ -148,9 +148,15 @@ async def test_org_rates_and_queue_lengths_are_global(redis_server: RedisServer,
         a.bind(ta, ra)
         b.bind(tb, rb)
         b.bind(await b.admit(d), _req(d))
-        with pytest.raises(Refused) as ei:  # three waiting, on both gateways: the class's queue is full
+        # three waiting, on both gateways: the class's queue is full. d holds fewer places than
+        # c, so c's newest place (rb, on gateway b) goes to d's request: queue space is fair
+        evicted: list[int] = []
+        a.on_evicted = b.on_evicted = evicted.append
+        b.bind(await b.admit(d), _req(d))
+        assert evicted == [rb.id]
+        with pytest.raises(Refused) as ei:  # now d holds the most: d is refused, nobody else loses
             await b.admit(d)
-        assert ei.value.reason == "queue_full"
+        assert ei.value.reason == "queue_full" and "'d' holds the most" in str(ei.value)
         a.ended(ra)  # one leaves the queue: a place frees for every gateway
         deadline = time.monotonic() + LIMIT
         while True:

@@ -62,7 +62,7 @@ from ..backends.base import JSONBody
 from ..backends.health import BackendMonitor, HealthOptions
 from ..cost import CostEstimator, Estimate
 from ..engine import PolicyEngine
-from ..engine.pool import BACKOFF, RUNNING, Request
+from ..engine.pool import BACKOFF, RUNNING, WAITING, Request
 from ..errors import (
     BackendError,
     BackendTimeout,
@@ -223,6 +223,9 @@ class PolicyDispatcher:
             self.engine.on_end = state.ended
             self.engine.retry.local_budget = False  # the shared state applies it over every gateway
             self.engine.defer_start = True  # a request starts when the shared state grants it
+            for q in self.engine.queues.values():  # the engine's charges reach the shared meters
+                q.on_charge = state.charged
+            state.on_evicted = self._evicted
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -429,6 +432,14 @@ class PolicyDispatcher:
         self.engine.granted(r)
 
     # ------------------------------------------------------------ endings
+    def _evicted(self, rid: int) -> None:
+        """The shared state gave the place of waiting request ``rid`` to another org's request
+        (its org held the most places of a full class, over every gateway)."""
+        r = self.engine.live.get(rid)
+        if r is not None and r.state == WAITING:
+            self.engine.evict(r)
+            self._pump()
+
     def _gave_up(self, r: Request) -> None:
         """The caller left (its task was cancelled, or its stream closed early)."""
         self._waiters.pop(r.id, None)

@@ -181,8 +181,11 @@ class PolicyEngine:
         self.live: dict[int, Request] = {}
         self._allowed: set[Flow] = set()  # flows the policy allows, as submit() met them
         self.submitted = 0
-        #: requests the last poll() (or next_start() calls since) ended for their queue age or deadline
+        #: requests the last poll() (or next_start() calls since) ended before they started: their
+        #: queue age or deadline ran out, or (reason ``queue_full``) another org's request took
+        #: their place in a full class
         self.dropped: list[Request] = []
+        self._evicted: list[Request] = []  # given their place up in submit(), for the next poll()
         #: shared state (several gateways, ``sfq.state``): called when an attempt ends (with the
         #: usage report's tokens, or ``None``) and when a request ends; ``None`` in memory
         self.on_attempt_over: Callable[[Request, float | None], None] | None = None
@@ -285,7 +288,7 @@ class PolicyEngine:
             self.metrics.ended(key, "refused", "deadline")  # type: ignore[arg-type]
             raise Refused("deadline", "the request's deadline has already passed")
         try:
-            q.check_room(flow.cls)
+            victim = q.make_room(flow)  # a full class: the org holding the most gives a place up
         except Refused as exc:
             self.submitted += 1
             self.metrics.ended(key, "refused", exc.reason)  # type: ignore[arg-type]
@@ -306,6 +309,8 @@ class PolicyEngine:
                     idempotency_key=idempotency_key, est=estimate,
                     epoch=self.estimator.epoch if estimate is not None else -1, streaming=bool(streaming))
         r.fixed = fixed
+        if victim is not None:
+            self.evict(victim)
         q.queue_new(r, now)  # (checked above: the flow, its need, its cost, its class's room)
         self.submitted += 1
         self.live[r.id] = r
@@ -339,7 +344,7 @@ class PolicyEngine:
         (:attr:`dropped` lists them until the next ``poll``). ``fits(request, backend)``:
         the driver's own check that a backend can take a request now (see
         :meth:`PolicyQueue.pop`)."""
-        self.dropped = []
+        self.dropped, self._evicted = self._evicted, []
         starts: list[Request] = []
         for q in self.queues.values():
             while True:
@@ -353,6 +358,9 @@ class PolicyEngine:
         """Start one request, the next of the first pool (in file order) that has one; ``None``
         when none may start now. For a caller that places one request at a time (the
         simulator); drops are ended and added to :attr:`dropped` as in :meth:`poll`."""
+        if self._evicted:
+            self.dropped.extend(self._evicted)
+            self._evicted = []
         for q in self.queues.values():
             r = self._pop(q, fits)
             if r is not None:
@@ -550,6 +558,12 @@ class PolicyEngine:
         if reason in ("queue_timeout", "deadline"):
             what = "deadline" if reason == "deadline" else "queue age"
             return Refused(reason, f"the request's {what} ran out before it started")
+        if reason == "queue_full":
+            q = self.queues[r.flow.pool]
+            return Refused("queue_full", f"the request's waiting place went to another org's request: class "
+                                         f"{r.flow.cls!r} was full in pool {r.flow.pool!r} (max_queue_length) and "
+                                         f"org {r.flow.org!r} held the most places",
+                           retry_after=q.place_frees_in(r.flow.cls))
         if reason in ("unauthenticated", "class_not_allowed"):
             return Refused(reason, f"the policy was reloaded and no longer allows flow "
                                    f"{r.flow.org}/{r.flow.cls}/{r.flow.pool}")
@@ -689,6 +703,16 @@ class PolicyEngine:
                 self.metrics.cancelled_work_tokens(tuple(r.flow), work_tokens)  # type: ignore[arg-type]
         self._end(r, "cancelled_before_start" if r.tries == 0 else "cancelled_during_execution")
 
+    def evict(self, r: Request) -> None:
+        """The waiting request ``r`` gives its place up to another org's request (its class was
+        full and its org held the most places, here or, with a shared state, over every
+        gateway): it ends as refused (``queue_full``), uncharged, and is handed to the driver
+        with the next :meth:`poll`'s :attr:`dropped`."""
+        self.queues[r.flow.pool].evict(r)
+        self.metrics.left_queue(tuple(r.flow))  # type: ignore[arg-type]
+        self._end(r, "refused", "queue_full")
+        self._evicted.append(r)
+
     def end_retry(self, r: Request, reason: str) -> None:
         """End a request waiting to be retried as failed (``reason``): a shared state (several
         gateways, ``sfq.state``) refused the retry, e.g. over the flow's global retry budget."""
@@ -780,6 +804,7 @@ class PolicyEngine:
                 nbe = nq.backends[bname]
                 nbe.healthy, nbe.saturated, nbe.paused_until = be.healthy, be.saturated, be.paused_until
             nq.down_since = q.down_since  # a pool with no backend in rotation stays so
+            nq.on_charge = q.on_charge
             for cls, starts in q._starts.items():
                 if cls in nq._starts:
                     nq._starts[cls] = starts

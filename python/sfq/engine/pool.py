@@ -303,6 +303,10 @@ class PolicyQueue:
         #: the request first in line that fits no backend with room, as the last pop() found it
         #: (everything waits behind it, uncharged); None when there is none
         self.stalled: Request | None = None
+        #: a shared ledger (several gateways, ``sfq.state``): told of every correction of a
+        #: running request's charge after the core took it (cost units), so that the shared
+        #: meter moves as this one does; ``None`` in memory
+        self.on_charge: Callable[[Request, float], None] | None = None
 
     def _flow_queue(self, f: Flow) -> _FlowQ:
         """The weighted flow's queue, made on first use (a flow of an org the file does not
@@ -335,6 +339,51 @@ class PolicyQueue:
         raise Refused("queue_full", f"class {cls!r} already has {self.waiting_by_class[cls]} requests waiting in "
                                     f"pool {self.name!r} (max_queue_length {spec.max_queue_length})",
                       retry_after=self.place_frees_in(cls))
+
+    def make_room(self, flow: Flow) -> Request | None:
+        """Where a request of ``flow`` may wait: ``None`` when its class has room in this pool;
+        when the class is at its ``max_queue_length``, the waiting request that gives its place
+        up (the newest of the org holding the most places: queue space is shared fairly, as
+        Kubernetes APF's per-queue limits share it), or ``Refused("queue_full")`` when
+        ``flow``'s org already holds the most. Changes nothing: the caller evicts the request
+        returned once it accepts the new one."""
+        cls = flow.cls
+        spec = self.policy.classes[cls]
+        if spec.max_queue_length is None or self.waiting_by_class[cls] < spec.max_queue_length:
+            return None
+        held: dict[str, int] = {}
+        newest: dict[str, Request] = {}
+        if cls in self.strict:
+            for r in self.strict[cls]:
+                if r.state == WAITING:
+                    held[r.flow.org] = held.get(r.flow.org, 0) + 1
+                    newest[r.flow.org] = r
+        else:
+            for f, fq in self.flows.items():
+                if f.cls == cls and fq.n:
+                    held[f.org] = held.get(f.org, 0) + fq.n
+                    last = [d[-1] for d in (fq.small, fq.large) if d and d[-1].state == WAITING]
+                    if last:
+                        r = max(last, key=lambda x: x.id)
+                        o = newest.get(f.org)
+                        if o is None or r.id > o.id:
+                            newest[f.org] = r
+        top = max(held, key=lambda o: (held[o], o in newest), default=None)
+        mine = held.get(flow.org, 0)
+        if top is None or mine >= held[top] or top not in newest:
+            raise Refused("queue_full", f"class {cls!r} already has {self.waiting_by_class[cls]} requests waiting in "
+                                        f"pool {self.name!r} (max_queue_length {spec.max_queue_length}) and org "
+                                        f"{flow.org!r} holds the most of them ({mine})",
+                          retry_after=self.place_frees_in(cls))
+        return newest[top]
+
+    def evict(self, r: Request) -> None:
+        """Take the waiting request ``r`` out of the queue, uncharged, to give its place to
+        another org's request (:meth:`make_room`); its reason is ``queue_full``."""
+        if r.state != WAITING or r.flow.pool != self.name:
+            raise ValueError(f"evict({r!r}): the request is not waiting in pool {self.name!r}")
+        self._unqueue(r)
+        r.reason = "queue_full"
 
     def place_frees_in(self, cls: str) -> float:
         """Seconds until a waiting place of ``cls`` is expected to free: the sooner of the
@@ -712,6 +761,8 @@ class PolicyQueue:
             log.exception("sfq: correcting the charge of flow %r by %g failed; ignored", r.flow, delta)
             return
         r.charged += delta
+        if self.on_charge is not None:
+            self.on_charge(r, delta)
 
     def delivered(self, r: Request, tokens: float) -> float:
         """The running request ``r`` passed ``tokens`` more output tokens to its client; in

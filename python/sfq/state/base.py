@@ -69,6 +69,9 @@ class SharedState:
 
     #: whether the dispatcher must consult this state (false: the engine alone decides)
     shared: bool = False
+    #: called with a request's id when the shared admission gave its waiting place to another
+    #: org's request (set by the dispatcher)
+    on_evicted: Any = None
 
     async def start(self) -> None:
         """Connect (a store that cannot be reached yet is retried in the background)."""
@@ -118,6 +121,10 @@ class SharedState:
 
     def attempt_over(self, r: Request, actual_tokens: float | None) -> None:
         """A started attempt of ``r`` ended (granted or not): give back what it holds."""
+
+    def charged(self, r: Request, delta: float) -> None:
+        """The engine corrected the charge of the running request ``r``'s flow by ``delta``
+        cost units (``PolicyQueue.on_charge``): the shared meter moves by as much."""
 
     def ended(self, r: Request) -> None:
         """``r`` ended (any outcome): forget it."""

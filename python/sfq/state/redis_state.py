@@ -57,6 +57,13 @@ LIMIT_POLL = 0.1
 MAX_CALLS = 2
 #: seconds between probes while Redis cannot be reached
 PROBE = 0.25
+#: seconds a correction of a meter (a stream's delivered tokens) waits for a round trip to ride on
+ADJUST_DELAY = 0.01
+
+
+#: why a request that waited was refused after all (another org's admission took its place)
+_EVICTED = ("the request's waiting place went to another org's request: its class's queue was full (max_queue_length, "
+            "all gateways together) and this org held the most places")
 
 
 class StateUnavailable(Exception):
@@ -125,6 +132,14 @@ class RedisState(SharedState):
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._dirty: dict[str, bool] = {}
         self._releases: dict[str, list[dict[str, Any]]] = {}  # pool -> releases for the driver's next call
+        #: pool -> flow -> [cost units, weight]: the engine's corrections of granted attempts'
+        #: charges, summed per flow until the pool's next round trip carries them
+        self._adj: dict[str, dict[str, list[float]]] = {}
+        #: the delivered-service modes: a flow's running work keeps its meter (a flow lease)
+        self._flow_work = policy.cost.charge != "seed"
+        #: called with a request's id when another gateway's admission took its waiting place
+        #: (the org holding the most places loses one): the driver ends it (``queue_full``)
+        self.on_evicted: Callable[[int], None] | None = None
         self._queued: dict[int, tuple[str, str]] = {}  # request id -> (queue key, member)
         self._retrying: dict[int, tuple[str, str]] = {}  # request id -> (outstanding retries key, member)
         self._budgeted = policy.retry.max_attempts > 1 and policy.retry.budget_per_flow_percent < 100
@@ -179,10 +194,11 @@ class RedisState(SharedState):
         if self._closed:
             return
         self.refuse_waiting()
-        for pool, rel in self._releases.items():  # give back what ended last, now
-            if rel and self.available:
+        for pool in set(self._releases) | set(self._adj):  # give back what ended last, now
+            rel, adj = self._releases.get(pool, []), self._take_adj(pool)
+            if (rel or adj) and self.available:
                 with contextlib.suppress(StateUnavailable):
-                    await self._call("ACQUIRE", {**self._pool_payload(pool), "rel": rel[:], "c": []})
+                    await self._call("ACQUIRE", {**self._pool_payload(pool), "adj": adj, "rel": rel[:], "c": []})
                 rel.clear()
         self._closed = True
         for h in self._timers.values():
@@ -350,7 +366,7 @@ class RedisState(SharedState):
                     await self._renew()
 
     async def _listen_loop(self) -> None:
-        channel = f"{self.prefix}wake"
+        channel, evict = f"{self.prefix}wake", f"{self.prefix}evict"
         while not self._closed:
             ps = None
             try:
@@ -359,12 +375,16 @@ class RedisState(SharedState):
                     continue
                 assert self._client is not None
                 ps = self._client.pubsub()
-                await asyncio.wait_for(ps.subscribe(channel), self.timeout)
+                await asyncio.wait_for(ps.subscribe(channel, evict), self.timeout)
                 while not self._closed:
                     m = await ps.get_message(ignore_subscribe_messages=True, timeout=1.0)
                     if m is not None and m.get("type") == "message":
-                        d = m.get("data")
-                        self._wakeup(d.decode() if isinstance(d, bytes) else str(d))
+                        d, c = m.get("data"), m.get("channel")
+                        text = d.decode() if isinstance(d, bytes) else str(d)
+                        if (c.decode() if isinstance(c, bytes) else str(c)) == evict:
+                            self._evicted(text)
+                        else:
+                            self._wakeup(text)
             except asyncio.CancelledError:
                 raise
             except Exception:  # Redis went away: the probe brings it back; resubscribe then
@@ -391,7 +411,7 @@ class RedisState(SharedState):
         cls = self.policy.classes[flow.cls]
         org = self._org(flow.org)
         q = None
-        member = f"{self.gateway_id}:t{next(self._tickets)}"
+        member = f"{self.gateway_id}:t{next(self._tickets)}\t{flow.org}"
         if cls.max_queue_length is not None:
             q = [f"{self.prefix}queue:{flow.pool}:{flow.cls}", cls.max_queue_length]
         rate = None
@@ -400,18 +420,39 @@ class RedisState(SharedState):
         if q is None and rate is None:
             return None
         try:
-            res = await self._call("ADMIT", {"m": member, "lease": self.lease, "q": q, "org": rate})
+            res = await self._call("ADMIT", {"m": member, "o": flow.org, "lease": self.lease, "q": q, "org": rate})
         except StateUnavailable:
             raise self._unavailable() from None
         if res[0] == 1:
+            if len(res) > 1 and res[1]:  # a place taken from the org holding the most
+                self._evicted(str(res[1]))
             return Ticket(member, flow, q is not None)
         if res[1] == "rate_limited":
             raise Refused("rate_limited", f"org {flow.org!r} is over its requests_per_minute "
                                           f"({org.requests_per_minute:g}, all gateways together)",
                           retry_after=float(res[2]))
         raise Refused("queue_full", f"class {flow.cls!r} already has {cls.max_queue_length} requests waiting in "
-                                    f"pool {flow.pool!r} (max_queue_length, all gateways together)",
+                                    f"pool {flow.pool!r} (max_queue_length, all gateways together), and org "
+                                    f"{flow.org!r} holds the most of them",
                       retry_after=float(res[2]))
+
+    def _evicted(self, member: str) -> None:
+        """Another admission took the waiting place ``member`` (its org held the most): when it
+        is this gateway's and its request has not started, that request ends as refused
+        (``queue_full``). One that started meanwhile runs on (its place was freed anyway)."""
+        if not member.startswith(self.gateway_id + ":"):
+            return
+        rid = next((i for i, (_, m) in self._queued.items() if m == member), None)
+        if rid is None:
+            return
+        del self._queued[rid]
+        a = self._att.get(rid)
+        if a is not None and not a.granted:
+            if a.fut is not None and not a.fut.done():
+                a.fut.set_exception(Refused("queue_full", _EVICTED))
+            return
+        if a is None and self.on_evicted is not None:
+            self.on_evicted(rid)
 
     def bind(self, ticket: Ticket | None, r: Request) -> None:
         if ticket is not None and ticket.queued:
@@ -445,7 +486,7 @@ class RedisState(SharedState):
             groups.append([f"class:{flow.cls}", cls.max_in_flight])
         q = self._queued.get(r.id)
         return {"m": a.member, "flow": f"{flow.org}\t{flow.cls}", "cost": r.cost,
-                "w": pol.flow_weight(flow.org, flow.cls),
+                "w": pol.flow_weight(flow.org, flow.cls), "wf": self._flow_work and not cls.strict,
                 "strict": pol.strict_classes.index(flow.cls) if cls.strict else -1,
                 "backends": [[n, int(lm)] for n, lm in backends], "groups": groups, "tokens": r.tokens,
                 "q": None if q is None else list(q),
@@ -497,7 +538,7 @@ class RedisState(SharedState):
             return  # _go_up kicks every pool; a call in flight looks again when it answers
         pending = self._pending.get(pool, {})
         releases = self._releases.get(pool, [])
-        if not releases and not any(not a.inflight for a in pending.values()):
+        if not releases and not self._adj.get(pool) and not any(not a.inflight for a in pending.values()):
             return
         self._dirty[pool] = False
         self._calls[pool] = self._calls.get(pool, 0) + 1
@@ -529,12 +570,13 @@ class RedisState(SharedState):
             batch.append(a)
         rel = releases[:]
         releases.clear()
+        adj = self._take_adj(pool)
         res: list[Any] = []
         try:
-            res = await self._call("ACQUIRE", {**self._pool_payload(pool), "rel": rel,
+            res = await self._call("ACQUIRE", {**self._pool_payload(pool), "adj": adj, "rel": rel,
                                                "c": [{"m": x.member} if x.known else x.payload for x in batch]})
         except StateUnavailable:
-            pass  # the releases are lost: those leases expire by themselves
+            pass  # the releases are lost (those leases expire by themselves), and the corrections
         finally:
             for a in batch:
                 a.inflight = False
@@ -565,7 +607,7 @@ class RedisState(SharedState):
                 assert att.request is not None
                 self._granted(att.request, att, backend)
                 att.fut.set_result(backend)
-        if self._dirty.get(pool) or releases:
+        if self._dirty.get(pool) or releases or self._adj.get(pool):
             self._kick(pool)
         if pending:
             self._arm(pool, wait)
@@ -597,6 +639,8 @@ class RedisState(SharedState):
             a.keys.append(f"{p}lease:org:{flow.org}")
         if self.policy.classes[flow.cls].max_in_flight is not None:
             a.keys.append(f"{p}lease:class:{flow.cls}")
+        if a.payload.get("wf"):
+            a.keys.append(f"{p}lease:flow:{flow.pool}:{a.flow}")
         self._queued.pop(r.id, None)
 
     def _give_up(self, a: _Attempt) -> None:
@@ -654,6 +698,28 @@ class RedisState(SharedState):
         q = self._queued.pop(r.id, None)
         if q is not None:
             self._spawn(self._withdraw(None, list(q)))
+
+    def charged(self, r: Request, delta: float) -> None:
+        """The engine corrected the charge of ``r``'s flow by ``delta`` cost units (a stream's
+        delivered tokens, a settlement, a refund): once its attempt was granted (the grant
+        charged the engine's charge at dispatch in Redis), the correction reaches the shared
+        meter with the pool's next round trip, atomically. Corrections made before the grant
+        (the engine re-pricing the request as it hands it on) are already in that charge."""
+        a = self._att.get(r.id)
+        if a is None or not a.granted or self._closed:
+            return
+        per = self._adj.setdefault(a.pool, {})
+        x = per.get(a.flow)
+        if x is None:
+            per[a.flow] = [delta, a.payload["w"]]
+        else:
+            x[0] += delta
+        if not self._calls.get(a.pool):  # (a call in flight looks again when it answers)
+            self._arm(a.pool, ADJUST_DELAY)  # streams' charges ride on one round trip a few ms later
+
+    def _take_adj(self, pool: str) -> list[list[Any]]:
+        per = self._adj.pop(pool, None)
+        return [[f, d, w] for f, (d, w) in per.items() if d] if per else []
 
     def _release(self, a: _Attempt, actual_tokens: float | None, r: Request) -> None:
         """Give the attempt's slots back, in the pool driver's next round trip (with the grants
