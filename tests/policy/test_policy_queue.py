@@ -298,6 +298,47 @@ def test_org_requests_per_minute_at_admission(clock: Clock, core) -> None:
 
 
 # ------------------------------------------------------------------ admission and deadlines
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_full_queue_is_shared_fairly_the_org_holding_the_most_gives_a_place_up(clock: Clock, core, strict) -> None:
+    cls = "\n  system: {strict: true, max_in_flight: 1, max_queue_length: 3}" if strict else \
+        "\n  batch: {weight: 1, max_queue_length: 3}"
+    name = "system" if strict else "batch"
+    pol = policy(pools=ONE_SLOT, classes=cls, orgs=f"""
+      a: {{keys: [ka], classes: [{name}]}}
+      b: {{keys: [kb], classes: [{name}]}}
+      c: {{keys: [kc], classes: [{name}]}}
+    """)
+    e = engine(pol, clock, core)
+    a, b, c = (Flow(o, name, "p") for o in "abc")
+    first = e.submit(a, cost=1)
+    assert e.poll() == [first]  # running: not in the queue
+    flood = [e.submit(a, cost=1) for _ in range(3)]  # a fills the class's queue
+    assert e.stats()["flows"][f"a/{name}/p"]["waiting"] == 3
+    # b has nothing waiting: it is not refused because of a's requests; a's newest gives way
+    rb = e.submit(b, cost=1)
+    assert flood[2].outcome == "refused" and flood[2].reason == "queue_full"
+    assert rb.state == "waiting" and flood[0].state == flood[1].state == "waiting"
+    err = e.ended_error(flood[2])
+    assert isinstance(err, Refused) and err.reason == "queue_full" and err.retry_after is not None
+    assert "'a' held the most places" in str(err)
+    assert e.poll() == [] and e.dropped == [flood[2]]  # handed to the driver once, with the next poll
+    rc = e.submit(c, cost=1)  # a still holds the most (2): it gives way again
+    assert flood[1].outcome == "refused" and rc.state == "waiting"
+    # now a, b and c hold one place each: a newcomer of a (or b, or c) holds the most: refused,
+    # nobody else loses a place
+    for f in (a, b, c):
+        with pytest.raises(Refused) as info:
+            e.submit(f, cost=1)
+        assert info.value.reason == "queue_full" and f"{f.org!r} holds the most" in str(info.value)
+    assert [r.state for r in (flood[0], rb, rc)] == ["waiting"] * 3
+    stats = e.stats()["flows"]
+    assert stats[f"a/{name}/p"]["reasons"] == {"queue_full": 3}
+    # every accepted request ends once: the evicted ones are counted refused, never started
+    e.complete(first)
+    started = drain(e, 3)
+    assert sorted(r.flow.org for r in started) == ["a", "b", "c"]
+
+
 def test_max_queue_length_counts_waiting_only_with_an_honest_retry_after(clock: Clock, core) -> None:
     pol = policy(pools=ONE_SLOT, classes="""
       batch: {weight: 1, max_queue_length: 3, max_queue_age_seconds: 100}

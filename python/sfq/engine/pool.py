@@ -362,11 +362,10 @@ class PolicyQueue:
             for f, fq in self.flows.items():
                 if f.cls == cls and fq.n:
                     held[f.org] = held.get(f.org, 0) + fq.n
-                    last = [d[-1] for d in (fq.small, fq.large) if d and d[-1].state == WAITING]
-                    if last:
-                        r = max(last, key=lambda x: x.id)
+                    for d in (fq.small, fq.large):  # (left requests stay in a deque until they reach its head)
+                        r = next((x for x in reversed(d) if x.state == WAITING), None)
                         o = newest.get(f.org)
-                        if o is None or r.id > o.id:
+                        if r is not None and (o is None or r.id > o.id):
                             newest[f.org] = r
         top = max(held, key=lambda o: (held[o], o in newest), default=None)
         mine = held.get(flow.org, 0)
