@@ -363,10 +363,10 @@ class PolicyQueue:
                 if f.cls == cls and fq.n:
                     held[f.org] = held.get(f.org, 0) + fq.n
                     for d in (fq.small, fq.large):  # (left requests stay in a deque until they reach its head)
-                        r = next((x for x in reversed(d) if x.state == WAITING), None)
+                        last = next((x for x in reversed(d) if x.state == WAITING), None)
                         o = newest.get(f.org)
-                        if r is not None and (o is None or r.id > o.id):
-                            newest[f.org] = r
+                        if last is not None and (o is None or last.id > o.id):
+                            newest[f.org] = last
         top = max(held, key=lambda o: (held[o], o in newest), default=None)
         mine = held.get(flow.org, 0)
         if top is None or mine >= held[top] or top not in newest:
