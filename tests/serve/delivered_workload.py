@@ -396,6 +396,19 @@ def over_declared_orgs() -> list[OrgLoad]:
     ]
 
 
+def plain_over_declared_orgs() -> list[OrgLoad]:
+    """The third case (issue 27): A sends plain requests declaring ``max_tokens`` 10x what it
+    uses, and is listed first (its clients are the first to send); B interactive, C keeps
+    one stream waiting, D honest (mixed)."""
+    return [
+        OrgLoad("A", "sk-A", clients=8, max_tokens=500, use=lambda t: 50, stream=False),
+        OrgLoad("B", "sk-B", mode="open", interval=0.25, max_tokens=20, use=lambda t: 20, stream=True,
+                cls="interactive", backlogged=False),
+        OrgLoad("C", "sk-C", mode="keep_one", stream=True),
+        OrgLoad("D", "sk-D", clients=8, stream="mixed"),
+    ]
+
+
 def trained_low_orgs(switch: float) -> list[OrgLoad]:
     """The second case: four backlogged orgs declaring 400 tokens; A, B, C use all of them;
     D uses 10 until ``switch`` seconds into the run (its estimate learns "small"), then 400."""

@@ -9,10 +9,15 @@ requests, chat and completions, in both cases:
    B is interactive (a request every 0.25 s): each backlogged org (A, C, D) gets its fair
    share within 5 points, Jain's index >= 0.98, and D is never starved;
 2. org D trains its estimate low (uses 10 of its 400 tokens), then uses all 400: from then on
-   every org's share stays within 5 points of a quarter.
+   every org's share stays within 5 points of a quarter;
+3. org A sends plain requests declaring ``max_tokens`` 10 times what it uses and its clients
+   send first, on slower engines (a request's service takes longer than the warm-up): every
+   backlogged org gets its fair share within 5 points after the warm-up (issue 27: A filled
+   both engines alone, moving v by its estimates, and its refunds then put it that far below
+   everyone who had joined meanwhile).
 
-The runs are bounded (about 12 s and 16 s of load); nothing here is timed: the measures are
-shares of the work done, read at the engines.
+The runs are bounded (about 12 s, 16 s and 16 s of load); nothing here is timed: the measures
+are shares of the work done, read at the engines.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from delivered_workload import (
     jain,
     least_window_share,
     over_declared_orgs,
+    plain_over_declared_orgs,
     policy_text,
     run_workload,
     service,
@@ -93,3 +99,18 @@ def test_an_estimate_trained_low_buys_no_extra_service(tmp_path: Path) -> None:
     for org, s in shares(svc).items():
         assert abs(s - 0.25) <= 0.05, f"{org} got {s:.1%} of the delivered service after D's switch ({_report(svc)})"
     assert jain(list(svc.values())) >= 0.98, _report(svc)
+
+
+def test_an_over_declaring_org_that_sends_first_does_not_own_the_fleet(tmp_path: Path) -> None:
+    orgs = plain_over_declared_orgs()
+    seconds = 16.0
+    # slower engines: one of A's requests is 0.6 s of service on the fast engine, 1.2 s on the
+    # slow one, so the dispatches A made alone at the start weigh well past the warm-up
+    res, fleet = run_case(tmp_path, orgs, seconds, unit=0.01)
+    assert all(not e for e in res.errors.values()), res.errors
+    assert all(e.served > 0 for e in fleet.engines)
+    assert res.ok["B"] > 0
+    backlogged = [o.name for o in orgs if o.backlogged]
+    svc = service(res.log, backlogged, res.start + 2.0, res.start + seconds)
+    for org, s in shares(svc).items():
+        assert abs(s - 1 / 3) <= 0.05, f"{org} got {s:.1%} of the delivered service after the warm-up ({_report(svc)})"

@@ -57,6 +57,7 @@ from ..policy.charge import ChargeMode
 from ..policy.classify import Flow
 from ..policy.config import ClassSpec, Policy, PoolSpec
 from ..policy.limits import Slots, TokenBucket
+from ._floors import RefundFloors
 
 __all__ = ["Fits", "PolicyQueue", "Request", "SharedLimits", "WAITING", "RUNNING", "BACKOFF", "ENDED"]
 
@@ -307,6 +308,8 @@ class PolicyQueue:
         #: running request's charge after the core took it (cost units), so that the shared
         #: meter moves as this one does; ``None`` in memory
         self.on_charge: Callable[[Request, float], None] | None = None
+        #: how far refunds may take the meters of flows that set v alone (``_floors``)
+        self._floors = RefundFloors()
 
     def _flow_queue(self, f: Flow) -> _FlowQ:
         """The weighted flow's queue, made on first use (a flow of an org the file does not
@@ -710,8 +713,11 @@ class PolicyQueue:
         r.work_flow = None if self.charge is ChargeMode.SEED else fq.flow
         sched.work_started(r.work_flow)
         r.working = True
+        v, alone = sched.virtual_time, sched.waiting_flows == 1
         disp = sched.dispatch()
         assert disp is not None and disp.item is fq
+        if r.work_flow is not None and (self._floors or (alone and disp.start > v)):
+            self._floors.dispatched(r, disp.start, v, alone)  # how far its earlier work may be refunded
         fq.take(r)
         fq.token = None
         r.in_core = True
@@ -793,7 +799,10 @@ class PolicyQueue:
         """Correct the charge of the running request ``r`` to ``actual_cost`` (cost units: what
         it really cost, clamped by the caller); nothing in ``seed`` mode or for a fixed cost."""
         if r.in_core and not r.fixed and self.charge is not ChargeMode.SEED:
-            self._adjust(r, actual_cost - r.charged)
+            delta = actual_cost - r.charged
+            if delta < 0 and self._floors:  # not below a v its flow set alone on this charge (_floors)
+                delta = self._floors.refund(r, delta, self.sched)
+            self._adjust(r, delta)
 
     def _start(self, r: Request, b: _Backend, now: float, core: bool = False) -> Request:
         cls = r.flow.cls
@@ -877,6 +886,8 @@ class PolicyQueue:
         if r.working:  # after every correction: a flow with work in flight is adjusted exactly
             r.working = False
             self.sched.work_done(r.work_flow)
+            if self._floors and r.work_flow is not None:
+                self._floors.ended(r, self.sched)
         r.in_core = False
         self.shared.release(r.flow)
 
