@@ -274,3 +274,22 @@ async def test_both_ledgers_hold_the_same_meters(redis_server: RedisServer, pref
     assert mem["a"] != mem["b"] and mem["v"] > 0, mem
     for o in mem:
         assert abs(mem[o] - red[o]) <= 1e-3 * max(1.0, abs(mem[o])), (charge, mem, red)
+
+
+async def test_an_over_declaring_org_that_came_first_does_not_own_the_fleet(ledger: dict[str, Any]) -> None:
+    """``a`` declares 10x the output it uses and has the fleet alone for a moment: its charges
+    at dispatch set ``v`` for everyone who joins; the refunds at settlement must not take it
+    below that ``v`` (the refund floor), or it would win every turn until served that gap."""
+    orgs = {"a": 1.0, "b": 1.0, "c": 1.0}
+    async with Fleet(ledger, orgs, slots=4) as f:
+        t0 = time.monotonic()
+        end = t0 + 4.0
+
+        async def late(org: str, stream: bool) -> None:
+            await asyncio.sleep(0.3)
+            await f.flood(org, clients=4, until=end, use=40, max_tokens=40, stream=stream)
+
+        await asyncio.gather(f.flood("a", clients=8, until=end, use=40, max_tokens=2000, stream=False),
+                             late("b", True), late("c", False))
+        windows = [shares(f.engine.log, list(orgs), t, t + 0.75) for t in (t0 + 0.75, t0 + 1.5, t0 + 2.25, t0 + 3.0)]
+    assert max(w["a"] for w in windows) <= 1 / 3 + 0.15, (ledger["kind"], windows)

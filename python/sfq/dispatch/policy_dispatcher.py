@@ -225,6 +225,7 @@ class PolicyDispatcher:
             self.engine.defer_start = True  # a request starts when the shared state grants it
             for q in self.engine.queues.values():  # the engine's charges reach the shared meters
                 q.on_charge = state.charged
+                q.refund_floors = False  # the shared ledger applies them, in its global order
             state.on_evicted = self._evicted
 
     # ------------------------------------------------------------ lifecycle

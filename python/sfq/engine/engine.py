@@ -804,7 +804,7 @@ class PolicyEngine:
                 nbe = nq.backends[bname]
                 nbe.healthy, nbe.saturated, nbe.paused_until = be.healthy, be.saturated, be.paused_until
             nq.down_since = q.down_since  # a pool with no backend in rotation stays so
-            nq.on_charge = q.on_charge
+            nq.on_charge, nq.refund_floors = q.on_charge, q.refund_floors
             for cls, starts in q._starts.items():
                 if cls in nq._starts:
                     nq._starts[cls] = starts

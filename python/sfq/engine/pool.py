@@ -310,6 +310,9 @@ class PolicyQueue:
         self.on_charge: Callable[[Request, float], None] | None = None
         #: how far refunds may take the meters of flows that set v alone (``_floors``)
         self._floors = RefundFloors()
+        #: whether this queue applies the refund floors itself (``False`` when a shared ledger
+        #: applies them, with the order it decides: ``sfq.state``)
+        self.refund_floors = True
 
     def _flow_queue(self, f: Flow) -> _FlowQ:
         """The weighted flow's queue, made on first use (a flow of an org the file does not
@@ -716,7 +719,7 @@ class PolicyQueue:
         v, alone = sched.virtual_time, sched.waiting_flows == 1
         disp = sched.dispatch()
         assert disp is not None and disp.item is fq
-        if r.work_flow is not None and (self._floors or (alone and disp.start > v)):
+        if r.work_flow is not None and self.refund_floors and (self._floors or (alone and disp.start > v)):
             self._floors.dispatched(r, disp.start, v, alone)  # how far its earlier work may be refunded
         fq.take(r)
         fq.token = None

@@ -19,7 +19,8 @@ Keys (``P`` = the prefix):
   candidates (rank, then arrival); ``P cexp:<pool>`` every candidate's expiry; ``P
   cmeta:<pool>`` hash: what the order needs to know of each candidate (JSON).
 * ``P lease:flow:<pool>:<flow>`` sorted set: the flow's attempts running (the delivered-service
-  modes: a flow with work in flight keeps its meter when it rejoins).
+  modes: a flow with work in flight keeps its meter when it rejoins); ``P floor:<pool>`` hash
+  flow -> its refund floor (JSON), while it has one.
 * ``P queue:<pool>:<class>`` sorted set: the class's waiting requests (max_queue_length),
   each member ending with a tab and its org.
 * ``P rb:first|retry:<flow>`` sorted sets: the flow's first attempts and retries over the
@@ -114,6 +115,7 @@ local cexp, cmeta = P .. 'cexp:' .. pool, P .. 'cmeta:' .. pool
 local bl, sc = P .. 'bl:' .. pool, P .. 'scand:' .. pool
 local fink, vtk, fmk, fgk = P .. 'fin:' .. pool, P .. 'vt:' .. pool, P .. 'fmax:' .. pool, P .. 'fgroups:' .. pool
 local plk = P .. 'lease:pool:' .. pool
+local flo = P .. 'floor:' .. pool
 local LEAD = 2199023255552  -- 2**41 cost units: how far a refund may take a running flow below v
 local function has(x) return x ~= nil and x ~= cjson.null end
 local function cfk(flow) return P .. 'cf:' .. pool .. ':' .. flow end
@@ -151,8 +153,27 @@ local function idle()
   if redis.call('ZCARD', bl) == 0 and redis.call('ZCARD', sc) == 0 and count(plk) == 0 then
     local v, fm = getn(vtk), getn(fmk)
     if fm > v then redis.call('SET', vtk, fmt(fm)) end
-    redis.call('DEL', fink)
+    redis.call('DEL', fink, flo)
   end
+end
+-- the refund floors (the engine's sfq.engine._floors, docs/design.md 4): a flow whose grant set
+-- v while it alone was backlogged is not refunded, for the work it had in flight then, below
+-- that start tag plus what its attempts granted since were charged. {s, b (cost units of those
+-- that ended), i: member -> cost units charged}
+local function getfloor(flow)
+  local x = redis.call('HGET', flo, flow)
+  return x and cjson.decode(x)
+end
+local function putfloor(flow, fl)
+  fl.i['_'] = nil
+  if next(fl.i) == nil then
+    if count(flk(flow)) == 0 then
+      redis.call('HDEL', flo, flow)
+      return
+    end
+    fl.i['_'] = 0  -- (cjson writes an empty table as a list; '_' is no member)
+  end
+  redis.call('HSET', flo, flow, cjson.encode(fl))
 end
 local function decode(m)
   local meta = redis.call('HGET', cmeta, m)
@@ -171,8 +192,9 @@ for _, s in ipairs(stale) do unregister(s, decode(s)) end
 #: could go instead. A grant charges the flow ``cost / weight`` (the engine's charge at
 #: dispatch) and sets ``v`` to the flow's start tag, as the engine's core does.
 #: {pool, lease, pool_lim (or -1), rpm: [key, cap, rate] | null, tpm: [key, cap, rate] | null,
-#:  adj: [[flow, delta (cost units), weight], ...],
-#:  rel: [{m, keys: [lease keys], diff (a usage correction of the tokens bucket)}, ...],
+#:  adj: [[flow, delta (cost units), weight, member (the attempt)], ...],
+#:  rel: [{m, keys: [lease keys], diff (a usage correction of the tokens bucket),
+#:         flow (when it held a flow lease)}, ...],
 #:  c: [{m, flow, cost, w, wf (its work is the flow's: it holds a flow lease), strict (rank or -1),
 #:       backends: [[name, lim], ...], groups: [[key, lim], ...], tokens, q: [key, member] | null,
 #:       first: key | null (a first attempt: counted in its flow's retry-budget window)}
@@ -183,19 +205,37 @@ for _, s in ipairs(stale) do unregister(s, decode(s)) end
 ACQUIRE = _COMMON + _LEDGER + r"""
 -- the engine's corrections first (they happened while the attempts ran), then the releases
 for _, a in ipairs(A.adj or {}) do
-  local flow, d, w = a[1], a[2], a[3]
+  local flow, d, w, m = a[1], a[2], a[3], a[4]
   local v, S = getn(vtk), meter(flow)
+  local fl = getfloor(flow)
   local new
   if S and count(flk(flow)) > 0 then  -- work in flight: its meter (lag included) is its own
     new = math.max(S + d / w, v - LEAD)
+    if fl and d < 0 and fl.i[m] == nil then  -- a refund of work in flight when it set v alone
+      local sum = fl.b
+      for k, x in pairs(fl.i) do if k ~= '_' then sum = sum + x end end
+      new = math.max(new, math.min(S, fl.s + sum / w))
+    end
   else
     new = math.max(math.max(S or v, v) + d / w, v)
+  end
+  if fl and fl.i[m] ~= nil then
+    fl.i[m] = fl.i[m] + (new - (S or v)) * w
+    putfloor(flow, fl)
   end
   if S or new > v then setmeter(flow, new) end
 end
 local released = 0
 for _, r in ipairs(A.rel or {}) do
   for _, k in ipairs(r.keys) do redis.call('ZREM', k, r.m) end
+  local fl = has(r.flow) and getfloor(r.flow)
+  if fl then
+    if fl.i[r.m] ~= nil then
+      fl.b = fl.b + fl.i[r.m]
+      fl.i[r.m] = nil
+    end
+    putfloor(r.flow, fl)
+  end
   if has(A.tpm) and r.diff ~= 0 then
     bset(A.tpm[1], level(A.tpm[1], A.tpm[2], A.tpm[3]) - r.diff, A.tpm[2], A.tpm[3])
   end
@@ -323,10 +363,21 @@ while not stop do
         for _, g in ipairs(c.groups) do redis.call('ZADD', P .. 'lease:' .. g[1], exp, c.m) end
         if c.strict < 0 then
           -- the charge at dispatch: v moves to the flow's start tag, the meter by cost / weight
-          local S = meter(c.flow) or getn(vtk)
-          if S > getn(vtk) then redis.call('SET', vtk, fmt(S)) end
+          local v0 = getn(vtk)
+          local S = meter(c.flow) or v0
+          if S > v0 then redis.call('SET', vtk, fmt(S)) end
           setmeter(c.flow, S + c.cost / c.w)
-          if c.wf then redis.call('ZADD', flk(c.flow), exp, c.m) end
+          if c.wf then
+            redis.call('ZADD', flk(c.flow), exp, c.m)
+            local fl = getfloor(c.flow)
+            if S > v0 and redis.call('ZCARD', bl) == 1 then  -- it sets v alone
+              fl = {s = S, b = 0, i = {}}
+            end
+            if fl then
+              fl.i[c.m] = c.cost
+              putfloor(c.flow, fl)
+            end
+          end
         end
         if has(A.rpm) then
           bset(A.rpm[1], level(A.rpm[1], A.rpm[2], A.rpm[3]) - 1, A.rpm[2], A.rpm[3])

@@ -132,8 +132,8 @@ class RedisState(SharedState):
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._dirty: dict[str, bool] = {}
         self._releases: dict[str, list[dict[str, Any]]] = {}  # pool -> releases for the driver's next call
-        #: pool -> flow -> [cost units, weight]: the engine's corrections of granted attempts'
-        #: charges, summed per flow until the pool's next round trip carries them
+        #: pool -> member -> [flow, cost units, weight]: the engine's corrections of granted
+        #: attempts' charges, summed per attempt until the pool's next round trip carries them
         self._adj: dict[str, dict[str, list[float]]] = {}
         #: the delivered-service modes: a flow's running work keeps its meter (a flow lease)
         self._flow_work = policy.cost.charge != "seed"
@@ -709,17 +709,17 @@ class RedisState(SharedState):
         if a is None or not a.granted or self._closed:
             return
         per = self._adj.setdefault(a.pool, {})
-        x = per.get(a.flow)
+        x = per.get(a.member)
         if x is None:
-            per[a.flow] = [delta, a.payload["w"]]
+            per[a.member] = [a.flow, delta, a.payload["w"]]
         else:
-            x[0] += delta
+            x[1] += delta
         if not self._calls.get(a.pool):  # (a call in flight looks again when it answers)
             self._arm(a.pool, ADJUST_DELAY)  # streams' charges ride on one round trip a few ms later
 
     def _take_adj(self, pool: str) -> list[list[Any]]:
         per = self._adj.pop(pool, None)
-        return [[f, d, w] for f, (d, w) in per.items() if d] if per else []
+        return [[f, d, w, m] for m, (f, d, w) in per.items() if d] if per else []
 
     def _release(self, a: _Attempt, actual_tokens: float | None, r: Request) -> None:
         """Give the attempt's slots back, in the pool driver's next round trip (with the grants
@@ -729,7 +729,10 @@ class RedisState(SharedState):
             diff = float(actual_tokens) - r.tokens
         if self._closed:
             return
-        self._releases.setdefault(a.pool, []).append({"m": a.member, "keys": a.keys, "diff": diff})
+        rel = {"m": a.member, "keys": a.keys, "diff": diff}
+        if a.payload.get("wf"):
+            rel["flow"] = a.flow  # its flow's work in flight ends: the refund floor learns it
+        self._releases.setdefault(a.pool, []).append(rel)
         self._kick(a.pool)
 
     async def _withdraw(self, pool: str | None, q: list[str] | None, member: str = "") -> None:
