@@ -134,7 +134,7 @@ class RedisState(SharedState):
         self._releases: dict[str, list[dict[str, Any]]] = {}  # pool -> releases for the driver's next call
         #: pool -> member -> [flow, cost units, weight]: the engine's corrections of granted
         #: attempts' charges, summed per attempt until the pool's next round trip carries them
-        self._adj: dict[str, dict[str, list[float]]] = {}
+        self._adj: dict[str, dict[str, list[Any]]] = {}
         #: the delivered-service modes: a flow's running work keeps its meter (a flow lease)
         self._flow_work = policy.cost.charge != "seed"
         #: called with a request's id when another gateway's admission took its waiting place
