@@ -1,6 +1,6 @@
 """Helpers of the shared-state tests: a real ``redis-server`` on a free loopback port, a
 loopback upstream (in a thread) that counts how many requests it holds at once, and
-``sfq serve`` as real processes.
+``sfq serve`` as real processes (the processes: ``tests/support/processes.py``, re-exported).
 
 Every wait is bounded (:func:`wait_until`); nothing here measures time to pass or fail a test.
 """
@@ -8,74 +8,20 @@ Every wait is bounded (:func:`wait_until`); nothing here measures time to pass o
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import shutil
-import signal
-import socket
-import subprocess
 import sys
 import threading
-import time
-import urllib.error
-import urllib.request
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-LIMIT = 20.0  # seconds: the safety net of every wait (never a timing check)
-REDIS = shutil.which("redis-server") or (
-    "/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None)
+_TESTS = str(Path(__file__).resolve().parents[1])
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_until(cond: Callable[[], Any], what: str, limit: float = LIMIT) -> Any:
-    deadline = time.monotonic() + limit
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
-
-class RedisServer:
-    """``redis-server --port N --save "" --appendonly no`` (nothing persists: a restart is empty)."""
-
-    def __init__(self, port: int | None = None) -> None:
-        assert REDIS is not None
-        self.port = port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> RedisServer:
-        self.proc = subprocess.Popen([REDIS, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_until(self.ping, "redis-server to answer")
-        return self
-
-    def ping(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(LIMIT)
-        self.proc = None
+# the processes live in the shared support package (tests/support/processes.py); re-exported here
+from support.processes import LIMIT, REDIS, Gateway, RedisServer, free_port, wait_until  # noqa: E402,F401
 
 
 class Upstream:
@@ -184,58 +130,3 @@ orgs:
     keys: ["sk-b"]
     classes: [batch]
 {orgs_extra}{state}"""
-
-
-class Gateway:
-    """``python -m sfq serve`` on a free loopback port (its stderr collected)."""
-
-    def __init__(self, config: Path, *, wait: bool = True) -> None:
-        cmd = [sys.executable, "-m", "sfq", "serve", "--config", str(config), "--port", "0", "--grace", "2",
-               "--access-log", "off"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        self.err: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-        self.url = ""
-        if wait:
-            line = wait_until(lambda: next((x for x in self.err if "listening on http://" in x), None)
-                              or (self.proc.poll() is not None and "exited"), "the gateway to listen")
-            if line == "exited":
-                time.sleep(0.2)
-                raise RuntimeError(f"sfq serve exited with {self.proc.returncode}:\n{''.join(self.err)}")
-            self.url = line.split("listening on ")[1].split()[0]
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for raw in iter(self.proc.stderr.readline, b""):
-            self.err.append(raw.decode("utf-8", "replace"))
-
-    def post(self, key: str, prompt: str, timeout: float = LIMIT) -> tuple[int, dict[str, Any]]:
-        data = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 1}).encode()
-        req = urllib.request.Request(self.url + "/v1/completions", data=data, method="POST",
-                                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read() or b"{}")
-
-    def health(self) -> tuple[int, dict[str, Any]]:
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=LIMIT) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(LIMIT)
-
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(LIMIT)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(LIMIT)
-        return self.proc.returncode
