@@ -1,0 +1,115 @@
+"""A fleet is as fair as one engine (issue 27): real ``sfq serve`` processes (1, 2 or 3), one
+real ``redis-server`` shared by those with ``state: redis``, loopback engines that count every
+org's service as they deliver it (prompt + 2 x output tokens), the official ``openai`` client
+(``support.fleet``).
+
+Two workloads, each run once through one gateway keeping its state in memory (the reference)
+and through several gateways sharing Redis:
+
+* ``equal`` (issue 27's): four equal orgs, A plain answers of 200 tokens, B and C streams, D
+  mixed, all honest ``max_tokens``, plus an interactive org (a short stream every 0.25 s, not
+  backlogged); one engine;
+* ``weighted``: weights 2:1:1, A plain (weight 2), B streams and declares ``max_tokens`` 10x
+  what it uses, C mixed and honest, plus the interactive org; two engines of unequal speed
+  (2 and 1).
+
+=================================  ========  ============  =========  ========
+scenario                           gateways  routing       workload   engines
+=================================  ========  ============  =========  ========
+``equal-1``                        1         (memory)      equal      1
+``equal-1-redis``                  1         (redis)       equal      1
+``equal-2-alternating``            2         alternating   equal      1
+``equal-2-sticky``                 2         sticky        equal      1
+``weighted-1``                     1         (memory)      weighted   2
+``weighted-3-alternating``         3         alternating   weighted   2
+``weighted-3-sticky``              3         sticky        weighted   2
+=================================  ========  ============  =========  ========
+
+Alternating: each org's requests go round-robin over the gateways, per request. Sticky: each
+org always to one gateway (the orgs dealt over them in order: equal A, C -> 1 and B, D -> 2;
+weighted A -> 1, B -> 2, C -> 3).
+
+Asserted, after a 3 s warm-up, over 8 s of load: every backlogged org's share of the delivered
+service within 5 points of its weighted share; with more than one gateway (or Redis), within
+3 points of the share the same org got in the same workload's one-gateway run (both measured
+here, the reference once per module, cached); and every request got exactly one outcome
+(status 200, or an HTTP error with the gateway's message; none without an answer, none
+twice) while the engines served each completed request exactly once. The interactive org's
+time to first token is reported, not asserted: nothing here is timed.
+
+``SFQ_FLEET_REPORT=path.json`` writes every scenario's report there (the numbers of the run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from support.fleet import ALTERNATING, STICKY, Report, Scenario, issue27_orgs, run_scenario, weighted_orgs
+from support.processes import RedisServer
+
+WARMUP, SECONDS = 3.0, 8.0
+WITHIN_EXPECTED = 5.0  # points
+WITHIN_ONE_GATEWAY = 3.0  # points
+
+
+def _equal(name: str, gateways: int, routing: str = ALTERNATING, redis: bool | None = None) -> Scenario:
+    return Scenario(name, issue27_orgs(tokens=200, clients=4), gateways=gateways, routing=routing, redis=redis,
+                    speeds=(1.0,), warmup=WARMUP, seconds=SECONDS)
+
+
+def _weighted(name: str, gateways: int, routing: str = ALTERNATING) -> Scenario:
+    return Scenario(name, weighted_orgs(tokens=200, clients=5), gateways=gateways, routing=routing,
+                    speeds=(2.0, 1.0), warmup=WARMUP, seconds=SECONDS)
+
+
+SCENARIOS = {s.name: s for s in [
+    _equal("equal-1", 1),
+    _equal("equal-1-redis", 1, redis=True),
+    _equal("equal-2-alternating", 2, ALTERNATING),
+    _equal("equal-2-sticky", 2, STICKY),
+    _weighted("weighted-1", 1),
+    _weighted("weighted-3-alternating", 3, ALTERNATING),
+    _weighted("weighted-3-sticky", 3, STICKY),
+]}
+#: each scenario's reference: the same workload through one gateway in memory
+REFERENCE = {name: ("equal-1" if name.startswith("equal") else "weighted-1") for name in SCENARIOS}
+
+_reports: dict[str, Report] = {}
+
+
+def _report(name: str, request: pytest.FixtureRequest) -> Report:
+    if name not in _reports:
+        sc = SCENARIOS[name]
+        redis: RedisServer | None = request.getfixturevalue("redis_server") if sc.uses_redis else None
+        rep = _reports[name] = run_scenario(sc, redis=redis)
+        print("\n" + rep.summary())
+        out = os.environ.get("SFQ_FLEET_REPORT")
+        if out:
+            p = Path(out)
+            doc = json.loads(p.read_text()) if p.exists() else {}
+            doc[name] = rep.as_dict()
+            p.write_text(json.dumps(doc, indent=2) + "\n")
+    return _reports[name]
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_every_backlogged_org_gets_its_share(name: str, request: pytest.FixtureRequest) -> None:
+    rep = _report(name, request)
+    failed = [f"outcomes: {p}" for p in rep.outcome_problems()]
+    for org, share in rep.shares.items():
+        want = rep.expected[org]
+        if abs(share - want) * 100 > WITHIN_EXPECTED:
+            failed.append(f"{org} got {share:.1%} of the delivered service, its share is {want:.1%} "
+                          f"(more than {WITHIN_EXPECTED:g} points off)")
+    ref_name = REFERENCE[name]
+    if ref_name != name:
+        ref = _report(ref_name, request)
+        for org, share in rep.shares.items():
+            if abs(share - ref.shares[org]) * 100 > WITHIN_ONE_GATEWAY:
+                failed.append(f"{org} got {share:.1%} here and {ref.shares[org]:.1%} through one gateway "
+                              f"({ref_name}; more than {WITHIN_ONE_GATEWAY:g} points apart)")
+    assert sum(rep.completed.values()) > 0 and all(n > 0 for n in rep.engines_served), rep.summary()
+    assert not failed, "\n".join(failed) + "\n" + rep.summary()
