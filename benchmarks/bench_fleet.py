@@ -1,0 +1,184 @@
+"""A fleet is as fair as one engine (issue 27): the shares of delivered service through 1, 2
+and 4 ``sfq serve`` processes (alternating and sticky), side by side, with the added latency.
+
+The harness is ``tests/support/fleet.py`` (that of ``tests/fleet/test_fleet_fair.py``), run
+longer: loopback engines (``--speeds``, 4 requests at a time each) that count every org's
+service as they deliver it (prompt + 2 x output tokens), one real ``redis-server``, the
+gateways (one keeping its state in memory, the reference; the others with
+``state: {redis: ...}``), the official ``openai`` client. The workload is issue 27's: four
+equal orgs, A plain answers of ``--tokens`` tokens, B and C streams, D mixed, honest
+``max_tokens``, ``--clients`` closed-loop clients each; plus an interactive org I (a short
+stream every 0.25 s, not backlogged). Alternating: each org's requests round-robin over the
+gateways, per request; sticky: each org always to one gateway (A, B, C, D dealt in order; I
+with A).
+
+Reported per configuration, over ``--rounds`` rounds (the configurations interleaved within
+each round, so that a shared machine's load drifts over all of them alike):
+
+* each backlogged org's share of their delivered service after ``--warmup`` s (the mean over
+  the rounds), the largest deviation from the fair share in points (the worst round), Jain's
+  index (the worst round);
+* the interactive org's time to first token, p99 (per round, then the median of the rounds;
+  with ~40 requests a round the p99 is about the worst);
+* the added latency: one client, sequential one-token requests on the idle fleet, in pairs:
+  straight to an engine, then through a gateway (in turn); the median of the differences,
+  all rounds pooled.
+
+Run from the repository root (``redis-server`` installed: ``apt-get install redis-server``)::
+
+    python benchmarks/bench_fleet.py                       # ~4 minutes: 2 rounds of 6 configurations
+    python benchmarks/bench_fleet.py --rounds 3 --seconds 15
+    python benchmarks/bench_fleet.py --quick               # a smoke run (numbers not for quoting)
+
+Results go to ``benchmarks/results/fleet.json`` (not with ``--quick``) and a markdown table on
+stdout. Under pytest (CI's benchmark smoke run) ``test_bench_fleet_smoke`` runs a tiny version
+once, skipping when ``redis-server`` is missing; nothing is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT / "tests"))  # the fleet harness of the tests (tests/support)
+if not os.environ.get("PYTHONPATH"):
+    try:
+        import sfq  # noqa: F401
+    except ImportError:  # a checkout without an install: the child gateways need python/ too
+        os.environ["PYTHONPATH"] = str(ROOT / "python")
+
+from support.fleet import ALTERNATING, STICKY, Scenario, issue27_orgs, run_scenario  # noqa: E402
+from support.processes import REDIS, RedisServer  # noqa: E402
+
+#: (gateways, routing, state): the reference first
+CONFIGS = [(1, "-", "memory"), (1, "-", "redis"), (2, ALTERNATING, "redis"), (2, STICKY, "redis"),
+           (4, ALTERNATING, "redis"), (4, STICKY, "redis")]
+
+
+def _label(c: tuple[int, str, str]) -> str:
+    return f"{c[0]}-{c[1] if c[0] > 1 else 'one'}-{c[2]}"
+
+
+def run(configs: list[tuple[int, str, str]], *, rounds: int, warmup: float, seconds: float, tokens: int,
+        clients: int, speeds: tuple[float, ...], latency_requests: int) -> dict[str, Any]:
+    if any(c[2] == "redis" for c in configs) and REDIS is None:
+        raise RuntimeError("redis-server is not installed (Debian: apt-get install redis-server)")
+    redis = RedisServer().start() if REDIS is not None else None
+    runs: dict[str, list[dict[str, Any]]] = {_label(c): [] for c in configs}
+    try:
+        for r in range(rounds):
+            for c in configs:
+                gateways, routing, state = c
+                sc = Scenario(_label(c), issue27_orgs(tokens=tokens, clients=clients), gateways=gateways,
+                              routing=routing if gateways > 1 else ALTERNATING, redis=state == "redis",
+                              speeds=speeds, warmup=warmup, seconds=seconds)
+                rep = run_scenario(sc, redis=redis, latency_requests=latency_requests)
+                d = rep.as_dict()
+                d["round"] = r
+                runs[sc.name].append(d)
+                print(f"  round {r + 1}/{rounds} {rep.summary()}; added p50 "
+                      f"{statistics.median(d['added_latency']) * 1000:.2f} ms", flush=True)
+    finally:
+        if redis is not None:
+            redis.stop()
+    rows = []
+    for c in configs:
+        rs = runs[_label(c)]
+        orgs = list(rs[0]["shares"])
+        ttft = [x["ttft"]["I"]["p99"] for x in rs if x["ttft"].get("I", {}).get("n")]
+        added = [v for x in rs for v in x["added_latency"]]
+        rows.append({
+            "config": _label(c), "gateways": c[0], "routing": c[1], "state": c[2],
+            "shares": {k: round(statistics.fmean(x["shares"][k] for x in rs), 4) for k in orgs},
+            "expected": rs[0]["expected"],
+            "max_deviation_pts": max(x["deviation"] for x in rs),
+            "max_window_deviation_pts": max(x["window_deviation"] for x in rs),
+            "jain": min(x["jain"] for x in rs),
+            "ttft_p99_s": round(statistics.median(ttft), 4) if ttft else None,
+            "added_p50_ms": round(statistics.median(added) * 1000, 3) if added else None,
+            "completed": {k: sum(x["completed"][k] for x in rs) for k in rs[0]["completed"]},
+            "errors": sum(len(v) for x in rs for v in x["errors"].values()),
+            "outcome_problems": [p for x in rs for p in x["problems"]],
+        })
+    return {"rows": rows, "runs": runs}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| gateways | routing | state | shares A / B / C / D (fair 25%) | max dev (pts) | worst window (pts) "
+             "| Jain | I TTFT p99 (ms) | added p50 (ms) | completed | errors |",
+             "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        sh = " / ".join(f"{v:.1%}" for v in r["shares"].values())
+        tt = f"{r['ttft_p99_s'] * 1000:.0f}" if r["ttft_p99_s"] is not None else ""
+        ad = f"{r['added_p50_ms']:.2f}" if r["added_p50_ms"] is not None else ""
+        errs = r["errors"] + len(r["outcome_problems"])
+        lines.append(f"| {r['gateways']} | {r['routing']} | {r['state']} | {sh} | {r['max_deviation_pts']:.1f} | "
+                     f"{r['max_window_deviation_pts']:.1f} | {r['jain']:.4f} | {tt} | {ad} | "
+                     f"{sum(r['completed'].values())} | {errs} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=2, help="rounds, the configurations interleaved in each (2)")
+    ap.add_argument("--seconds", type=float, default=10.0, help="measured seconds per run, after the warm-up (10)")
+    ap.add_argument("--warmup", type=float, default=3.0, help="warm-up seconds per run (3)")
+    ap.add_argument("--tokens", type=int, default=400, help="output tokens per backlogged request (400)")
+    ap.add_argument("--clients", type=int, default=6, help="closed-loop clients per backlogged org (6)")
+    ap.add_argument("--speeds", default="2,1", help="the engines' speeds (2,1: two engines, one twice as fast)")
+    ap.add_argument("--latency-requests", type=int, default=100, help="request pairs for the added latency (100)")
+    ap.add_argument("--gateways", default="1,2,4", help="gateway counts to run (1,2,4)")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 1 round, short (not for quoting)")
+    ap.add_argument("--json", default=str(HERE / "results" / "fleet.json"))
+    a = ap.parse_args(argv)
+    wanted = {int(x) for x in a.gateways.split(",") if x}
+    configs = [c for c in CONFIGS if c[0] in wanted]
+    if a.quick:
+        a.rounds, a.seconds, a.warmup, a.latency_requests = 1, 2.0, 1.0, 10
+    speeds = tuple(float(x) for x in a.speeds.split(","))
+    load_before = os.getloadavg()
+    t0 = time.monotonic()
+    res = run(configs, rounds=a.rounds, warmup=a.warmup, seconds=a.seconds, tokens=a.tokens, clients=a.clients,
+              speeds=speeds, latency_requests=a.latency_requests)
+    import sfq
+
+    doc = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "core": sfq.CORE, "python": platform.python_version(),
+           "machine": platform.machine(), "cpus": os.cpu_count(), "loadavg_before": load_before,
+           "loadavg_after": os.getloadavg(), "wall_s": round(time.monotonic() - t0, 1), "quick": a.quick,
+           "rounds": a.rounds, "warmup": a.warmup, "seconds": a.seconds, "tokens": a.tokens, "clients": a.clients,
+           "engines": {"speeds": speeds, "slots": 4}, **res}
+    if not a.quick:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"\nload average before {load_before[0]:.2f}, after {doc['loadavg_after'][0]:.2f}; "
+          f"{a.rounds} round(s) of {a.warmup:g} + {a.seconds:g} s; engines {a.speeds}; wall {doc['wall_s']} s\n")
+    print(table(res["rows"]))
+    return 0
+
+
+def test_bench_fleet_smoke() -> None:
+    """A tiny version once (CI's benchmark smoke run): it runs and every request has one
+    outcome; nothing is timed, no share asserted."""
+    import pytest
+
+    pytest.importorskip("openai")
+    if REDIS is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    pytest.importorskip("redis")
+    res = run([(1, "-", "memory"), (2, ALTERNATING, "redis")], rounds=1, warmup=0.5, seconds=1.0, tokens=50,
+              clients=2, speeds=(1.0,), latency_requests=3)
+    assert [r["config"] for r in res["rows"]] == ["1-one-memory", "2-alternating-redis"]
+    assert all(sum(r["completed"].values()) > 0 and not r["outcome_problems"] for r in res["rows"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
