@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import math
 import tempfile
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -203,8 +204,6 @@ def outcome_problems(res: RunResult, fleet: Fleet) -> list[str]:
 async def _added_latency(direct: str, urls: Sequence[str], n: int) -> list[float]:
     """``n`` pairs of sequential one-token requests (one client, an idle fleet): straight to
     the engine, then through one of ``urls`` in turn; each pair's difference, seconds."""
-    import time
-
     import openai
 
     eng = openai.AsyncOpenAI(base_url=direct + "/v1", api_key="none", max_retries=0, timeout=20)
