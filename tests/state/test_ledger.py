@@ -12,80 +12,19 @@ meters are compared between them, and the shares are held to the same bounds.
 from __future__ import annotations
 
 import asyncio
-import re
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from aiohttp import web
 from state_helpers import LIMIT, RedisServer
+from support.workload import FakeEngine, service
+from support.workload import shares as share_of
 
 from sfq.dispatch import PolicyDispatcher
 from sfq.policy import Flow, parse_policy
 
 UNIT = 0.0004  # seconds of engine time per unit of service (one prompt token, half an output token)
-
-
-class CountingEngine:
-    """An OpenAI-compatible engine on the test's loop: a request of ``org=X use=N`` prefills its
-    prompt, then writes ``min(N, max_tokens)`` tokens, 4 at a time (a stream's events); the
-    service of each org is logged as it is delivered; usage is reported honestly."""
-
-    def __init__(self) -> None:
-        self.log: list[tuple[float, str, float]] = []
-        self.url = ""
-        self._runner: web.AppRunner | None = None
-
-    async def start(self) -> CountingEngine:
-        app = web.Application()
-        app.router.add_post("/v1/completions", self._complete)
-        app.router.add_get("/health", self._health)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
-        return self
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
-    async def _complete(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        prompt = str(body["prompt"])
-        m = re.match(r"org=(\S+) use=(\d+)", prompt)
-        assert m is not None
-        org, use = m.group(1), int(m.group(2))
-        n = min(use, int(body.get("max_tokens") or use))
-        p = max(1, len(prompt) // 4)
-        await asyncio.sleep(p * UNIT)
-        self.log.append((time.monotonic(), org, float(p)))
-        usage = {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
-        if not body.get("stream"):
-            for k in range(0, n, 4):
-                await asyncio.sleep(2 * min(4, n - k) * UNIT)
-                self.log.append((time.monotonic(), org, 2.0 * min(4, n - k)))
-            return web.json_response({"id": "x", "object": "text_completion", "created": 0, "model": "m",
-                                      "choices": [{"index": 0, "text": "tok " * n, "finish_reason": "stop"}],
-                                      "usage": usage})
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for k in range(0, n, 4):
-            j = min(4, n - k)
-            await asyncio.sleep(2 * j * UNIT)
-            self.log.append((time.monotonic(), org, 2.0 * j))
-            ev = {"id": "x", "object": "text_completion", "created": 0, "model": "m",
-                  "choices": [{"index": 0, "text": "tok " * j, "finish_reason": None}]}
-            await resp.write(b"data: " + web.json_response(ev).body + b"\n\n")  # type: ignore[operator]
-        await resp.write(b'data: {"id":"x","object":"text_completion","created":0,"model":"m","choices":[],'
-                         b'"usage":' + web.json_response(usage).body + b"}\n\n")  # type: ignore[operator]
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
 
 
 def _policy(url: str, orgs: dict[str, float], *, redis: str | None, prefix: str, slots: int = 2,
@@ -120,7 +59,9 @@ class Fleet:
 
     def __init__(self, ledger: dict[str, Any], orgs: dict[str, float], **kw: Any) -> None:
         self.ledger, self.orgs, self.kw = ledger, orgs, kw
-        self.engine = CountingEngine()
+        # on the test's own loop: it counts each org's service as it delivers it (the shares
+        # asserted), 4 output tokens an event
+        self.engine = FakeEngine("e", 1.0, slots=kw.get("slots", 2), unit=UNIT, chunk=4, log=[], done=[])
         self.pds: list[PolicyDispatcher] = []
 
     async def __aenter__(self) -> Fleet:
@@ -165,12 +106,8 @@ class Fleet:
 
 
 def shares(log: Sequence[tuple[float, str, float]], orgs: Sequence[str], t0: float, t1: float) -> dict[str, float]:
-    svc = dict.fromkeys(orgs, 0.0)
-    for t, o, u in log:
-        if t0 <= t < t1 and o in svc:
-            svc[o] += u
-    total = sum(svc.values()) or 1.0
-    return {o: svc[o] / total for o in orgs}
+    """Each org's share of the service the engine delivered in ``[t0, t1)``."""
+    return share_of(service(log, orgs, t0, t1))
 
 
 def expected(orgs: dict[str, float]) -> dict[str, float]:
