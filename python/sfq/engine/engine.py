@@ -684,7 +684,7 @@ class PolicyEngine:
         if not q.available and q.unavailable_timeout <= 0:
             self._end(r, "failed", "unavailable")
             return
-        q.push(r, check_length=False)
+        q.push(r)
         self.metrics.queued(tuple(r.flow))  # type: ignore[arg-type]
 
     def cancel(self, r: Request, *, work_tokens: float | None = None) -> None:
@@ -822,7 +822,7 @@ class PolicyEngine:
                 ended.append(r)
                 continue
             elif r.state == WAITING:
-                new.queues[r.flow.pool].push(r, check_length=False, queued_at=r.queued_at)
+                new.queues[r.flow.pool].push(r, queued_at=r.queued_at)
             new.live[r.id] = r
         return new, ended
 

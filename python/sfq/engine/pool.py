@@ -336,16 +336,6 @@ class PolicyQueue:
     def __len__(self) -> int:
         return sum(self.waiting_by_class.values())
 
-    def check_room(self, cls: str) -> None:
-        """Raise ``Refused("queue_full")`` (with an honest ``retry_after``) when the class's
-        ``max_queue_length`` is reached in this pool."""
-        spec = self.policy.classes[cls]
-        if spec.max_queue_length is None or self.waiting_by_class[cls] < spec.max_queue_length:
-            return
-        raise Refused("queue_full", f"class {cls!r} already has {self.waiting_by_class[cls]} requests waiting in "
-                                    f"pool {self.name!r} (max_queue_length {spec.max_queue_length})",
-                      retry_after=self.place_frees_in(cls))
-
     def make_room(self, flow: Flow) -> Request | None:
         """Where a request of ``flow`` may wait: ``None`` when its class has room in this pool;
         when the class is at its ``max_queue_length``, the waiting request that gives its place
@@ -415,11 +405,12 @@ class PolicyQueue:
             return d[0].queued_at if d else _INF
         return min((fq.oldest_arrival() for f, fq in self.flows.items() if f.cls == cls), default=_INF)
 
-    def push(self, r: Request, *, check_length: bool = True, queued_at: float | None = None) -> None:
-        """Queue ``r`` (state WAITING) in its flow. ``Refused("queue_full")`` when the class is
-        at its ``max_queue_length`` (``check_length=False`` for a retry of an accepted request);
-        ``ValueError`` when no backend of the pool could ever take it (``max_context``).
-        ``queued_at``: when it joined the queue (default now; a policy reload keeps its age)."""
+    def push(self, r: Request, *, queued_at: float | None = None) -> None:
+        """Queue ``r`` (state WAITING) in its flow again: an accepted request back for a retry,
+        or carried over by a policy reload, so its class's ``max_queue_length`` is not checked
+        (a new request's place is :meth:`make_room`'s). ``ValueError`` when no backend of the
+        pool could ever take it (``max_context``). ``queued_at``: when it joined the queue
+        (default now; a policy reload keeps its age)."""
         flow = r.flow
         if flow.pool != self.name:
             raise ValueError(f"request of pool {flow.pool!r} pushed to pool {self.name!r}")
@@ -431,8 +422,6 @@ class PolicyQueue:
                              f"{self.name!r} takes ({self.largest_context:.0f})")
         if not (math.isfinite(r.cost) and r.cost > 0):
             raise ValueError(f"cost must be a finite number > 0, got {r.cost!r}")
-        if check_length:
-            self.check_room(flow.cls)
         self.queue_new(r, self.clock() if queued_at is None else queued_at, spec)
 
     def queue_new(self, r: Request, now: float, spec: ClassSpec | None = None) -> None:
