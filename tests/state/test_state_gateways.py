@@ -9,6 +9,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from state_helpers import LIMIT, Gateway, RedisServer, Upstream, free_port, policy_yaml, wait_until
@@ -183,3 +184,80 @@ def test_a_flow_gets_its_share_whichever_gateways_its_requests_reach(
     assert _fire(jobs) == [200] * (2 * n)
     window = upstream.order[start:][4:4 + 24]
     assert 12 - 4 <= window.count("sk-a") <= 12 + 4, upstream.order[start:]
+
+
+def _metric(g: Gateway, name: str, *labels: str) -> float:
+    """The sum of the gateway's ``name`` series whose labels include every one of ``labels``."""
+    import urllib.request
+
+    with urllib.request.urlopen(g.url + "/metrics", timeout=LIMIT) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and all(x in line for x in labels))
+
+
+def _waiting(g: Gateway, org: str) -> float:
+    """The gateway's own count of ``org``'s requests waiting (``sfq_queue_length``)."""
+    return _metric(g, "sfq_queue_length", f'org="{org}"')
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_queue_space_is_shared_fairly_through_real_gateways(redis_server: RedisServer, tmp_path: Path, prefix: str,
+                                                            gateways: list[Gateway], n: int):
+    """team-a fills its class's queue (one gateway; or, with two sharing Redis, team-a on one
+    and team-b on the other): team-b, with nothing waiting, is not refused because of team-a's
+    requests; team-a's newest waiting request gives its place up (429 ``queue_full``, with
+    Retry-After), and a newcomer of team-a, which holds the most, is refused. Every request
+    gets one answer, seen by the official openai client."""
+    openai = pytest.importorskip("openai")
+    up = Upstream(delay=0.0).start()
+    try:
+        p = tmp_path / "p.yaml"
+        text = policy_yaml(up.url, redis_server.url if n == 2 else None, pool_limit=1, prefix=prefix)
+        p.write_text(text.replace("batch: {weight: 1, max_queue_age_seconds: 60}",
+                                  "batch: {weight: 1, max_queue_age_seconds: 60, max_queue_length: 3}"))
+        gs = [Gateway(p) for _ in range(n)]
+        gateways += gs
+        ga, gb = gs[0], gs[-1]
+        up.hold = True
+        out: dict[str, Any] = {}
+
+        def send(g: Gateway, key: str, name: str) -> None:
+            c = openai.OpenAI(base_url=g.url + "/v1", api_key=key, max_retries=0, timeout=LIMIT * 2)
+            try:
+                c.completions.create(model="m", prompt=f"{key} {name}", max_tokens=1)
+                out[name] = 200
+            except openai.APIStatusError as exc:
+                out[name] = (exc.status_code, (exc.body or {}).get("code"), exc.response.headers.get("retry-after"),
+                             exc.message)
+
+        threads = []
+
+        def go(g: Gateway, key: str, name: str) -> None:
+            t = threading.Thread(target=send, args=(g, key, name))
+            t.start()
+            threads.append(t)
+
+        go(ga, "sk-a", "a0")
+        wait_until(lambda: up.now == 1, "team-a's first request to run")
+        for i in (1, 2, 3):  # team-a fills the queue (3 places), one at a time
+            go(ga, "sk-a", f"a{i}")
+            wait_until(lambda: _waiting(ga, "team-a") == i, f"team-a's request {i} to wait")
+        send(ga, "sk-a", "a4")  # team-a holds the most: refused at once, nobody loses a place
+        assert out["a4"][:2] == (429, "queue_full") and out["a4"][2] is not None, out["a4"]
+        go(gb, "sk-b", "b0")  # team-b has nothing waiting: it gets a place, team-a's newest gives it up
+        wait_until(lambda: "a3" in out, "team-a's newest waiting request to be answered")
+        assert out["a3"][:2] == (429, "queue_full") and out["a3"][2] is not None, out["a3"]
+        assert "went to another org" in out["a3"][3], out["a3"]
+        up.release()
+        for t in threads:
+            t.join(LIMIT * 2)
+        assert {k: out[k] for k in ("a0", "a1", "a2", "b0")} == dict.fromkeys(("a0", "a1", "a2", "b0"), 200), out
+        assert up.served["sk-a"] == 3 and up.served["sk-b"] == 1  # the refused ones never reached it
+        # the gateways count each request once, as the client and the upstream saw it
+        count = {o: sum(_metric(g, "sfq_requests_total", 'org="team-a"', f'outcome="{o}"') for g in gs)
+                 for o in ("completed", "refused")}
+        assert count == {"completed": 3.0, "refused": 2.0}, count
+    finally:
+        up.release()
+        up.stop()
