@@ -29,6 +29,9 @@ Run from the repository root (``redis-server`` installed: ``apt-get install redi
     python benchmarks/bench_fleet.py                       # ~4 minutes: 2 rounds of 6 configurations
     python benchmarks/bench_fleet.py --rounds 3 --seconds 15
     python benchmarks/bench_fleet.py --quick               # a smoke run (numbers not for quoting)
+    # issue 27's targets: A over-declaring 10x, engines of 10 and 25 ms a step, 15-s windows after 10 s
+    python benchmarks/bench_fleet.py --workload over --speeds 2.5,1 --warmup 10 --window 15 --seconds 30 --rounds 1
+    python benchmarks/bench_fleet.py --workload weighted --gateways 1,2   # 2:1:1, A on one gateway, B and C on another
 
 Results go to ``benchmarks/results/fleet.json`` (not with ``--quick``) and a markdown table on
 stdout. Under pytest (CI's benchmark smoke run) ``test_bench_fleet_smoke`` runs a tiny version
@@ -56,7 +59,8 @@ if not os.environ.get("PYTHONPATH"):
     except ImportError:  # a checkout without an install: the child gateways need python/ too
         os.environ["PYTHONPATH"] = str(ROOT / "python")
 
-from support.fleet import ALTERNATING, STICKY, Scenario, issue27_orgs, run_scenario  # noqa: E402
+from support.fleet import (ALTERNATING, STICKY, Scenario, issue27_orgs, over_declared_first_orgs,  # noqa: E402
+                           run_scenario, weighted_orgs)
 from support.processes import REDIS, RedisServer  # noqa: E402
 
 #: (gateways, routing, state): the reference first
@@ -64,12 +68,25 @@ CONFIGS = [(1, "-", "memory"), (1, "-", "redis"), (2, ALTERNATING, "redis"), (2,
            (4, ALTERNATING, "redis"), (4, STICKY, "redis")]
 
 
+#: the workloads (``--workload``): the orgs, and for sticky routing which gateway each reaches
+WORKLOADS: dict[str, Any] = {
+    # four equal orgs: A plain, B and C streamed, D mixed, honest max_tokens
+    "issue27": (lambda tokens, clients: issue27_orgs(tokens=tokens, clients=clients), None),
+    # the same, A declaring 10x the output it uses (plain requests charged their estimate)
+    "over": (lambda tokens, clients: over_declared_first_orgs(tokens=tokens, clients=clients), None),
+    # weights A:B:C = 2:1:1, B over-declared; sticky: A reaches only the first gateway, B and C the second
+    "weighted": (lambda tokens, clients: weighted_orgs(tokens=tokens, clients=clients), {"A": 0, "B": 1, "C": 1}),
+}
+
+
 def _label(c: tuple[int, str, str]) -> str:
     return f"{c[0]}-{c[1] if c[0] > 1 else 'one'}-{c[2]}"
 
 
 def run(configs: list[tuple[int, str, str]], *, rounds: int, warmup: float, seconds: float, tokens: int,
-        clients: int, speeds: tuple[float, ...], latency_requests: int) -> dict[str, Any]:
+        clients: int, speeds: tuple[float, ...], latency_requests: int, workload: str = "issue27",
+        window: float = 2.0) -> dict[str, Any]:
+    make, sticky = WORKLOADS[workload]
     if any(c[2] == "redis" for c in configs) and REDIS is None:
         raise RuntimeError("redis-server is not installed (Debian: apt-get install redis-server)")
     redis = RedisServer().start() if REDIS is not None else None
@@ -78,9 +95,9 @@ def run(configs: list[tuple[int, str, str]], *, rounds: int, warmup: float, seco
         for r in range(rounds):
             for c in configs:
                 gateways, routing, state = c
-                sc = Scenario(_label(c), issue27_orgs(tokens=tokens, clients=clients), gateways=gateways,
+                sc = Scenario(_label(c), make(tokens, clients), gateways=gateways,
                               routing=routing if gateways > 1 else ALTERNATING, redis=state == "redis",
-                              speeds=speeds, warmup=warmup, seconds=seconds)
+                              sticky=sticky, speeds=speeds, warmup=warmup, seconds=seconds, window=window)
                 rep = run_scenario(sc, redis=redis, latency_requests=latency_requests)
                 d = rep.as_dict()
                 d["round"] = r
@@ -113,7 +130,8 @@ def run(configs: list[tuple[int, str, str]], *, rounds: int, warmup: float, seco
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| gateways | routing | state | shares A / B / C / D (fair 25%) | max dev (pts) | worst window (pts) "
+    lines = ["| gateways | routing | state | shares (fair: " + " / ".join(
+                 f"{v:.0%}" for v in rows[0]["expected"].values()) + ") | max dev (pts) | worst window (pts) "
              "| Jain | I TTFT p99 (ms) | added p50 (ms) | completed | errors |",
              "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -138,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--latency-requests", type=int, default=100, help="request pairs for the added latency (100)")
     ap.add_argument("--gateways", default="1,2,4", help="gateway counts to run (1,2,4)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 1 round, short (not for quoting)")
-    ap.add_argument("--json", default=str(HERE / "results" / "fleet.json"))
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="issue27",
+                    help="issue27 (default): four equal orgs, honest; over: A declares 10x; weighted: 2:1:1")
+    ap.add_argument("--window", type=float, default=2.0, help="seconds per window of the worst-window figure (2)")
+    ap.add_argument("--json", default=None, help="results/fleet.json (fleet-WORKLOAD.json for another workload)")
     a = ap.parse_args(argv)
     wanted = {int(x) for x in a.gateways.split(",") if x}
     configs = [c for c in CONFIGS if c[0] in wanted]
@@ -148,12 +169,15 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     t0 = time.monotonic()
     res = run(configs, rounds=a.rounds, warmup=a.warmup, seconds=a.seconds, tokens=a.tokens, clients=a.clients,
-              speeds=speeds, latency_requests=a.latency_requests)
+              speeds=speeds, latency_requests=a.latency_requests, workload=a.workload, window=a.window)
+    if a.json is None:
+        a.json = str(HERE / "results" / ("fleet.json" if a.workload == "issue27" else f"fleet-{a.workload}.json"))
     import sfq
 
     doc = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "core": sfq.CORE, "python": platform.python_version(),
            "machine": platform.machine(), "cpus": os.cpu_count(), "loadavg_before": load_before,
            "loadavg_after": os.getloadavg(), "wall_s": round(time.monotonic() - t0, 1), "quick": a.quick,
+           "workload": a.workload, "window": a.window, "command": " ".join(sys.argv),
            "rounds": a.rounds, "warmup": a.warmup, "seconds": a.seconds, "tokens": a.tokens, "clients": a.clients,
            "engines": {"speeds": speeds, "slots": 4}, **res}
     if not a.quick:

@@ -301,6 +301,15 @@ def issue27_orgs(tokens: int = 200, clients: int = 4, over: bool = False) -> lis
     ]
 
 
+def over_declared_first_orgs(tokens: int = 200, clients: int = 4) -> list[OrgLoad]:
+    """Issue 27's several-backends case: A sends plain requests declaring ``max_tokens`` 10x
+    what it uses, B and C stream, D mixed, honest; plus the interactive org."""
+    return [
+        OrgLoad("A", "sk-A", clients=clients, max_tokens=tokens * 10, use=lambda t: tokens, stream=False),
+        *issue27_orgs(tokens=tokens, clients=clients)[1:],
+    ]
+
+
 def weighted_orgs(tokens: int = 200, clients: int = 5) -> list[OrgLoad]:
     """Weights 2:1:1: A (weight 2) plain; B streams and declares ``max_tokens`` 10x what it
     uses (over-declared); C mixed, honest; plus the interactive org."""
