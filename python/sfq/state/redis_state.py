@@ -58,7 +58,7 @@ MAX_CALLS = 2
 #: seconds between probes while Redis cannot be reached
 PROBE = 0.25
 #: seconds a correction of a meter (a stream's delivered tokens) waits for a round trip to ride on
-ADJUST_DELAY = 0.01
+ADJUST_DELAY = 0.05
 
 
 #: why a request that waited was refused after all (another org's admission took its place)
@@ -607,8 +607,10 @@ class RedisState(SharedState):
                 assert att.request is not None
                 self._granted(att.request, att, backend)
                 att.fut.set_result(backend)
-        if self._dirty.get(pool) or releases or self._adj.get(pool):
+        if self._dirty.get(pool) or releases:
             self._kick(pool)
+        elif self._adj.get(pool):  # corrections alone wait for company, ADJUST_DELAY at most
+            self._arm(pool, ADJUST_DELAY)
         if pending:
             self._arm(pool, wait)
 
@@ -714,8 +716,7 @@ class RedisState(SharedState):
             per[a.member] = [a.flow, delta, a.payload["w"]]
         else:
             x[1] += delta
-        if not self._calls.get(a.pool):  # (a call in flight looks again when it answers)
-            self._arm(a.pool, ADJUST_DELAY)  # streams' charges ride on one round trip a few ms later
+        self._arm(a.pool, ADJUST_DELAY)  # a stream's charges ride on a round trip at most this much later
 
     def _take_adj(self, pool: str) -> list[list[Any]]:
         per = self._adj.pop(pool, None)
