@@ -12,9 +12,12 @@ one round trip) grants it only when
   token buckets allow it (refilled on Redis's time), and
 * no candidate ahead of it in the global order could go instead: strict classes first (in
   the file's order, first come first served), then the weighted flows by SFQ start tag
-  (Goyal, Vin and Cheng, 1996): a candidate's tag is ``max(v, F)`` of its flow's meter ``F``
-  and the pool's virtual time ``v``, both in Redis, so the next free slot goes to the flow
-  with the smallest meter whichever gateway holds it.
+  (Goyal, Vin and Cheng, 1996), the tag being the flow's meter in the engine's ledger, which
+  Redis holds for every gateway (docs/design.md, "The ledger"): a flow rejoins at ``max(S,
+  v)``, a grant charges the engine's charge at dispatch, and every correction the engine
+  makes afterwards (:meth:`RedisState.charged`: a stream's delivered tokens, the settlement,
+  a refund, within the refund floor) moves the same meter. Redis applies no rule of its own,
+  so the next free slot goes to the flow with the smallest meter whichever gateway holds it.
 
 A denied candidate waits for a release (Redis pub/sub) or a short bounded poll. A gateway
 that dies stops renewing: its leases and candidates expire within ``lease_seconds``. While
