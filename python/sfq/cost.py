@@ -277,6 +277,13 @@ class CostEstimator:
             return m.output / m.cap
         return self.prior_ratio
 
+    def calibrated(self, model: str, flow: Hashable) -> bool:
+        """Whether ``flow``'s own output ratio prices its requests for ``model`` (it has
+        ``min_flow_samples`` usage reports); otherwise its estimates are a guess (the model's
+        ratio, or the prior) that its refunds may correct by much."""
+        f = self._flows.get((model, flow))
+        return f is not None and f.n_out >= self.min_flow_samples and f.cap > 0
+
     def chars_per_token_of(self, model: str) -> float:
         """The characters-per-token ratio used now for ``model``'s estimated prompts."""
         m = self._models.get(model)

@@ -227,6 +227,7 @@ class PolicyDispatcher:
                 q.on_charge = state.charged
                 q.refund_floors = False  # the shared ledger applies them, in its global order
             state.on_evicted = self._evicted
+            state.estimator = self.estimator  # the refund floor's "a guess" is the engine's
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:

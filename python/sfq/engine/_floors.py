@@ -20,7 +20,10 @@ the start tag it set, plus whatever the flow has been charged since. Charges can
 up. Nothing is kept from refunds when another flow was competing at the dispatch: the
 flow's high estimates then cost it turns that went to that flow, and the refunds make up
 for them. Requests dispatched later are settled as before. The record is dropped once the
-flow has no work left in flight. (docs/design.md §4.)
+flow has no work left in flight. Only a dispatch whose charge is a guess sets a floor
+(``pool.guessed``: an estimate its flow's own calibration did not price): a calibrated
+flow's refunds are its estimate's noise, and holding them back would overcharge it each time
+it happened to be alone. (docs/design.md §4.)
 """
 
 from __future__ import annotations

@@ -174,6 +174,14 @@ class SharedLimits:
                     q._group_free(g)
 
 
+def guessed(r: Request, estimator: CostEstimator) -> bool:
+    """Whether ``r``'s charge at dispatch is a guess its settlement may correct by much: an
+    estimate not priced by its flow's own calibration (the model's ratio, or the prior). A
+    flow that sets ``v`` alone on such charges gets a refund floor (``_floors``)."""
+    e = r.est
+    return e is not None and not r.fixed and not estimator.calibrated(e.model, r.flow)
+
+
 #: the driver's check that a backend (by name) can take a request now (``PolicyQueue.pop``)
 Fits = Callable[["Request", str], bool]
 
@@ -705,7 +713,8 @@ class PolicyQueue:
         r.work_flow = None if self.charge is ChargeMode.SEED else fq.flow
         sched.work_started(r.work_flow)
         r.working = True
-        v, alone = sched.virtual_time, sched.waiting_flows == 1
+        # a flow alone whose charge is a guess (not its own calibration) sets v: its refunds get a floor
+        v, alone = sched.virtual_time, sched.waiting_flows == 1 and self._guessed(r)
         disp = sched.dispatch()
         assert disp is not None and disp.item is fq
         if r.work_flow is not None and self.refund_floors and (self._floors or (alone and disp.start > v)):
@@ -747,6 +756,9 @@ class PolicyQueue:
             cost = e.cost
         r.cost = cost
         return cost
+
+    def _guessed(self, r: Request) -> bool:
+        return guessed(r, self.estimator)
 
     def _adjust(self, r: Request, delta: float) -> None:
         """Move the meter of ``r``'s flow by ``delta`` cost units (a charge mode's correction)."""

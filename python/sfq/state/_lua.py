@@ -195,7 +195,8 @@ for _, s in ipairs(stale) do unregister(s, decode(s)) end
 #:  adj: [[flow, delta (cost units), weight, member (the attempt)], ...],
 #:  rel: [{m, keys: [lease keys], diff (a usage correction of the tokens bucket),
 #:         flow (when it held a flow lease)}, ...],
-#:  c: [{m, flow, cost, w, wf (its work is the flow's: it holds a flow lease), strict (rank or -1),
+#:  c: [{m, flow, cost, w, wf (its work is the flow's: it holds a flow lease), guess (its cost is an
+#:       estimate its flow's own calibration did not price), strict (rank or -1),
 #:       backends: [[name, lim], ...], groups: [[key, lim], ...], tokens, q: [key, member] | null,
 #:       first: key | null (a first attempt: counted in its flow's retry-budget window)}
 #:       or just {m} for a candidate registered by an earlier call, ...]}
@@ -370,7 +371,7 @@ while not stop do
           if c.wf then
             redis.call('ZADD', flk(c.flow), exp, c.m)
             local fl = getfloor(c.flow)
-            if S > v0 and redis.call('ZCARD', bl) == 1 then  -- it sets v alone
+            if c.guess and S > v0 and redis.call('ZCARD', bl) == 1 then  -- it sets v alone, on a guess
               fl = {s = S, b = 0, i = {}}
             end
             if fl then

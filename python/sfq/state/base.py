@@ -72,6 +72,8 @@ class SharedState:
     #: called with a request's id when the shared admission gave its waiting place to another
     #: org's request (set by the dispatcher)
     on_evicted: Any = None
+    #: the engine's ``CostEstimator`` (set by the dispatcher)
+    estimator: Any = None
 
     async def start(self) -> None:
         """Connect (a store that cannot be reached yet is retried in the background)."""

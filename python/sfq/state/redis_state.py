@@ -44,7 +44,8 @@ from typing import Any
 from ..errors import PolicyError, Refused
 from ..policy.classify import Flow, unknown_org
 from ..policy.config import OrgSpec, Policy, StateSpec
-from ..engine.pool import Request
+from ..cost import CostEstimator
+from ..engine.pool import Request, guessed
 from . import _lua
 from .base import SharedState, Ticket
 
@@ -143,6 +144,8 @@ class RedisState(SharedState):
         #: called with a request's id when another gateway's admission took its waiting place
         #: (the org holding the most places loses one): the driver ends it (``queue_full``)
         self.on_evicted: Callable[[int], None] | None = None
+        #: the engine's estimator (set by the dispatcher): whether a charge is a guess (``guessed``)
+        self.estimator: CostEstimator | None = None
         self._queued: dict[int, tuple[str, str]] = {}  # request id -> (queue key, member)
         self._retrying: dict[int, tuple[str, str]] = {}  # request id -> (outstanding retries key, member)
         self._budgeted = policy.retry.max_attempts > 1 and policy.retry.budget_per_flow_percent < 100
@@ -490,6 +493,8 @@ class RedisState(SharedState):
         q = self._queued.get(r.id)
         return {"m": a.member, "flow": f"{flow.org}\t{flow.cls}", "cost": r.cost,
                 "w": pol.flow_weight(flow.org, flow.cls), "wf": self._flow_work and not cls.strict,
+                "guess": self._flow_work and not cls.strict and self.estimator is not None
+                and guessed(r, self.estimator),
                 "strict": pol.strict_classes.index(flow.cls) if cls.strict else -1,
                 "backends": [[n, int(lm)] for n, lm in backends], "groups": groups, "tokens": r.tokens,
                 "q": None if q is None else list(q),
