@@ -277,12 +277,15 @@ class CostEstimator:
             return m.output / m.cap
         return self.prior_ratio
 
-    def calibrated(self, model: str, flow: Hashable) -> bool:
-        """Whether ``flow``'s own output ratio prices its requests for ``model`` (it has
-        ``min_flow_samples`` usage reports); otherwise its estimates are a guess (the model's
-        ratio, or the prior) that its refunds may correct by much."""
+    def on_prior(self, model: str, flow: Hashable) -> bool:
+        """Whether ``flow``'s requests for ``model`` are priced at the prior ratio: neither the
+        flow (``min_flow_samples`` usage reports) nor the model (``min_model_samples``) has
+        calibrated an output ratio yet, so an estimate is ``max_tokens`` at face value."""
         f = self._flows.get((model, flow))
-        return f is not None and f.n_out >= self.min_flow_samples and f.cap > 0
+        if f is not None and f.n_out >= self.min_flow_samples and f.cap > 0:
+            return False
+        m = self._models.get(model)
+        return not (m is not None and m.n_out >= self.min_model_samples and m.cap > 0)
 
     def chars_per_token_of(self, model: str) -> float:
         """The characters-per-token ratio used now for ``model``'s estimated prompts."""

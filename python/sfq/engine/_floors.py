@@ -21,9 +21,10 @@ up. Nothing is kept from refunds when another flow was competing at the dispatch
 flow's high estimates then cost it turns that went to that flow, and the refunds make up
 for them. Requests dispatched later are settled as before. The record is dropped once the
 flow has no work left in flight. Only a dispatch whose charge is a guess sets a floor
-(``pool.guessed``: an estimate its flow's own calibration did not price): a calibrated
-flow's refunds are its estimate's noise, and holding them back would overcharge it each time
-it happened to be alone. (docs/design.md §4.)
+(``pool.guessed``: an estimate at the prior ratio, before any usage report calibrated the
+flow or its model): once estimates are calibrated, refunds are their noise, and holding them
+back overcharged a flow each time it happened to be alone while the others' work ran (they
+keep their lower meters; docs/design.md §4). (docs/design.md §4.)
 """
 
 from __future__ import annotations

@@ -176,10 +176,11 @@ class SharedLimits:
 
 def guessed(r: Request, estimator: CostEstimator) -> bool:
     """Whether ``r``'s charge at dispatch is a guess its settlement may correct by much: an
-    estimate not priced by its flow's own calibration (the model's ratio, or the prior). A
-    flow that sets ``v`` alone on such charges gets a refund floor (``_floors``)."""
+    estimate at the prior ratio (no usage report has calibrated its flow or its model yet, as
+    on a fleet that just started). A flow that sets ``v`` alone on such charges gets a refund
+    floor (``_floors``)."""
     e = r.est
-    return e is not None and not r.fixed and not estimator.calibrated(e.model, r.flow)
+    return e is not None and not r.fixed and estimator.on_prior(e.model, r.flow)
 
 
 #: the driver's check that a backend (by name) can take a request now (``PolicyQueue.pop``)
@@ -713,7 +714,7 @@ class PolicyQueue:
         r.work_flow = None if self.charge is ChargeMode.SEED else fq.flow
         sched.work_started(r.work_flow)
         r.working = True
-        # a flow alone whose charge is a guess (not its own calibration) sets v: its refunds get a floor
+        # a flow alone whose charge is a guess (the prior's) sets v: its refunds get a floor
         v, alone = sched.virtual_time, sched.waiting_flows == 1 and self._guessed(r)
         disp = sched.dispatch()
         assert disp is not None and disp.item is fq
