@@ -18,6 +18,8 @@ Errors in the arguments of the scheduler core itself are the builtin ``ValueErro
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 __all__ = [
@@ -163,7 +165,8 @@ class BackendHTTPError(BackendError):
     headers; ``retry_after``: its ``Retry-After`` in seconds, or ``None``). The failure is the
     request's: a 5xx counts towards the backend's error rate (``unhealthy`` is True), a 4xx
     does not. Answered 502 (``upstream_error``), or 503 (``upstream_unavailable``) when the
-    backend itself answered 503."""
+    backend itself answered 503. A 4xx other than 401, 403, 407 and 429 is the client's to fix
+    (:attr:`client_fault`): answered with the upstream's status and error object, redacted."""
 
     marks_unhealthy = False
     _client = "a backend answered with an error"
@@ -176,6 +179,69 @@ class BackendHTTPError(BackendError):
         if self.status == 503 and not isinstance(self, BackendRateLimited):
             self.http_status = 503
             self.error_code = "upstream_unavailable"
+        elif self.client_fault:
+            self.http_status = self.status  # type: ignore[assignment]
+            self.error_type = "invalid_request_error"
+
+    @property
+    def client_fault(self) -> bool:
+        """An upstream 4xx other than 401, 403, 407 and 429 (a context-length error, an unknown
+        parameter): the client's to fix, so a gateway answers it with the upstream's status and
+        error object (:meth:`to_openai`, secrets redacted)."""
+        s = self.status
+        return s is not None and 400 <= s < 500 and s not in _NOT_PASSED
+
+    def to_openai(self) -> dict[str, Any]:
+        if not self.client_fault:
+            return super().to_openai()
+        up = _upstream_error(self.body)
+        return {"error": {"message": up.get("message") or f"the backend refused the request (HTTP {self.status})",
+                          "type": up.get("type", self.error_type), "code": up.get("code", self.error_code),
+                          "param": up.get("param")}}
+
+
+#: upstream 4xx statuses that are the gateway's (its own key, its proxy, its rate), not the client's
+_NOT_PASSED = frozenset((401, 403, 407, 429))
+#: what is redacted from an upstream's error message before a client sees it: bearer and API
+#: keys (``sk-...``, ``hf_...``, ``Bearer ...``, ``api_key=...``) and URLs (internal addresses)
+_SECRET = re.compile(r"(?i)\bbearer\s+\S+|\b(?:sk|rk|pk|hf|key|gsk|xai)[-_][A-Za-z0-9_\-]{6,}"
+                     r"|\b(?:api[_-]?key|token|secret|password)\s*[=:]\s*\S+|\bhttps?://\S+")
+
+
+def redact(text: str) -> str:
+    """``text`` with keys, tokens and URLs replaced by ``[redacted]``."""
+    return _SECRET.sub("[redacted]", text)
+
+
+def _upstream_error(body: str | None) -> dict[str, Any]:
+    """The error object of an upstream's error reply (OpenAI's ``{"error": {...}}``, vLLM's,
+    TGI's ``{"error": "...", "error_type": ...}``, or plain text), its strings redacted."""
+    err: dict[str, Any] = {}
+    try:
+        doc = json.loads(body) if body else None
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict):
+        e = doc.get("error", doc)
+        if isinstance(e, dict):
+            err = {k: e.get(k) for k in ("message", "type", "param", "code") if e.get(k) is not None}
+        elif isinstance(e, str):
+            err = {"message": e}
+            if isinstance(doc.get("error_type"), str):
+                err["type"] = doc["error_type"]
+        if "message" not in err and isinstance(doc.get("message"), str):
+            err["message"] = doc["message"]
+        if "message" not in err and isinstance(doc.get("detail"), str):
+            err["message"] = doc["detail"]
+    elif body:
+        err = {"message": body.strip()[:1000]}
+    out: dict[str, Any] = {}
+    for k, v in err.items():
+        if isinstance(v, str):
+            out[k] = redact(v)[:2000]
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = v
+    return out
 
 
 class BackendRateLimited(BackendHTTPError):
@@ -210,12 +276,6 @@ class NoHealthyBackend(SFQError):
     error_code = "upstream_unavailable"
 
 
-class DispatcherClosed(SFQError):
-    """The dispatcher is closed (or closing): the request was not accepted, or was removed
-    from the queue uncharged before it could be dispatched. Answered 503."""
-
-    http_status = 503
-    error_code = "shutting_down"
 
 
 # ---------------------------------------------------------------- policy layer
@@ -245,6 +305,15 @@ class Refused(SFQError):
         self.reason = reason
         self.retry_after = retry_after
         self.http_status, self.error_type, self.error_code = REFUSALS.get(reason, (503, "server_error", reason))
+
+
+class DispatcherClosed(Refused):
+    """The dispatcher is closed (or closing): the request was not accepted, or was removed
+    from the queue uncharged before it could be dispatched. A ``Refused`` with reason
+    ``closed`` (503)."""
+
+    def __init__(self, message: str = "this dispatcher is closed") -> None:
+        super().__init__("closed", message)
 
 
 class BadRequest(Refused, ValueError):

@@ -24,6 +24,7 @@ import pytest
 from conftest import FakeServer, LagProbe, servers_in_a_thread
 
 from sfq.backends import OpenAIBackend
+from sfq.backends.health import HealthOptions
 from sfq.cost import CostEstimator
 from sfq.dispatch import Dispatcher
 from sfq.errors import BackendError, NoHealthyBackend
@@ -99,8 +100,8 @@ async def run_phase(servers: list[FakeServer], rng: random.Random, faults: bool)
         await asyncio.sleep(PHASE * 0.3)
         srv.outage = False
 
-    async with Dispatcher(backends, estimator=est, backoff=0.05, max_backoff=0.2, unavailable_timeout=5.0,
-                          max_attempts=1) as d:  # (retries: test_dispatch_retry.py)
+    async with Dispatcher(backends, estimator=est, unavailable_timeout=5.0,
+                          max_attempts=1, health=HealthOptions(backoff=0.05, max_backoff=0.2)) as d:  # (retries: test_dispatch_retry.py)
         with LagProbe() as lag:
             tasks = [loop.create_task(client(d, f)) for f in HEALTHY for _ in range(CLIENTS)]
             tasks.append(loop.create_task(client(d, BAD)))
@@ -111,7 +112,7 @@ async def run_phase(servers: list[FakeServer], rng: random.Random, faults: bool)
         flows = {f: s["flows"][f] for f in s["flows"]}
         leaks = [(n, b["in_flight"]) for n, b in s["backends"].items() if b["in_flight"]]
         pools = s["pools"]
-        in_flight = d._in_flight
+        in_flight = d._running()
     return {"outcomes": outcomes, "started": started, "done": done, "flows": flows, "leaks": leaks,
             "pools": pools, "in_flight": in_flight, "lag": lag, "estimator": est}
 

@@ -10,6 +10,7 @@ import pytest
 from conftest import GateBackend, settle
 
 from sfq.cost import CostEstimator
+from sfq.backends.health import HealthOptions
 from sfq.dispatch import Dispatcher, DispatchRecord
 from sfq.errors import BackendError, BackendUnavailable, BadRequest, DispatcherClosed, RequestTooLarge, UnknownModel
 
@@ -146,8 +147,8 @@ async def test_cancel_after_dispatch_aborts_the_call_and_keeps_the_charge(sched)
 async def test_backend_failure_reaches_the_caller_and_marks_unhealthy(sched):
     b1, b2 = GateBackend("b1", max_in_flight=1), GateBackend("b2", max_in_flight=1)
     b1.healthy = False
-    async with Dispatcher([b1, b2], scheduler=sched, backoff=0.01, max_backoff=0.02, transport_failures=1,
-                          max_attempts=1) as d:  # (retries: test_dispatch_retry.py)
+    async with Dispatcher([b1, b2], scheduler=sched,
+                          max_attempts=1, health=HealthOptions(backoff=0.01, max_backoff=0.02, transport_failures=1)) as d:  # (retries: test_dispatch_retry.py)
         t = asyncio.create_task(d.submit("f", body()))
         await settle()
         b1.fail(0, BackendUnavailable("gone", backend="b1"))
@@ -276,7 +277,10 @@ async def test_pools_per_model_and_default_pool(sched):
         ("f", {"model": "m", "max_tokens": 3}, {}, BadRequest, "neither 'prompt'"),
         ("f", body(stream=True), {}, BadRequest, "use stream"),
         ("f", {"model": "m", "prompt": "p", "max_tokens": "abc"}, {}, BadRequest, "'max_tokens' must be an integer"),
-        ("f", "not a body", {}, TypeError, "mapping"),
+        ("f", "not a body", {}, BadRequest, "must be a JSON object, got str"),
+        ("f", [1, 2], {}, BadRequest, "must be a JSON object, got list"),
+        ("f", 42, {}, BadRequest, "must be a JSON object, got int"),
+        ("f", None, {}, BadRequest, "needs a body"),
     ],
 )
 async def test_bad_input_leaves_nothing_behind(sched, flow, b, kw, exc, match):

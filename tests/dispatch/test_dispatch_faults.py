@@ -12,6 +12,7 @@ import pytest
 from conftest import FakeServer, wait_until
 
 from sfq.backends import OpenAIBackend, SaturationProbe
+from sfq.backends.health import HealthOptions
 from sfq.cost import CostEstimator
 from sfq.dispatch import Dispatcher
 from sfq.errors import (
@@ -58,7 +59,7 @@ async def test_awkward_but_legal_sse(fake: FakeServer):
 
 
 async def test_connection_refused(refused_url: str):
-    async with Dispatcher([OpenAIBackend(refused_url)], max_attempts=1, backoff=10, max_backoff=10) as d:
+    async with Dispatcher([OpenAIBackend(refused_url)], max_attempts=1, health=HealthOptions(backoff=10, max_backoff=10)) as d:
         with pytest.raises(BackendUnavailable, match="cannot connect") as ei:
             await d.submit("f", BODY)
         assert ei.value.backend == refused_url and ei.value.unhealthy
@@ -69,8 +70,7 @@ async def test_connection_refused(refused_url: str):
 
 async def test_stall_times_out(fake: FakeServer):
     fake.mode = "stall"
-    async with Dispatcher([OpenAIBackend(fake.url, read_timeout=0.3)], max_attempts=1, backoff=10, max_backoff=10,
-                          transport_failures=1) as d:
+    async with Dispatcher([OpenAIBackend(fake.url, read_timeout=0.3)], max_attempts=1, health=HealthOptions(backoff=10, max_backoff=10, transport_failures=1)) as d:
         with pytest.raises(BackendTimeout, match="timed out"):
             await d.submit("f", BODY)
         assert not d.stats()["backends"][fake.url]["healthy"]
@@ -79,7 +79,7 @@ async def test_stall_times_out(fake: FakeServer):
 
 async def test_stream_headers_deadline(fake: FakeServer):
     fake.mode = "stall"
-    async with Dispatcher([OpenAIBackend(fake.url, timeout=0.3)], max_attempts=1, backoff=10, max_backoff=10) as d:
+    async with Dispatcher([OpenAIBackend(fake.url, timeout=0.3)], max_attempts=1, health=HealthOptions(backoff=10, max_backoff=10)) as d:
         with pytest.raises(BackendTimeout, match="no reply headers"):
             async for _ in d.stream("f", BODY):
                 pass
@@ -88,7 +88,7 @@ async def test_stream_headers_deadline(fake: FakeServer):
 async def test_5xx_marks_unhealthy_4xx_does_not(fake: FakeServer):
     """With a window of one reply, one 5xx is an error rate of 100%; a 4xx never counts."""
     fake.modes.extend(["400", "500"])
-    async with Dispatcher([OpenAIBackend(fake.url)], max_attempts=1, backoff=10, max_backoff=10, error_window=1) as d:
+    async with Dispatcher([OpenAIBackend(fake.url)], max_attempts=1, health=HealthOptions(backoff=10, max_backoff=10, error_window=1)) as d:
         with pytest.raises(BackendHTTPError, match="HTTP 400") as ei:
             await d.submit("f", BODY)
         assert ei.value.status == 400 and not ei.value.unhealthy and "injected 400" in ei.value.body
@@ -101,7 +101,7 @@ async def test_5xx_marks_unhealthy_4xx_does_not(fake: FakeServer):
 
 async def test_plain_reply_cut_midway(fake: FakeServer):
     fake.mode = "cut"
-    async with Dispatcher([OpenAIBackend(fake.url)], max_attempts=1, backoff=10, max_backoff=10) as d:
+    async with Dispatcher([OpenAIBackend(fake.url)], max_attempts=1, health=HealthOptions(backoff=10, max_backoff=10)) as d:
         with pytest.raises(BackendUnavailable, match="connection lost"):
             await d.submit("f", BODY)
 
@@ -109,7 +109,7 @@ async def test_plain_reply_cut_midway(fake: FakeServer):
 async def test_stream_cut_midway(fake: FakeServer):
     fake.mode = "cut"
     got = []
-    async with Dispatcher([OpenAIBackend(fake.url)], max_attempts=1, backoff=10, max_backoff=10, transport_failures=1) as d:
+    async with Dispatcher([OpenAIBackend(fake.url)], max_attempts=1, health=HealthOptions(backoff=10, max_backoff=10, transport_failures=1)) as d:
         with pytest.raises(StreamInterrupted) as ei:
             async for e in d.stream("f", {**BODY, "max_tokens": 10}):
                 got.append(e)
@@ -121,7 +121,7 @@ async def test_stream_cut_midway(fake: FakeServer):
 
 async def test_error_event_inside_a_stream(fake: FakeServer):
     fake.mode = "sse_error"
-    async with Dispatcher([OpenAIBackend(fake.url)], max_attempts=1, backoff=10, max_backoff=10) as d:
+    async with Dispatcher([OpenAIBackend(fake.url)], max_attempts=1, health=HealthOptions(backoff=10, max_backoff=10)) as d:
         with pytest.raises(StreamInterrupted, match="injected mid-stream error") as ei:
             async for _ in d.stream("f", BODY):
                 pass
@@ -130,7 +130,7 @@ async def test_error_event_inside_a_stream(fake: FakeServer):
 
 async def test_garbage_reply(fake: FakeServer):
     fake.mode = "garbage"
-    async with Dispatcher([OpenAIBackend(fake.url)], max_attempts=1, backoff=10, max_backoff=10) as d:
+    async with Dispatcher([OpenAIBackend(fake.url)], max_attempts=1, health=HealthOptions(backoff=10, max_backoff=10)) as d:
         with pytest.raises(BackendError, match="not JSON"):
             await d.submit("f", BODY)
 
@@ -144,7 +144,7 @@ async def test_unhealthy_backend_is_probed_with_backoff_and_returns(fake: FakeSe
     try:
         flaky = OpenAIBackend(fake.url, name="flaky", max_in_flight=1)
         steady = OpenAIBackend(good.url, name="steady", max_in_flight=1)
-        async with Dispatcher([flaky, steady], max_attempts=1, backoff=0.05, max_backoff=0.1, error_window=1) as d:
+        async with Dispatcher([flaky, steady], max_attempts=1, health=HealthOptions(backoff=0.05, max_backoff=0.1, error_window=1)) as d:
             with pytest.raises(BackendHTTPError):
                 await d.submit("f", BODY)  # flaky first (tie goes to the first backend)
             for _ in range(4):
@@ -163,7 +163,7 @@ async def test_unhealthy_backend_is_probed_with_backoff_and_returns(fake: FakeSe
 async def test_all_backends_down_requests_wait_then_flow(fake: FakeServer):
     fake.modes.append("500")
     fake.health_status = 503
-    async with Dispatcher([OpenAIBackend(fake.url)], max_attempts=1, backoff=0.05, max_backoff=0.05, error_window=1) as d:
+    async with Dispatcher([OpenAIBackend(fake.url)], max_attempts=1, health=HealthOptions(backoff=0.05, max_backoff=0.05, error_window=1)) as d:
         with pytest.raises(BackendHTTPError):
             await d.submit("f", BODY)
         t = asyncio.create_task(d.submit("g", BODY))

@@ -17,8 +17,10 @@ import aiohttp
 import pytest
 from conftest import FakeServer, GateBackend, LagProbe, servers_in_a_thread, settle, wait_until
 
-import sfq.dispatch.stats as stats_mod
+import json
+
 from sfq.backends import OpenAIBackend
+from sfq.backends.health import HealthOptions
 from sfq.backends.openai import parse_retry_after
 from sfq.backends.sse import SSEParser, payload_bytes
 from sfq.cost import CostEstimator
@@ -98,7 +100,7 @@ async def test_a_fresh_connection_that_drops_is_not_resent(fake: FakeServer):
     written): the server may have the request, so it is not sent again."""
     fake.modes.extend(["drop", "ok", "drop"])
     b = OpenAIBackend(fake.url)
-    async with Dispatcher([b], max_attempts=1, backoff=10, max_backoff=10) as d:
+    async with Dispatcher([b], max_attempts=1, health=HealthOptions(backoff=10, max_backoff=10)) as d:
         with pytest.raises(BackendUnavailable) as ei:
             await d.submit("f", BODY)
         assert len(fake.requests) == 1 and b.resent == 0 and not ei.value.never_sent
@@ -183,7 +185,7 @@ async def test_an_idempotent_request_is_resent_after_a_lost_connection(fake: Fak
 
 
 async def test_a_refused_connection_says_never_sent(refused_url: str):
-    async with Dispatcher([OpenAIBackend(refused_url)], max_attempts=1, backoff=10, max_backoff=10) as d:
+    async with Dispatcher([OpenAIBackend(refused_url)], max_attempts=1, health=HealthOptions(backoff=10, max_backoff=10)) as d:
         with pytest.raises(BackendUnavailable) as ei:
             await d.submit("f", BODY)
         assert ei.value.never_sent and not d.stats()["backends"][refused_url]["healthy"]
@@ -196,7 +198,7 @@ async def test_a_backend_without_a_health_route_comes_back(fake: FakeServer, rou
     fake.health_route, fake.models_route, completions = routes
     fake.modes.append("503")
     b = OpenAIBackend(fake.url)
-    async with Dispatcher([b], max_attempts=1, backoff=0.02, max_backoff=0.05, error_window=1) as d:
+    async with Dispatcher([b], max_attempts=1, health=HealthOptions(backoff=0.02, max_backoff=0.05, error_window=1)) as d:
         with pytest.raises(BackendHTTPError):
             await d.submit("f", BODY)
         assert not d.stats()["backends"][fake.url]["healthy"]
@@ -212,7 +214,7 @@ async def test_one_tenants_5xx_do_not_take_the_backend_down(fake: FakeServer):
     """A flow whose every request gets a 500 fails alone: the backend stays in rotation and the
     other flows are served. A backend that fails most of its replies does leave."""
     fake.fail_prompt = "poison"
-    async with Dispatcher([OpenAIBackend(fake.url, max_in_flight=4)], max_attempts=1, backoff=10, max_backoff=10) as d:
+    async with Dispatcher([OpenAIBackend(fake.url, max_in_flight=4)], max_attempts=1, health=HealthOptions(backoff=10, max_backoff=10)) as d:
         bad = [asyncio.create_task(d.submit("bad", body("poison"))) for _ in range(6)]
         good = [asyncio.create_task(d.submit(f"good{i % 8}", body())) for i in range(64)]
         res = await asyncio.gather(*bad, *good, return_exceptions=True)
@@ -235,7 +237,7 @@ async def test_one_tenants_5xx_do_not_take_the_backend_down(fake: FakeServer):
 
 async def test_transport_failures_in_a_row_take_a_backend_out(fake: FakeServer):
     fake.mode = "cut"
-    async with Dispatcher([OpenAIBackend(fake.url)], max_attempts=1, backoff=10, max_backoff=10) as d:
+    async with Dispatcher([OpenAIBackend(fake.url)], max_attempts=1, health=HealthOptions(backoff=10, max_backoff=10)) as d:
         for i in range(3):
             assert d.stats()["backends"][fake.url]["healthy"], i
             with pytest.raises(BackendUnavailable):
@@ -248,7 +250,7 @@ async def test_health_checks_back_off_to_a_cap(sched):
     recovered backend gets traffic within that."""
     b = GateBackend("b", max_in_flight=1)
     b.healthy = False
-    async with Dispatcher([b], max_attempts=1, scheduler=sched, backoff=0.001, max_backoff=0.004, transport_failures=1) as d:
+    async with Dispatcher([b], max_attempts=1, scheduler=sched, health=HealthOptions(backoff=0.001, max_backoff=0.004, transport_failures=1)) as d:
         t = asyncio.create_task(d.submit("f", body()))
         await settle()
         b.fail(0, BackendUnavailable("gone", backend="b"))
@@ -259,7 +261,7 @@ async def test_health_checks_back_off_to_a_cap(sched):
         b.healthy = True
         await wait_until(lambda: d.stats()["backends"]["b"]["healthy"], "recovery")
         assert d.stats()["backends"]["b"]["check_interval"] is None
-    assert Dispatcher(["http://x"], max_attempts=1).max_backoff == 2.0  # the default cap
+    assert Dispatcher(["http://x"], max_attempts=1).health.max_backoff == 2.0  # the default cap
 
 
 # ------------------------------------------------------------------ 4. bounded waits
@@ -282,12 +284,12 @@ async def test_a_stream_has_a_total_deadline(fake: FakeServer):
 
 
 async def test_submit_waits_a_bounded_time_when_no_backend_is_healthy(refused_url: str, sched):
-    async with Dispatcher([OpenAIBackend(refused_url)], max_attempts=1, scheduler=sched, backoff=10, max_backoff=10,
-                          unavailable_timeout=0.1) as d:
+    async with Dispatcher([OpenAIBackend(refused_url)], max_attempts=1, scheduler=sched,
+                          unavailable_timeout=0.1, health=HealthOptions(backoff=10, max_backoff=10)) as d:
         with pytest.raises(BackendUnavailable):
             await d.submit("f", BODY)  # the only backend is down now
         meter = d.meter("g")
-        with pytest.raises(NoHealthyBackend, match="no backend of pool None was healthy for 0.1 s"):
+        with pytest.raises(NoHealthyBackend, match="no backend of pool '\\(default\\)' was healthy for 0.1 s"):
             await d.submit("g", BODY)
         s = d.stats()
         assert s["flows"]["g"]["unavailable"] == 1 and s["flows"]["g"]["waiting"] == 0
@@ -297,19 +299,18 @@ async def test_submit_waits_a_bounded_time_when_no_backend_is_healthy(refused_ur
         Dispatcher(["http://x"], max_attempts=1, unavailable_timeout=0)
 
 
-async def test_stats_does_not_walk_the_flows(sched, monkeypatch):
-    """``stats()`` costs O(backends + pools); a flow's row is built only when it is read."""
-    rows = []
-    real = stats_mod.flow_row
-    monkeypatch.setattr(stats_mod, "flow_row", lambda fs: rows.append(fs) or real(fs))
+async def test_stats_is_json_and_one_flow_is_read_alone(sched):
+    """``stats()`` is plain JSON (flow ids become its keys); ``flow_stats(flow)`` reads one flow's
+    row without building the others."""
     b = GateBackend("b", max_in_flight=1)
     async with Dispatcher([b], max_attempts=1, scheduler=sched) as d:
         ts = [asyncio.create_task(d.submit(i, body())) for i in range(2000)]
         await settle()
-        s = d.stats()
-        assert rows == [] and len(s["flows"]) == 2000
-        assert s["flows"][7]["waiting"] == 1 and len(rows) == 1
-        assert s["pools"][None]["waiting"] == 1999 and s["pools"][None]["in_flight"] == 1
+        s = json.loads(json.dumps(d.stats()))
+        assert len(s["flows"]) == 2000 and s["flows"]["7"]["waiting"] == 1
+        assert s["pools"]["null"]["waiting"] == 1999 and s["pools"]["null"]["in_flight"] == 1
+        row = d.flow_stats(7)
+        assert row is not None and row["waiting"] == 1 and d.flow_stats("nobody") is None
         for t in ts:
             t.cancel()
         await asyncio.gather(*ts, return_exceptions=True)
@@ -336,17 +337,17 @@ async def test_no_rescan_of_all_flows_per_admission_beyond_max_flow_stats(sched)
     flows are kept in their own list, oldest first), and forgetting still works once some go idle."""
     b = GateBackend("b", max_in_flight=1)
     async with Dispatcher([b], max_attempts=1, scheduler=sched, max_flow_stats=10) as d:
-        d._flows = CountingDict()
+        d.tally.rows = CountingDict()
         CountingDict.walks = 0
         ts = [asyncio.create_task(d.submit(i, body())) for i in range(100)]
         await settle()
-        assert CountingDict.walks == 0 and len(d._flows) == 100  # nothing idle: nothing forgotten
+        assert CountingDict.walks == 0 and len(d.tally.rows) == 100  # nothing idle: nothing forgotten
         for t in ts[50:]:
             t.cancel()
         await asyncio.gather(*ts[50:], return_exceptions=True)
         t = asyncio.create_task(d.submit("new", body()))
         await settle()
-        assert CountingDict.walks == 0 and len(d._flows) <= 51  # idle flows forgotten, oldest first
+        assert CountingDict.walks == 0 and len(d.tally.rows) <= 51  # idle flows forgotten, oldest first
         for x in (*ts[:50], t):
             x.cancel()
         await asyncio.gather(*ts[:50], t, return_exceptions=True)
@@ -356,7 +357,7 @@ async def test_no_rescan_of_all_flows_per_admission_beyond_max_flow_stats(sched)
 async def test_backend_timeout_is_not_a_timeout_error(fake: FakeServer):
     assert not issubclass(BackendTimeout, TimeoutError) and not issubclass(BackendTimeout, asyncio.TimeoutError)
     fake.mode = "stall"
-    async with Dispatcher([OpenAIBackend(fake.url, read_timeout=0.1)], max_attempts=1, backoff=10, max_backoff=10) as d:
+    async with Dispatcher([OpenAIBackend(fake.url, read_timeout=0.1)], max_attempts=1, health=HealthOptions(backoff=10, max_backoff=10)) as d:
         with pytest.raises(BackendTimeout):
             try:
                 async with asyncio.timeout(30):

@@ -12,6 +12,7 @@ import pytest
 from conftest import FakeServer, wait_until
 
 from sfq.backends import OpenAIBackend
+from sfq.backends.health import HealthOptions
 from sfq.dispatch import Dispatcher
 from sfq.errors import BackendHTTPError, BackendUnavailable, StreamInterrupted
 from sfq.policy import RetrySpec
@@ -20,7 +21,7 @@ BODY = {"model": "m", "prompt": "hello", "max_tokens": 4}
 
 
 def quick(backends: list[OpenAIBackend], **kw: object) -> Dispatcher:
-    return Dispatcher(backends, rng=random.Random(7), backoff=10, max_backoff=10, **kw)  # type: ignore[arg-type]
+    return Dispatcher(backends, rng=random.Random(7), **kw, health=HealthOptions(backoff=10, max_backoff=10))  # type: ignore[arg-type]
 
 
 async def test_a_5xx_is_retried_and_the_caller_gets_the_reply(fake: FakeServer) -> None:
@@ -88,14 +89,14 @@ async def test_a_stream_is_retried_only_before_its_first_event(fake: FakeServer)
 
 async def test_cancelled_while_waiting_to_be_retried_reaches_no_backend_again(fake: FakeServer) -> None:
     fake.mode = "503"
-    async with Dispatcher([OpenAIBackend(fake.url)], rng=random.Random(1), backoff=10, max_backoff=10) as d:
-        d._engine.retry.spec = RetrySpec(max_attempts=3, base_seconds=30, max_seconds=30, backoff="constant")
+    async with Dispatcher([OpenAIBackend(fake.url)], rng=random.Random(1), health=HealthOptions(backoff=10, max_backoff=10)) as d:
+        d.engine.retry.spec = RetrySpec(max_attempts=3, base_seconds=30, max_seconds=30, backoff="constant")
         t = asyncio.create_task(d.submit("a", BODY))
-        await wait_until(lambda: "a" in d.stats()["flows"] and d.stats()["flows"]["a"]["retried"] == 1,
-                         "the first try failed")
+        await wait_until(lambda: len(fake.requests) == 1 and d.engine.live and next(iter(d.engine.live.values())).state
+                         == "backoff", "the first try failed")
         t.cancel()
         with pytest.raises(asyncio.CancelledError):
             await t
         assert len(fake.requests) == 1
         s = d.stats()["flows"]["a"]
-        assert s["cancelled"] == 1 and s["waiting"] == 0 and s["in_flight"] == 0
+        assert s["cancelled"] + s["aborted"] == 1 and s["waiting"] == 0 and s["in_flight"] == 0  # (the engine: cancelled_during_execution)

@@ -1,6 +1,14 @@
-"""``Dispatcher``: the constructor (validation and wiring) and the small public controls; the
-work is done by the job modules it combines (see the package docstring), the decisions by the
-request engine (``sfq.engine``) over a policy made from the fleet."""
+"""``Dispatcher``: the fleet's face of the one asyncio driver (:class:`PolicyDispatcher`).
+
+A ``Dispatcher`` is a :class:`~sfq.dispatch.PolicyDispatcher` under the policy its fleet
+makes (:class:`FleetPolicy`): one pool per model, one class, and every flow id the caller
+names its own org, weighted by :meth:`Dispatcher.set_weight`. Every primitive is the
+driver's own and means the same in both (``submit``, ``stream``, ``acquire``,
+``open_stream``, ``timeout``, the queue bound, the errors and their ``param``, ``stats()``);
+this module only turns the caller's flow id and the body's model into the driver's
+``Flow``, and keeps per-flow statistics bounded in number (:class:`FlowTally`) instead of a
+Prometheus series per flow id, which a proxy keyed by API keys could grow without end.
+"""
 
 from __future__ import annotations
 
@@ -8,35 +16,34 @@ import functools
 import math
 import random
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
-from .._core import Scheduler
+import numpy as np
+
+from .._common import unhashable_flow
 from ..backends.base import Backend
-from ..backends.health import BackendMonitor
+from ..backends.health import HealthOptions
 from ..backends.openai import OpenAIBackend
 from ..cost import CostEstimator
-from ..engine import NO_METRICS, PolicyEngine
+from ..engine.pool import RUNNING, Request
+from ..errors import UnknownModel
+from ..policy.charge import CHARGE_MODES
 from ..policy.classify import Flow
 from ..policy.config import BackendSpec, ClassSpec, CostSpec, OrgSpec, Policy, PoolSpec, RetrySpec
-from .admission import Admission
-from .calls import Calls
-from .health import BackendEvents, Health
-from ._wake import WakeTimer
-from .lifecycle import Lifecycle
-from .placement import Placement
-from ..policy.charge import CHARGE_MODES
-from ._state import DEFAULT_CLASS, BState, DispatchRecord, FlowStats, Pool
-from .stats import Statistics
+from .policy_calls import Permit, PolicyEventStream, _check_body
+from .policy_dispatcher import PolicyDispatcher
+from .stream import EventStream
 
-__all__ = ["Dispatcher"]
+__all__ = ["DEFAULT_CLASS", "DEFAULT_POOL", "Dispatcher", "DispatchRecord", "FleetPolicy", "FlowTally"]
 
-#: every flow of a dispatcher: one class, FIFO within the flow
-_CLASS = ClassSpec(DEFAULT_CLASS, small_cost=None)
-_ANY_ORG = OrgSpec("*", (), (DEFAULT_CLASS,))
+#: the name of the default pool (backends with ``model=None``) in the request engine
+DEFAULT_POOL = "(default)"
+#: the one class of a dispatcher's flows in the request engine
+DEFAULT_CLASS = "default"
 
 
 @functools.lru_cache(maxsize=1024)
@@ -55,31 +62,202 @@ class FleetPolicy(Policy):
 
     def org(self, name: str) -> OrgSpec | None:
         w = self.weights.get(name)
-        return _ANY_ORG if w is None else _weighted(w)
+        return _weighted(1.0) if w is None else _weighted(w)
 
 
-class Dispatcher(Calls, Admission, Placement, Health, Statistics, Lifecycle):
+class DispatchRecord(NamedTuple):
+    """What ``on_dispatch`` receives when a request is sent to a backend.
+
+    ``start``/``finish``: the flow's meter before and after the charge (cost units, the
+    scheduler's ``Dispatch``); ``wait``: seconds from submit to send (injected clock).
+    """
+
+    flow: Hashable
+    ticket: int  # the request's id (increases with every request)
+    cost: float
+    start: float
+    finish: float
+    model: str | None
+    backend: str
+    wait: float
+
+
+class _Row:
+    """One flow's counters (``Dispatcher.stats()["flows"]``)."""
+
+    __slots__ = ("waiting", "in_flight", "dispatched", "completed", "failed", "cancelled", "aborted", "rejected",
+                 "unavailable", "expired", "refused", "retried", "charged", "waits")
+
+    def __init__(self, window: int) -> None:
+        self.waiting = 0  # in the engine: queued, or between retries (requests)
+        self.in_flight = 0  # on a backend (requests)
+        self.dispatched = 0  # attempts started, retries included
+        self.completed = 0
+        self.failed = 0  # after the retries
+        self.cancelled = 0  # given up before start: uncharged
+        self.aborted = 0  # given up while running: charged what it was
+        self.rejected = 0  # refused or ended as the dispatcher closed
+        self.unavailable = 0  # no backend of the pool in rotation for unavailable_timeout
+        self.expired = 0  # its deadline (timeout) ran out before it started
+        self.refused = 0  # other refusals of an accepted flow (queue_full, too_large, ...)
+        self.retried = 0  # attempts that were retries
+        self.charged = 0.0  # cost units: at dispatch, plus the charge mode's corrections while running
+        self.waits: deque[float] = deque(maxlen=window)  # seconds from arrival to start, the last ``window``
+
+
+class FlowTally:
+    """The engine's observer for a ``Dispatcher``: counters per flow id, across pools, for at
+    most about ``limit`` flows (beyond it, flows with nothing waiting or running are forgotten,
+    oldest first, in O(1) each); a refusal of a flow it does not know leaves nothing but a
+    count in ``refused_other`` (refused flows leave no state). Keeps no Prometheus series."""
+
+    registry = None
+
+    def __init__(self, limit: int, window: int) -> None:
+        self.limit = limit
+        self.window = window
+        self.rows: dict[Hashable, _Row] = {}
+        self.idle: OrderedDict[Hashable, None] = OrderedDict()  # flows with nothing in progress, oldest first
+        #: refusals of flows with no row, by reason
+        self.refused_other: dict[str, int] = {}
+
+    def _row(self, flow: Hashable) -> _Row:
+        row = self.rows.get(flow)
+        if row is None:
+            if len(self.rows) >= self.limit:
+                self._forget()
+            row = self.rows[flow] = _Row(self.window)
+        else:
+            self.idle.pop(flow, None)
+        return row
+
+    def _forget(self) -> None:
+        target = int(self.limit * 0.9)
+        rows, idle = self.rows, self.idle
+        while len(rows) > target and idle:
+            f, _ = idle.popitem(last=False)
+            rows.pop(f, None)
+
+    def _maybe_idle(self, flow: Hashable, row: _Row) -> None:
+        if not (row.waiting or row.in_flight):
+            self.idle[flow] = None
+
+    # the engine's metrics interface (keys are (org, class, pool); the org is the flow id)
+    def _get(self, key: Any) -> None:
+        return None
+
+    def queued(self, key: Any, n: int = 1) -> None:
+        self._row(key[0]).waiting += n
+
+    def started(self, key: Any, wait: float, cost: float, retry: bool) -> None:
+        row = self._row(key[0])
+        row.waiting -= 1
+        row.in_flight += 1
+        row.dispatched += 1
+        row.charged += cost
+        row.waits.append(wait)
+        if retry:
+            row.retried += 1
+
+    def charged(self, r: Request, delta: float) -> None:
+        """A correction of a running request's charge (the queue's ``on_charge``)."""
+        if r.state == RUNNING:
+            row = self.rows.get(r.flow.org)
+            if row is not None:
+                row.charged += delta
+
+    def attempt_ended(self, key: Any, *, served_cost: float | None = None, upstream_429: bool = False,
+                      timeout: bool = False) -> None:
+        row = self.rows.get(key[0])
+        if row is not None:
+            row.in_flight -= 1
+
+    def left_queue(self, key: Any) -> None:
+        row = self.rows.get(key[0])
+        if row is not None:
+            row.waiting -= 1
+
+    def timeout(self, key: Any) -> None:
+        return None
+
+    def cancelled_work_tokens(self, key: Any, tokens: float) -> None:
+        return None
+
+    def ended(self, key: Any, outcome: str, reason: str | None = None) -> None:
+        flow = key[0]
+        row = self.rows.get(flow)
+        if row is None:
+            if outcome == "refused":
+                self.refused_other[reason or ""] = self.refused_other.get(reason or "", 0) + 1
+            return
+        if outcome == "completed":
+            row.completed += 1
+        elif outcome == "failed":
+            row.failed += 1
+        elif outcome == "cancelled_before_start":
+            row.cancelled += 1
+        elif outcome == "cancelled_during_execution":
+            row.aborted += 1
+        elif reason == "closed":
+            row.rejected += 1
+        elif reason == "unavailable":
+            row.unavailable += 1
+        elif reason in ("deadline", "queue_timeout"):
+            row.expired += 1
+        else:
+            row.refused += 1
+        self._maybe_idle(flow, row)
+
+    def snapshot(self) -> dict[Any, dict[str, Any]]:
+        return {}
+
+    def row(self, flow: Hashable, held: int) -> dict[str, Any]:
+        """One flow's counters as a plain dict."""
+        fs = self.rows[flow]
+        p50: float | None
+        p95: float | None
+        p99: float | None
+        if fs.waits:
+            p50, p95, p99 = (float(x) for x in np.percentile(np.fromiter(fs.waits, float, len(fs.waits)),
+                                                             (50, 95, 99)))
+        else:
+            p50 = p95 = p99 = None
+        return {
+            "waiting": fs.waiting - held, "held": held, "in_flight": fs.in_flight, "dispatched": fs.dispatched,
+            "completed": fs.completed, "failed": fs.failed, "cancelled": fs.cancelled, "aborted": fs.aborted,
+            "rejected": fs.rejected, "unavailable": fs.unavailable, "expired": fs.expired, "refused": fs.refused,
+            "retried": fs.retried, "charged_cost": fs.charged, "wait_p50": p50, "wait_p95": p95, "wait_p99": p99,
+        }
+
+
+def _json_key(flow: Hashable) -> str | int | float | bool | None:
+    """A flow id as a ``stats()`` key that ``json.dumps`` takes (other ids: their ``str``)."""
+    return flow if flow is None or isinstance(flow, (str, int, float, bool)) else str(flow)
+
+
+class Dispatcher(PolicyDispatcher):
     """Shares a fleet of OpenAI-compatible servers fairly between flows you name, on asyncio.
 
     Every request says whose it is (a flow: any hashable id, e.g. the tenant your own
     authentication found; never read from the body); each flow gets a share of the fleet in
     proportion to its weight, measured in tokens (prompt + output), however many or large its
-    requests are. It is the library's driver of sfq's request engine (the same engine as
-    ``sfq serve``'s, under a policy made from the fleet: one pool per model, one class, each
-    flow its own org): the engine decides whose request goes next and on which backend, and
-    what the flow is charged; the dispatcher sends it to that backend, streams or returns the
-    reply, and tells the engine what was served::
+    requests are. It is the one asyncio driver of sfq's request engine
+    (:class:`sfq.PolicyDispatcher`, which ``sfq serve`` runs) under the policy the fleet makes
+    (one pool per model, one class, each flow its own org), so every call means what it
+    means there::
 
         async with sfq.Dispatcher(["http://127.0.0.1:8001"]) as d:
             reply = await d.submit("team-a", {"model": "m", "prompt": "hi", "max_tokens": 32})
-            async with d.stream("team-b", {"model": "m", "prompt": "hi", "stream": True}) as events:
+            async with d.open_stream("team-b", {"model": "m", "prompt": "hi", "stream": True}) as events:
                 async for event in events:
                     ...
+            async with d.acquire("team-c", body) as grant:    # your own HTTP client does the call
+                ...
 
     Cancelling the awaiting task before dispatch removes the request uncharged; after, it
     aborts the backend call. Errors are :class:`sfq.SFQError` s (``http_status``,
     ``to_openai()``); a malformed body is :class:`sfq.errors.BadRequest`. For flows under a
-    policy file (orgs, classes, limits, retries) use :class:`sfq.PolicyDispatcher`.
+    policy file (orgs, classes, limits) use :class:`sfq.PolicyDispatcher` itself.
 
     Parameters
     ----------
@@ -89,57 +267,35 @@ class Dispatcher(Calls, Admission, Placement, Health, Statistics, Lifecycle):
         ``model=None`` form the default pool, which takes every model name no other pool
         serves. Names must be unique.
     estimator:
-        the ``CostEstimator`` (default: ``CostEstimator()``, cost in tokens). A request is
-        estimated at admission (to route it and check its size) and again at dispatch, where
-        it is charged: the calibration may have learned in between.
+        the ``CostEstimator`` (default: ``CostEstimator()``, cost in tokens).
     charge:
-        what a request is charged (``sfq.policy.charge``; see the package docstring): ``"served"`` (default): a
-        stream its prompt at dispatch and its output tokens as they are delivered, a
-        non-streamed request its estimate at dispatch; both reconciled with the server's
-        ``usage`` at completion. ``"settle"``: the estimate at dispatch, corrected to the
-        ``usage`` at completion. ``"seed"``: the estimate at dispatch, never corrected.
-        A request whose ``cost=`` the caller gives is charged that, never corrected.
+        ``"served"`` (default), ``"settle"`` or ``"seed"`` (``sfq.policy.charge``; docs/policy.md).
     clock:
-        seconds, for waits (default ``time.monotonic``).
+        seconds, for waits and deadlines (default ``time.monotonic``).
     overtake:
         0 (default): stall when the selected request fits on no backend with room; ``k > 0``:
         up to ``k`` such requests wait aside while later selections go out.
-    backoff, max_backoff:
-        seconds before the first health check of a backend out of rotation (default 0.25),
-        doubling up to ``max_backoff`` (default 2) while checks fail (and across spells until a
-        request succeeds there): a recovered backend gets traffic within ``max_backoff`` seconds.
-    error_window, error_rate:
-        a backend leaves the rotation when at least ``error_rate`` (default 0.5) of its last
-        ``error_window`` (default 20) replies were 5xx; an isolated 5xx or any 4xx fails only
-        its request.
-    transport_failures:
-        ... or when this many requests in a row (default 3) were lost in transport (reset,
-        read timeout, cut stream, non-JSON reply); a refused connection takes it out at once.
+    health:
+        the backends' health rules (``sfq.backends.health.HealthOptions``: the 5xx and
+        transport thresholds, the health checks' backoff, the longest 429 pause).
     unavailable_timeout:
         seconds a request waits in a pool with no healthy backend before it is removed with
-        ``NoHealthyBackend`` (default 30; uncharged unless it had been selected); ``None``: no bound.
-    max_pause:
-        a 429 pauses its backend for its ``Retry-After`` (1 s without one), at most this (default 60).
-    scheduler:
-        the scheduler class/factory (default ``sfq.Scheduler``); one per pool.
-    on_dispatch:
-        called with a ``DispatchRecord`` each time a request is sent (synchronously: keep it short).
+        ``NoHealthyBackend`` (default 30; ``None``: no bound).
+    max_queue_length:
+        requests that may wait in a pool (default 100,000; ``None``: no bound); beyond it the
+        flow holding the most places gives its newest up (``Refused``, ``queue_full``, 429).
     max_attempts:
-        tries per request, the first included (default 3; 1: never retried). A failure before
-        any byte of the reply (a connection error, an upstream 408, 409, 429 or 5xx) is tried
-        again in the request's own flow, preferably on another backend, after an exponential
-        backoff with jitter (never shorter than the upstream's ``Retry-After``), within a retry
-        budget of 10 % of the flow's requests over the last minute (one always allowed).
-    rng:
-        the random source of the retries' jitter (a seeded ``random.Random`` for reproducible runs).
-    wait_window:
-        the last this-many waits per flow are kept for the percentiles in ``stats()``.
+        tries per request, the first included (default 3; 1: never retried); see docs/policy.md.
+    scheduler, rng:
+        the core factory (default ``sfq.Scheduler``), one per pool; the retries' jitter source.
+    on_dispatch:
+        called with a ``DispatchRecord`` each time a request starts (synchronously: keep it short).
+    wait_window, max_flow_stats:
+        the last ``wait_window`` waits per flow are kept for ``stats()``'s percentiles; per-flow
+        statistics are kept for at most about ``max_flow_stats`` flows (idle ones are forgotten
+        first; flows with work in progress are always kept).
     close_grace:
-        seconds ``close()`` waits for requests in flight before closing the backends (aborting them).
-    max_flow_stats:
-        per-flow statistics are kept for at most about this many flows: beyond it, the flows with
-        nothing waiting, held or in flight are forgotten, oldest first (a proxy keyed by API key
-        must not grow with every key it ever saw). Flows with work in progress are always kept.
+        seconds ``close()`` lets running requests finish.
     """
 
     def __init__(
@@ -150,20 +306,16 @@ class Dispatcher(Calls, Admission, Placement, Health, Statistics, Lifecycle):
         charge: str = "served",
         clock: Callable[[], float] = time.monotonic,
         overtake: int = 0,
-        backoff: float = 0.25,
-        max_backoff: float = 2.0,
+        health: HealthOptions | None = None,
+        unavailable_timeout: float | None = 30.0,
+        max_queue_length: int | None = 100_000,
+        max_attempts: int = 3,
         scheduler: Callable[[], Any] | None = None,
+        rng: random.Random | None = None,
         on_dispatch: Callable[[DispatchRecord], None] | None = None,
         wait_window: int = 10_000,
-        close_grace: float = 30.0,
         max_flow_stats: int = 100_000,
-        error_window: int = 20,
-        error_rate: float = 0.5,
-        transport_failures: int = 3,
-        unavailable_timeout: float | None = 30.0,
-        max_pause: float = 60.0,
-        max_attempts: int = 3,
-        rng: random.Random | None = None,
+        close_grace: float = 30.0,
     ) -> None:
         fleet: list[Backend] = [OpenAIBackend(b) if isinstance(b, str) else b for b in backends]
         if not fleet:
@@ -177,108 +329,133 @@ class Dispatcher(Calls, Admission, Placement, Health, Statistics, Lifecycle):
             raise ValueError(f"backend names must be unique; repeated: {dup}")
         if not isinstance(charge, str) or charge not in CHARGE_MODES:
             raise ValueError(f"charge must be one of {', '.join(map(repr, CHARGE_MODES))}, got {charge!r}")
-        if isinstance(overtake, bool) or not isinstance(overtake, int) or overtake < 0:
-            raise ValueError(f"overtake must be an integer >= 0, got {overtake!r}")
-        for what, v in (("backoff", backoff), ("max_backoff", max_backoff), ("close_grace", close_grace),
-                        ("max_pause", max_pause), ("unavailable_timeout", unavailable_timeout)):
-            if what == "unavailable_timeout" and v is None:
-                continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v != v or v == float("inf"):
-                raise ValueError(f"{what} must be a finite number > 0, got {v!r}")
-        for what, n in (("error_window", error_window), ("transport_failures", transport_failures)):
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"{what} must be an integer >= 1, got {n!r}")
-        if isinstance(error_rate, bool) or not isinstance(error_rate, (int, float)) or not 0 < error_rate <= 1:
-            raise ValueError(f"error_rate must be a number in (0, 1], got {error_rate!r}")
-        if max_backoff < backoff:
-            raise ValueError(f"max_backoff ({max_backoff!r}) must be >= backoff ({backoff!r})")
-        if isinstance(wait_window, bool) or not isinstance(wait_window, int) or wait_window < 1:
-            raise ValueError(f"wait_window must be an integer >= 1, got {wait_window!r}")
-        if isinstance(max_flow_stats, bool) or not isinstance(max_flow_stats, int) or max_flow_stats < 1:
-            raise ValueError(f"max_flow_stats must be an integer >= 1, got {max_flow_stats!r}")
-        if not callable(clock):
-            raise TypeError(f"clock must be callable, got {clock!r}")
+        for what, n, low in (("overtake", overtake, 0), ("max_attempts", max_attempts, 1),
+                             ("wait_window", wait_window, 1), ("max_flow_stats", max_flow_stats, 1),
+                             ("max_queue_length", 1 if max_queue_length is None else max_queue_length, 1)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < low:
+                raise ValueError(f"{what} must be an integer >= {low}{' or None' if what == 'max_queue_length' else ''}"
+                                 f", got {n!r}")
+        u = unavailable_timeout
+        if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not (u > 0 and math.isfinite(u))):
+            raise ValueError(f"unavailable_timeout must be a finite number > 0 or None, got {u!r}")
         if estimator is not None and not isinstance(estimator, CostEstimator):
             raise TypeError(f"estimator must be a CostEstimator, got {estimator!r}")
-        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
-            raise ValueError(f"max_attempts must be an integer >= 1, got {max_attempts!r}")
-        self._max_flow_stats = max_flow_stats
-        self.estimator = estimator if estimator is not None else CostEstimator()
-        self.charge = charge
-        self.clock = clock
-        self.overtake = overtake
-        self.backoff = float(backoff)
-        self.max_backoff = float(max_backoff)
-        self.close_grace = float(close_grace)
-        self.error_window = error_window
-        self.error_rate = float(error_rate)
-        self.transport_failures = transport_failures
-        self.unavailable_timeout = None if unavailable_timeout is None else float(unavailable_timeout)
-        self.max_pause = float(max_pause)
-        self.on_dispatch = on_dispatch
-        self._window = wait_window
-        make = scheduler if scheduler is not None else Scheduler
-        self._pools = {}
-        self._bstates = []
-        events, options = BackendEvents(self), self._health_options()
-        for i, b in enumerate(fleet):
-            pool = self._pools.get(b.model)
-            if pool is None:
-                pool = self._pools[b.model] = Pool(b.model)
-            bs = BState(b, pool, i, BackendMonitor(b, events, options))
-            pool.backends.append(bs)
-            self._bstates.append(bs)
-        self._by_name = {bs.name: bs for bs in self._bstates}
-        for pool in self._pools.values():
-            ctx = [bs.max_context for bs in pool.backends]
-            sizes = [c for c in ctx if c is not None]
-            pool.largest_context = float("inf") if len(sizes) < len(ctx) else float(max(sizes))
-        e = self.estimator
-        self.policy = FleetPolicy(
-            pools=MappingProxyType({p.name: PoolSpec(p.name, () if p.model is None else (p.model,), tuple(
-                BackendSpec(bs.backend.name, bs.max_in_flight, bs.name, bs.max_context) for bs in p.backends))
-                for p in self._pools.values()}),
-            classes=MappingProxyType({DEFAULT_CLASS: _CLASS}), orgs=MappingProxyType({}),
+        e = estimator if estimator is not None else CostEstimator()
+        pools: dict[str | None, list[Backend]] = {}
+        for b in fleet:
+            pools.setdefault(b.model, []).append(b)
+        self._pool_names: dict[str | None, str] = {m: DEFAULT_POOL if m is None else m for m in pools}
+        cls = ClassSpec(DEFAULT_CLASS, small_cost=None, max_queue_length=max_queue_length)
+        policy = FleetPolicy(
+            pools=MappingProxyType({self._pool_names[m]: PoolSpec(self._pool_names[m], () if m is None else (m,), tuple(
+                BackendSpec(b.name, b.max_in_flight, b.name, b.max_context) for b in bs)) for m, bs in pools.items()}),
+            classes=MappingProxyType({DEFAULT_CLASS: cls}), orgs=MappingProxyType({}),
             cost=CostSpec(e.input_weight, e.output_weight, e.default_max_tokens, e.prior_ratio, charge),
             retry=RetrySpec(max_attempts=max_attempts), source="<sfq.Dispatcher>")
-        self._engine = PolicyEngine(self.policy, clock=clock, scheduler=make, rng=rng, metrics=NO_METRICS,
-                                    estimator=e, max_pause=self.max_pause)
-        for q in self._engine.queues.values():
+        self.tally = FlowTally(max_flow_stats, wait_window)
+        super().__init__(policy, backends={b.name: b for b in fleet}, clock=clock, estimator=e,
+                         health=health if health is not None else HealthOptions(), close_grace=close_grace, rng=rng,
+                         scheduler=scheduler, metrics=self.tally)  # type: ignore[arg-type]
+        self.charge = charge
+        self.overtake = overtake
+        self.unavailable_timeout = None if u is None else float(u)
+        for q in self.engine.queues.values():
             q.overtake = overtake
-            q.unavailable_timeout = math.inf if unavailable_timeout is None else float(unavailable_timeout)
-        self._timer = WakeTimer(self._pump, clock)
-        self._pumping = False
-        self._default = self._pools.get(None)
-        self._only = self._default if len(self._pools) == 1 else None
-        self._flows: dict[Hashable, FlowStats] = {}
-        self._idle: OrderedDict[Hashable, None] = OrderedDict()  # flows with nothing in progress, oldest first
-        self._started = False
-        self._closed = False
-        self._in_flight = 0
-        self._drained = None
-        self._close_task = None
+            q.unavailable_timeout = math.inf if u is None else float(u)
+            q.on_charge = self.tally.charged
+        self.on_dispatch = on_dispatch
+        if on_dispatch is not None:
+            self.on_start = self._dispatched
+        self._default = self._pool_names.get(None)
+        self._only = self._default if len(self._pool_names) == 1 else None  # one default pool takes every model
 
-    async def __aenter__(self) -> Dispatcher:
-        await self.start()
-        return self
+    # ------------------------------------------------------------ the caller's flow -> the driver's
+    def _flow(self, flow: Hashable, body: object, model: str | None = None) -> Flow:
+        try:
+            hash(flow)
+        except TypeError:
+            raise unhashable_flow(flow) from None
+        if body is not None:
+            _check_body(body)
+        pool = self._only
+        if pool is None:
+            if model is None and isinstance(body, Mapping):
+                model = body.get("model")
+            pool = self._pool_names.get(model) if isinstance(model, str) and model else None
+            if pool is None:
+                pool = self._default
+                if pool is None:
+                    raise UnknownModel(f"no backend serves model {model!r}; pools: "
+                                       f"{sorted(str(m) for m in self._pool_names)}")
+        return Flow(flow, DEFAULT_CLASS, pool)  # type: ignore[arg-type]  # the caller's flow id is the org
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+    def _check_flow(self, flow: Flow) -> Flow:
+        return flow  # made by _flow: its org is the caller's id, its class and pool the fleet's
 
+    # ------------------------------------------------------------ the primitives
+    async def submit(self, flow: Hashable, body: Mapping[str, Any], *,  # type: ignore[override]
+                     cost: float | None = None, timeout: float | None = None,
+                     idempotent: bool = False) -> dict[str, Any]:
+        """Queue a non-streaming request of ``flow`` and return the backend's JSON reply.
+
+        ``body``: an OpenAI ``/v1/completions`` (``prompt``) or ``/v1/chat/completions``
+        (``messages``) request; ``cost``: a fixed charge in cost units instead of the estimate;
+        ``timeout``: the request's deadline, seconds from now (504 ``Refused`` if it runs out
+        while it waits, ``DeadlineExceeded`` while it runs). A failure before the reply is
+        retried in the request's own flow, preferably on another backend (``max_attempts``,
+        the retry budget: docs/policy.md). ``idempotent=True`` is the caller's promise that
+        the server running the request twice is harmless: then every backend failure may be
+        retried, and the backend may resend it after a lost connection.
+        """
+        f = self._flow(flow, body)
+        return await self._submit(f, body, timeout, "idempotent" if idempotent else None, None, cost)
+
+    def stream(self, flow: Hashable, body: Mapping[str, Any], *,  # type: ignore[override]
+               cost: float | None = None, timeout: float | None = None) -> EventStream:
+        """Queue a streaming request of ``flow``: the backend's events (JSON objects), opened when
+        entered (``async with``) or at the first iteration, where every refusal raises. Closing
+        it early (``aclose()``, leaving the ``async with``, ``break``) cancels the request and
+        frees its slot. Usage is always asked of the backend; the usage-only final chunk is
+        passed on only when the body asked for it (``stream_options.include_usage``)."""
+        return PolicyEventStream(self, self._flow(flow, body), None, None, body, timeout, None, cost)
+
+    def open_stream(self, flow: Hashable, body: Mapping[str, Any], *,
+                    timeout: float | None = None, cost: float | None = None) -> EventStream:
+        """:meth:`stream`, to enter with ``async with``: entering waits for the turn and the
+        backend's first event, so every refusal can still be an HTTP status."""
+        return PolicyEventStream(self, self._flow(flow, body), None, None, body, timeout, None, cost)
+
+    def acquire(self, flow: Hashable, body: Mapping[str, Any] | None = None, *,
+                cost: float | None = None, timeout: float | None = None, model: str | None = None) -> Permit:
+        """Wait for ``flow``'s turn and learn where to send the request (``PolicyDispatcher.acquire``:
+        with a body, or with ``cost=`` and none). ``model`` names the pool of a permit without
+        a body when the fleet has several (default: the body's ``model``, else the default pool)."""
+        return Permit(self, self._flow(flow, body, model), body, cost, timeout)
+
+    # ------------------------------------------------------------ controls and views
     def set_weight(self, flow: Hashable, weight: float) -> None:
         """Set ``flow``'s weight (> 0, default 1) in every pool, for its future charges."""
-        queues = list(self._engine.queues.values())
+        queues = list(self.engine.queues.values())
         queues[0].sched.set_weight(Flow(flow, DEFAULT_CLASS, queues[0].name), weight)  # type: ignore[arg-type]
         # (validated: raises before anything changed)
         for q in queues[1:]:
             q.sched.set_weight(Flow(flow, DEFAULT_CLASS, q.name), weight)  # type: ignore[arg-type]
-        self.policy.weights[flow] = float(weight)
+        self.policy.weights[flow] = float(weight)  # type: ignore[attr-defined]
+
+    def wake(self, *models: str | None) -> None:
+        """Pump again (``models``: the pools to look at; every pool when none is given). A model
+        no pool serves raises ``KeyError``."""
+        for m in models:
+            self._queue_of(m)
+        if not self._closed:
+            self._pump()
 
     def _queue_of(self, model: str | None) -> Any:
         try:
-            return self._engine.queues[self._pools[model].name]
+            return self.engine.queues[self._pool_names[model]]
         except (KeyError, TypeError):
-            raise KeyError(f"no pool serves model {model!r}; pools: {sorted(str(m) for m in self._pools)}") from None
+            raise KeyError(f"no pool serves model {model!r}; pools: "
+                           f"{sorted(str(m) for m in self._pool_names)}") from None
 
     def scheduler_of(self, model: str | None) -> Any:
         """The SFQ core of the pool serving ``model`` (``None``: the default pool), to look at
@@ -294,3 +471,61 @@ class Dispatcher(Calls, Admission, Placement, Health, Statistics, Lifecycle):
         """``flow``'s meter (cost units) in the pool serving ``model`` (``None``: the default pool)."""
         q = self._queue_of(model)
         return float(q.sched.meter(Flow(flow, DEFAULT_CLASS, q.name)))  # type: ignore[arg-type]
+
+    def _dispatched(self, r: Request) -> None:
+        assert self.on_dispatch is not None and r.backend is not None and r.started_at is not None
+        start = r.start_tag
+        w = self.policy.flow_weight(r.flow.org, r.flow.cls)
+        q = self.engine.queues[r.flow.pool]
+        model = q.spec.models[0] if q.spec.models else None
+        self.on_dispatch(DispatchRecord(r.flow.org, r.id, r.charged, start, start + r.charged / w, model, r.backend,
+                                        r.started_at - r.queued_at))
+
+    def stats(self) -> dict[str, Any]:
+        """:meth:`PolicyDispatcher.stats` (``pools``, ``backends``; JSON-serialisable), with
+        ``flows`` keyed by the caller's flow ids (ids that are not a str, number, bool or
+        ``None``: their ``str``): ``waiting``, ``held`` (first in line, waiting aside,
+        uncharged, for a backend that fits), ``in_flight``, ``dispatched`` (attempts started),
+        ``completed``, ``failed`` (after the retries), ``retried``, ``cancelled`` (before
+        start, uncharged), ``aborted`` (while running), ``rejected`` (the dispatcher closed),
+        ``unavailable`` (no healthy backend for ``unavailable_timeout``), ``expired`` (the
+        deadline ran out before start), ``refused`` (other refusals), ``charged_cost`` (cost
+        units) and ``wait_p50``/``wait_p95``/``wait_p99`` (seconds from arrival to start over
+        the last ``wait_window`` starts; ``None`` before any). ``refused_other``: refusals of
+        flows with no row (by reason). Its cost grows with the number of flows."""
+        s = super().stats()
+        t = self.tally
+        flows: dict[Any, Any] = {}
+        for f, row in list(t.rows.items()):
+            flows[_json_key(f)] = t.row(f, self._held(f) if row.waiting else 0)
+        s["flows"] = flows
+        s["refused_other"] = dict(t.refused_other)
+        s.pop("unclassified", None)
+        by_model = {}
+        for m, name in self._pool_names.items():
+            p = s["pools"][name]
+            q = self.engine.queues[name]
+            p["held"] = len(q.aside) + int(q.stalled is not None and q.stalled.state == "waiting")
+            p["waiting"] -= p["held"]
+            p["healthy"] = sum(b["healthy"] for b in p["backends"].values())
+            by_model[m] = p
+        s["pools"] = by_model  # keyed by model (None: the default pool), as the fleet was given
+        for b in s["backends"].values():
+            b["model"] = next(m for m, name in self._pool_names.items() if name == b["pool"])
+        return s
+
+    def flow_stats(self, flow: Hashable) -> dict[str, Any] | None:
+        """One flow's row of :meth:`stats` (``None`` when it has none), in O(1) plus its wait
+        percentiles: for a proxy's per-request look, where ``stats()`` walks every flow."""
+        t = self.tally
+        row = t.rows.get(flow)
+        if row is None:
+            return None
+        return t.row(flow, self._held(flow) if row.waiting else 0)
+
+    def _held(self, flow: Hashable) -> int:
+        """Requests of ``flow`` first in line that fit no backend with room, in every pool."""
+        n = 0
+        for q in self.engine.queues.values():
+            n += q.held(Flow(flow, DEFAULT_CLASS, q.name))  # type: ignore[arg-type]
+        return n

@@ -10,34 +10,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..backends import CHAT_COMPLETIONS, COMPLETIONS
 from ..backends.base import JSONBody
 from ..engine.engine import text_counts
 from ..engine.pool import RUNNING, Request
-from ..errors import BackendError, DeadlineExceeded
+from ..errors import BackendError, BackendHTTPError, BackendRateLimited, BackendUnavailable, BadRequest, \
+    DeadlineExceeded
 from ..policy.classify import Flow
 from .stream import EventStream
 
 if TYPE_CHECKING:
-    from ..engine import PolicyEngine
     from ..policy.config import UpstreamTimeouts
     from .policy_dispatcher import PolicyDispatcher
 
 
-class GrantOwner(Protocol):
-    """What a :class:`Grant` reports to: the dispatcher that granted it."""
-
-    @property
-    def engine(self) -> PolicyEngine: ...
-
-    def _completed(self, r: Request, usage: Mapping[str, Any] | None, text_chars: int | None) -> None: ...
-
-__all__ = ["BackendAddress", "EventStream", "Grant", "GrantOwner", "PolicyEventStream"]
+__all__ = ["BackendAddress", "EventStream", "Grant", "Permit", "PolicyEventStream"]
 
 Reply = dict[str, Any]
 Event = dict[str, Any]
@@ -80,6 +73,12 @@ def _endpoint(body: Mapping[str, Any]) -> str:
     return CHAT_COMPLETIONS if "messages" in body else COMPLETIONS
 
 
+def _check_body(body: object) -> None:
+    """A request body must be a JSON object: anything else is the client's error (400)."""
+    if not isinstance(body, Mapping):
+        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+
+
 def _text_chars(choices: object) -> int:
     """Characters of text in an OpenAI reply's (or event's) ``choices`` (the engine's one walk)."""
     return text_counts(choices)[0]
@@ -106,18 +105,19 @@ class Grant:
     ``Dispatcher.acquire``).
 
     ``backend`` says where to send it (:class:`BackendAddress`); ``url`` is the endpoint for
-    its body (``.../v1/chat/completions`` or ``.../v1/completions``); ``request`` is the
-    engine's record of it; ``deadline`` its deadline on the dispatcher's clock (``None``: none).
-    Report what the call delivered with :meth:`delivered` (a stream's output tokens as they
-    pass) and end it with :meth:`finish` (the reply's usage: settles the charge)."""
+    its body (``.../v1/chat/completions`` or ``.../v1/completions``; ``.../v1`` for a permit
+    without a body); ``request`` is the engine's record of it; ``deadline`` its deadline on
+    the dispatcher's clock (``None``: none). Report what the call delivered with
+    :meth:`delivered` (a stream's output tokens as they pass), and end it with :meth:`finish`
+    (the reply's usage: settles the charge) or :meth:`fail` (the upstream failed)."""
 
     __slots__ = ("_pd", "request", "backend", "url", "_ended")
 
-    def __init__(self, pd: GrantOwner, r: Request, backend: BackendAddress, endpoint: str) -> None:
+    def __init__(self, pd: PolicyDispatcher, r: Request, backend: BackendAddress, endpoint: str | None) -> None:
         self._pd = pd
         self.request = r
         self.backend = backend
-        self.url = f"{backend.url}/v1/{endpoint}"
+        self.url = f"{backend.url}/v1/{endpoint}" if endpoint else f"{backend.url}/v1"
         self._ended = False
 
     @property
@@ -142,6 +142,83 @@ class Grant:
         self._ended = True
         self._pd._completed(self.request, usage, output_text_chars)
 
+    def fail(self, status: int | None = None, retry_after: float | None = None) -> None:
+        """The upstream failed: ``status`` its HTTP error status (``None``: no answer, the
+        connection failed or timed out); ``retry_after`` its ``Retry-After`` in seconds. It
+        counts toward the backend's health as the dispatcher's own calls do (a refused
+        connection or 5xx against it, a 4xx against the request only; a 429 pauses the backend
+        for ``retry_after``), and the request ends as failed, charged what it was (its estimate,
+        or what :meth:`delivered` reported). Frees the slot at once; nobody retries it but you."""
+        if self._ended:
+            raise RuntimeError("fail() after the grant ended")
+        if status is not None and (isinstance(status, bool) or not isinstance(status, int)
+                                   or not 400 <= status <= 599):
+            raise ValueError(f"status must be an HTTP error status (400-599) or None, got {status!r}")
+        if retry_after is not None and (isinstance(retry_after, bool) or not isinstance(retry_after, (int, float))
+                                        or not (retry_after >= 0 and retry_after < float("inf"))):
+            raise ValueError(f"retry_after must be a finite number of seconds >= 0 or None, got {retry_after!r}")
+        self._ended = True
+        name = self.backend.name
+        err: BackendError
+        if status is None:
+            err = BackendUnavailable(f"backend {name!r}: the embedder's call failed", backend=name)
+        else:
+            kind = BackendRateLimited if status == 429 else BackendHTTPError
+            err = kind(f"backend {name!r}: HTTP {status} (reported by the embedder)", backend=name, status=status,
+                       unhealthy=status >= 500, retry_after=retry_after)
+        self._pd._attempt_failed(self.request, err, retryable=False)
+
+
+class Permit:
+    """What :meth:`PolicyDispatcher.acquire` returns: an async context manager that waits for
+    the request's turn when entered, yields its :class:`Grant`, and ends the request when left
+    (see ``acquire``). Enter it once."""
+
+    __slots__ = ("_pd", "_flow", "_body", "_cost", "_timeout", "grant")
+
+    def __init__(self, pd: PolicyDispatcher, flow: Flow, body: Mapping[str, Any] | None, cost: float | None,
+                 timeout: float | None) -> None:
+        self._pd = pd
+        self._flow = flow
+        self._body = body
+        self._cost = cost
+        self._timeout = timeout
+        #: the grant, once entered
+        self.grant: Grant | None = None
+
+    async def __aenter__(self) -> Grant:
+        if self.grant is not None:
+            raise RuntimeError("this permit was already entered; call acquire() again")
+        pd = self._pd
+        body = self._body
+        r = await pd._admit(self._flow, body, self._timeout, None, None, self._cost)
+        await pd._turn(r)
+        assert r.backend is not None
+        g = self.grant = Grant(pd, r, pd._addresses[r.backend], None if body is None else _endpoint(body))
+        return g
+
+    async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        g = self.grant
+        if g is None or g._ended:
+            return
+        g._ended = True
+        pd = self._pd
+        r = g.request
+        if exc is None:
+            pd._completed(r, None, None)
+        elif isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+            pd._gave_up(r)
+        elif isinstance(exc, BackendError):  # reported: counts toward the backend's health
+            pd._attempt_failed(r, exc, retryable=False)
+        else:  # the embedder's own error: frees the slot, never the backend's fault
+            pd._abort(r, exc)
+
+
+def _fire(ref: weakref.ReferenceType[PolicyEventStream]) -> None:
+    stream = ref()
+    if stream is not None:
+        stream._on_watchdog()
+
 
 class PolicyEventStream(EventStream):
     """A streamed request's events (parsed JSON objects), as :meth:`PolicyDispatcher.stream`,
@@ -161,8 +238,9 @@ class PolicyEventStream(EventStream):
 
     def __init__(self, pd: PolicyDispatcher, flow: Flow | None, credential: str | None, cls: str | None,
                  body: Mapping[str, Any], timeout: float | None,
-                 on_admit: Callable[[Request], None] | None) -> None:
+                 on_admit: Callable[[Request], None] | None, cost: float | None = None) -> None:
         self._pd = pd
+        self._cost = cost
         self._flow = flow
         self._credential = credential
         self._cls = cls
@@ -288,7 +366,7 @@ class PolicyEventStream(EventStream):
             flow = self._flow if self._flow is not None else pd.classify(self._credential, body, self._cls)
             so = body.get("stream_options") if isinstance(body, Mapping) else None
             self._wants_usage = isinstance(so, Mapping) and bool(so.get("include_usage"))
-            r = await pd._admit(flow, body, self._timeout, None, streaming=True)
+            r = await pd._admit(flow, body, self._timeout, None, True, self._cost)
         except BaseException:
             self._done = True
             raise
@@ -317,18 +395,25 @@ class PolicyEventStream(EventStream):
         pd = self._pd
         r = self.request
         assert r is not None
+        failed: BackendError | None = None
         while True:
-            await pd._turn(r)
+            await pd._turn(r, failed)
             assert r.backend is not None
-            self._agen = pd._backends[r.backend].stream(_endpoint(self._send), self._send)
+            be = pd._backends[r.backend]
             self._first = True
             self._total_until = pd._total_until(r)
             self._arm()
             try:
+                try:  # (a transport may refuse before it returns an iterator)
+                    self._agen = (be.stream(_endpoint(self._send), self._send, idempotent=True)  # type: ignore[call-arg]
+                                  if r.idempotency_key else be.stream(_endpoint(self._send), self._send))
+                except Exception as exc:
+                    raise pd._wrap(r, exc) from exc
                 ev = await self._pull()
             except BackendError as exc:
                 await self._drop_agen()
                 await pd._retry(r, exc)
+                failed = exc
                 continue
             if ev is None:
                 self._end()
@@ -440,7 +525,8 @@ class PolicyEventStream(EventStream):
         self._due = due
         if due is not None:
             assert self._loop is not None  # (set by _arm, which every attempt starts with)
-            self._watchdog = self._loop.call_later(max(0.0, due - now), self._on_watchdog)
+            # (through a weak reference: a stream dropped unclosed must still be collected, and free its slot)
+            self._watchdog = self._loop.call_later(max(0.0, due - now), _fire, weakref.ref(self))
 
     def _disarm(self) -> None:
         self._due = None

@@ -61,26 +61,29 @@ from ..backends import Backend, OpenAIBackend
 from ..backends.base import JSONBody
 from ..backends.health import BackendMonitor, HealthOptions
 from ..cost import CostEstimator, Estimate
-from ..engine import PolicyEngine
+from ..engine import NoMetrics, PolicyEngine
 from ..engine.pool import BACKOFF, RUNNING, WAITING, Request
 from ..errors import (
     BackendError,
     BackendTimeout,
     BadRequest,
     DeadlineExceeded,
+    DispatcherClosed,
     NoHealthyBackend,
     PolicyError,
     Refused,
 )
 from ..policy.classify import Flow
 from ..policy.config import Policy, UpstreamTimeouts, load_policy
+from ..policy.metrics import PolicyMetrics
 from ..policy.retry import IdempotencyIndex
 from ..state import SharedState, local_policy, state_for
-from .policy_calls import BackendAddress, Grant, PolicyEventStream, Reply, _endpoint, _Expired, _text_chars, _within
+from .policy_calls import BackendAddress, Grant, Permit, PolicyEventStream, Reply, _check_body, _endpoint, _Expired, \
+    _text_chars, _within
 from ._wake import WakeTimer
 from .stream import EventStream
 
-__all__ = ["BackendAddress", "EventStream", "Grant", "PolicyDispatcher"]
+__all__ = ["BackendAddress", "EventStream", "Grant", "Permit", "PolicyDispatcher"]
 
 log = logging.getLogger("sfq.dispatch")
 
@@ -93,6 +96,25 @@ class _Joined:
     def __init__(self, task: asyncio.Task[Reply]) -> None:
         self.task = task
         self.waiters = 0
+
+
+class _TurnFuture(asyncio.Future):  # type: ignore[type-arg]
+    """What a request's task awaits until its turn. ``Task.cancel()`` cancels it at once, before
+    the task runs again; a pump in between (another request completes) must not start a request
+    whose caller has already left. So its ``cancel()`` withdraws a waiting request at once,
+    uncharged."""
+
+    __slots__ = ("_pd", "_r")
+
+    def __init__(self, pd: PolicyDispatcher, r: Request) -> None:
+        super().__init__(loop=asyncio.get_running_loop())
+        self._pd = pd
+        self._r = r
+
+    def cancel(self, msg: Any = None) -> bool:
+        if not self.done() and self._r.state == WAITING:
+            self._pd._gave_up(self._r)
+        return super().cancel(msg)
 
 
 class _Listener:
@@ -146,7 +168,8 @@ class PolicyDispatcher:
                  clock: Callable[[], float] = time.monotonic, estimator: CostEstimator | None = None,
                  registry: CollectorRegistry | None = None, health: HealthOptions | None = None,
                  close_grace: float = 30.0, rng: random.Random | None = None,
-                 scheduler: Callable[[], Any] | None = None, state: SharedState | None = None) -> None:
+                 scheduler: Callable[[], Any] | None = None, state: SharedState | None = None,
+                 metrics: PolicyMetrics | NoMetrics | None = None) -> None:
         if not isinstance(policy, Policy):
             policy = load_policy(policy)
         if isinstance(close_grace, bool) or not isinstance(close_grace, (int, float)) or not (
@@ -159,6 +182,8 @@ class PolicyDispatcher:
         self.policy = policy
         self.clock = clock
         self.close_grace = float(close_grace)
+        #: the backends' health rules
+        self.health = health
         if state is None:
             state = state_for(policy, clock=clock)
         if not isinstance(state, SharedState):
@@ -172,11 +197,12 @@ class PolicyDispatcher:
         # applies the limits and the order over every gateway
         self.engine = PolicyEngine(local_policy(policy) if self._shared else policy, clock=clock,
                                    scheduler=scheduler, rng=rng, registry=registry, estimator=self.estimator,
-                                   max_pause=health.max_pause)
+                                   max_pause=health.max_pause, metrics=metrics)
         reg = self.engine.metrics.registry
-        assert reg is not None  # a PolicyEngine built without NoMetrics keeps Prometheus series
-        #: the Prometheus registry of the policy's metrics
-        self.registry: CollectorRegistry = reg
+        #: the Prometheus registry of the policy's metrics (empty when ``metrics`` keeps none)
+        self.registry: CollectorRegistry = reg if reg is not None else CollectorRegistry(auto_describe=True)
+        #: called with each request the engine starts, as it starts (a face's ``on_dispatch``)
+        self.on_start: Callable[[Request], None] | None = None
         given = dict(backends or {})
         known = {b.name for p in policy.pools.values() for b in p.backends}
         extra = sorted(set(given) - known)
@@ -186,6 +212,7 @@ class PolicyDispatcher:
         self._addresses: dict[str, BackendAddress] = {}
         self._monitors: dict[str, BackendMonitor] = {}
         self._pool_of: dict[str, str] = {}
+        self._sent: dict[str, list[int]] = {}  # backend -> [attempts started there, aborted there]
         for pool in policy.pools.values():
             listener = _Listener(self, pool.name)
             t = pool.timeouts
@@ -210,6 +237,7 @@ class PolicyDispatcher:
                 self._addresses[spec.name] = address
                 self._monitors[spec.name] = BackendMonitor(be, listener, health, clock=clock)
                 self._pool_of[spec.name] = pool.name
+                self._sent[spec.name] = [0, 0]
         self._waiters: dict[int, asyncio.Future[None]] = {}  # request id -> wakes its task
         self._idem: IdempotencyIndex[_Joined] = IdempotencyIndex()
         self._timer = WakeTimer(self._pump, clock)
@@ -233,7 +261,7 @@ class PolicyDispatcher:
     async def start(self) -> None:
         """Start the backends and their monitors (``async with`` does this)."""
         if self._closed:
-            raise Refused("closed", "this dispatcher is closed")
+            raise DispatcherClosed()
         if self._started:
             return
         if self._shared:
@@ -298,8 +326,16 @@ class PolicyDispatcher:
         try:
             while True:
                 self._again = False
-                for r in self.engine.poll():
-                    self._wake(r)
+                started = self.engine.poll()
+                if started:
+                    sent = self._sent
+                    for r in started:
+                        sent[r.backend][0] += 1  # type: ignore[index]
+                    if self.on_start is not None:
+                        for r in started:
+                            self._started_hook(r)
+                    for r in started:
+                        self._wake(r)
                 for r in self.engine.dropped:
                     self._wake(r)
                 if not self._again:
@@ -307,6 +343,13 @@ class PolicyDispatcher:
             self._arm(self.engine.wake_at())
         finally:
             self._pumping = False
+
+    def _started_hook(self, r: Request) -> None:
+        assert self.on_start is not None
+        try:
+            self.on_start(r)
+        except Exception:  # a broken hook must not break the pump (or another caller's request)
+            log.exception("sfq: the on_dispatch hook raised; ignored")
 
     def _arm(self, at: float | None) -> None:
         if not self._closed:
@@ -329,8 +372,7 @@ class PolicyDispatcher:
 
     def classify(self, credential: str | None, body: Mapping[str, Any], cls: str | None = None) -> Flow:
         """The flow of a request (``Refused`` when the key, the class or the model is refused)."""
-        if not isinstance(body, Mapping):
-            raise BadRequest(f"the request body must be a mapping (a JSON object), got {type(body).__name__}")
+        _check_body(body)
         return self.engine.classify(credential, cls, body.get("model"))
 
     def _check_flow(self, flow: Flow) -> Flow:
@@ -350,21 +392,41 @@ class PolicyDispatcher:
     def _estimate(self, body: Mapping[str, Any], flow: Flow) -> Estimate:
         try:
             return self.estimator.estimate(body, flow)
+        except BadRequest:
+            self.engine.refuse(flow, "bad_request")
+            raise
         except (TypeError, ValueError, OverflowError) as exc:
             self.engine.refuse(flow, "bad_request")
             raise BadRequest(str(exc)) from None
 
-    async def _admit(self, flow: Flow, body: Mapping[str, Any], timeout: float | None, key: str | None,
-                     streaming: bool) -> Request:
-        """Everything that can refuse the request, then its place in its flow's queue."""
+    async def _admit(self, flow: Flow, body: Mapping[str, Any] | None, timeout: float | None, key: str | None,
+                     streaming: bool | None, cost: float | None = None) -> Request:
+        """Everything that can refuse the request, then its place in its flow's queue.
+        ``streaming``: ``True`` (a stream), ``False`` (a plain reply), ``None`` (a permit: the
+        body says); ``body`` ``None``: a permit without one (``cost`` is then its charge)."""
         if not self._started:
             await self.start()
+        if body is None:
+            if cost is None:
+                raise BadRequest("a request needs a body (a JSON object), or cost= for a permit without one")
+        else:
+            _check_body(body)
+            s = body.get("stream")
+            if streaming is None:
+                streaming = s is True
+            elif streaming and s is not None and s is not True:
+                raise BadRequest(f"a stream takes a streaming body: 'stream' must be true or absent, got {s!r}",
+                                 param="stream")
+            elif not streaming and s is not None and s is not False:
+                raise BadRequest(f"a plain request takes a non-streaming body ('stream' is {s!r}); use stream() or "
+                                 "open_stream()",
+                                 param="stream")
         flow = self._checked(flow)
         if self._closed:
             self.engine.refuse(flow, "closed")
-            raise Refused("closed", "this dispatcher is closed")
+            raise DispatcherClosed()
         deadline = self._deadline(timeout)
-        est = self._estimate(body, flow)
+        est = None if body is None else self._estimate(body, flow)
         ticket = None
         if self._shared:
             try:
@@ -373,7 +435,8 @@ class PolicyDispatcher:
                 self.engine.refuse(flow, exc.reason)
                 raise
         try:
-            r = self.engine.submit(flow, estimate=est, streaming=streaming, deadline=deadline, idempotency_key=key)
+            r = self.engine.submit(flow, cost=cost, estimate=est, streaming=bool(streaming), deadline=deadline,
+                                   idempotency_key=key)
         except OverflowError as exc:  # a figure too large for the scheduler: the body's fault
             if self._shared:
                 self.state.drop(ticket)
@@ -392,14 +455,15 @@ class PolicyDispatcher:
         """The error for a request the engine ended before (or between) its attempts."""
         return self.engine.ended_error(r)
 
-    async def _turn(self, r: Request) -> None:
+    async def _turn(self, r: Request, failed: BackendError | None = None) -> None:
         """Wait until the engine starts ``r`` (and the shared state grants it); the error the
-        engine ended it with otherwise. Cancelling the task here removes it uncharged."""
+        engine ended it with otherwise (chained from ``failed``, the last attempt's failure,
+        when it waited to be retried). Cancelling the task here removes it uncharged."""
         try:
             while r.state != RUNNING:
                 if r.outcome is not None:
-                    raise self._ended_error(r)
-                fut = self._waiters[r.id] = asyncio.get_running_loop().create_future()
+                    raise self._ended_error(r) from failed
+                fut = self._waiters[r.id] = _TurnFuture(self, r)
                 await fut  # bounded: the timer drops it when its queue age or deadline runs out
             if self._shared:
                 await self._granted(r)
@@ -447,6 +511,8 @@ class PolicyDispatcher:
         self._waiters.pop(r.id, None)
         if r.outcome is None:
             running = r.state == RUNNING
+            if running and r.backend in self._sent:
+                self._sent[r.backend][1] += 1
             self.engine.cancel(r, work_tokens=r.delivered if running else None)
             if running:
                 self._settled()
@@ -566,44 +632,29 @@ class PolicyDispatcher:
         return err
 
     # ------------------------------------------------------------ acquire
-    def acquire(self, flow: Flow, body: Mapping[str, Any], *,
-                timeout: float | None = None) -> contextlib.AbstractAsyncContextManager[Grant]:
-        """Wait for ``flow``'s turn for ``body`` and learn where to send it, for an embedder
-        who makes the call with its own HTTP client::
+    def acquire(self, flow: Flow, body: Mapping[str, Any] | None = None, *, cost: float | None = None,
+                timeout: float | None = None) -> Permit:
+        """Wait for ``flow``'s turn and learn where to send the request, for an embedder who
+        makes the call with its own HTTP client::
 
             async with pd.acquire(flow, body, timeout=30) as grant:
                 reply = await my_client.post(grant.url, json=body, headers=grant.backend.headers)
                 grant.finish(reply["usage"])
 
-        Entering is where everything that can refuse the request happens (``BadRequest``,
-        limits, queue age, ``timeout``, ``NoHealthyBackend``); cancelling the task while it
-        waits there removes the request uncharged, and nothing reaches an upstream. Leaving
-        without :meth:`Grant.finish` settles the charge from the estimate (or from what
-        :meth:`Grant.delivered` reported); an exception inside the block is a failure that
-        frees the slot and counts toward the backend's health; nobody retries it but you.
+        A permit with or without a body: ``body`` (a chat/completions request, estimated and
+        charged by the policy's ``cost``) or ``cost=`` (cost units: a fixed charge, for any
+        other call: embeddings, the Responses API, ...; with a body too, it replaces the
+        estimate). Entering is where everything that can refuse the request happens
+        (``BadRequest``, limits, queue age, ``timeout``, ``NoHealthyBackend``); cancelling the
+        task while it waits there removes the request uncharged, and nothing reaches an
+        upstream. Leaving without :meth:`Grant.finish` settles the charge from what
+        :meth:`Grant.delivered` reported (else the estimate). An upstream failure counts
+        toward the backend's health only when reported: :meth:`Grant.fail`, or an
+        ``sfq.BackendError`` raised in the block; any other exception of the embedder's own
+        frees the slot (the request ends as failed) and never counts against the backend.
+        Nobody retries it but you.
         """
-        return self._acquire(flow, body, timeout)
-
-    @contextlib.asynccontextmanager
-    async def _acquire(self, flow: Flow, body: Mapping[str, Any], timeout: float | None) -> AsyncIterator[Grant]:
-        r = await self._admit(flow, body, timeout, None,
-                              streaming=isinstance(body, Mapping) and bool(body.get("stream")))
-        await self._turn(r)
-        assert r.backend is not None
-        grant = Grant(self, r, self._addresses[r.backend], _endpoint(body))
-        try:
-            yield grant
-        except (asyncio.CancelledError, GeneratorExit):
-            grant._ended = True
-            self._gave_up(r)
-            raise
-        except BaseException as exc:
-            grant._ended = True
-            self._attempt_failed(r, exc, retryable=False)
-            raise
-        if not grant._ended:
-            grant._ended = True
-            self._completed(r, None, None)
+        return Permit(self, flow, body, cost, timeout)
 
     # ------------------------------------------------------------ submit
     async def submit(self, credential: str | None, body: Mapping[str, Any], *, cls: str | None = None,
@@ -626,16 +677,17 @@ class PolicyDispatcher:
                                       on_admit=on_admit)
 
     async def submit_flow(self, flow: Flow, body: Mapping[str, Any], *, timeout: float | None = None,
-                          idempotency_key: str | None = None,
+                          idempotency_key: str | None = None, cost: float | None = None,
                           on_admit: Callable[[Request], None] | None = None) -> Reply:
         """:meth:`submit` for a request the embedder classified itself (``flow``: an
-        ``sfq.Flow`` the policy allows; no credential needed)."""
+        ``sfq.Flow`` the policy allows; no credential needed). ``cost``: a fixed charge in
+        cost units instead of the estimate (never corrected from usage)."""
         if idempotency_key:
-            return await self._joined(flow, body, timeout, idempotency_key, on_admit)
-        return await self._submit(flow, body, timeout, None, on_admit)
+            return await self._joined(flow, body, timeout, idempotency_key, on_admit, cost)
+        return await self._submit(flow, body, timeout, None, on_admit, cost)
 
     async def _joined(self, flow: Flow, body: Mapping[str, Any], timeout: float | None, key: str,
-                      on_admit: Callable[[Request], None] | None) -> Reply:
+                      on_admit: Callable[[Request], None] | None, cost: float | None = None) -> Reply:
         """A request under an ``Idempotency-Key``: the first runs it in a task of its own, so
         that it goes on while any of its callers waits; each caller waits its own timeout."""
         self._deadline(timeout)  # a bad timeout is refused before anything runs
@@ -644,7 +696,7 @@ class PolicyDispatcher:
         entry = self._idem.get(org, key)
         first = entry is None
         if entry is None:
-            task = asyncio.get_running_loop().create_task(self._submit(flow, body, timeout, key, on_admit))
+            task = asyncio.get_running_loop().create_task(self._submit(flow, body, timeout, key, on_admit, cost))
             entry = _Joined(task)
             self._idem.add(org, key, entry)
             task.add_done_callback(functools.partial(self._joined_done, org, key, entry))
@@ -670,19 +722,21 @@ class PolicyDispatcher:
             task.exception()  # retrieved: no "never retrieved" warning when every caller left
 
     async def _submit(self, flow: Flow, body: Mapping[str, Any], timeout: float | None, key: str | None,
-                      on_admit: Callable[[Request], None] | None) -> Reply:
-        r = await self._admit(flow, body, timeout, key, streaming=False)
+                      on_admit: Callable[[Request], None] | None, cost: float | None = None) -> Reply:
+        r = await self._admit(flow, body, timeout, key, False, cost)
         if on_admit is not None:
             on_admit(r)
         endpoint = _endpoint(body)
         send = body if type(body) is JSONBody else dict(body)  # (a JSONBody is its caller's, unchanged)
+        failed: BackendError | None = None
         try:
             while True:
-                await self._turn(r)
+                await self._turn(r, failed)
                 try:
                     reply = await self._call(r, endpoint, send)
                 except BackendError as exc:
                     await self._retry(r, exc)
+                    failed = exc
                     continue
                 usage = reply.get("usage")
                 self._completed(r, usage if isinstance(usage, Mapping) else None, _text_chars(reply.get("choices")))
@@ -701,7 +755,10 @@ class PolicyDispatcher:
         t = self._timeouts(r)
         limit, why = self._bound(r, t.first_byte, self._total_until(r))
         try:
-            return await _within(self._backends[r.backend].complete(endpoint, body), limit)
+            be = self._backends[r.backend]
+            # a request the caller says may run twice (an idempotency key) may be resent after a lost connection
+            call = be.complete(endpoint, body, idempotent=True) if r.idempotency_key else be.complete(endpoint, body)  # type: ignore[call-arg]
+            return await _within(call, limit)
         except _Expired:
             if why == "deadline":
                 raise self._deadline_hit(r, "running") from None
@@ -722,11 +779,13 @@ class PolicyDispatcher:
         return PolicyEventStream(self, None, credential, cls, body, timeout, on_admit)
 
     def stream_flow(self, flow: Flow, body: Mapping[str, Any], *, timeout: float | None = None,
-                    on_admit: Callable[[Request], None] | None = None) -> EventStream:
-        """:meth:`stream` for a request the embedder classified itself."""
-        return PolicyEventStream(self, flow, None, None, body, timeout, on_admit)
+                    cost: float | None = None, on_admit: Callable[[Request], None] | None = None) -> EventStream:
+        """:meth:`stream` for a request the embedder classified itself (``cost``: as in
+        :meth:`submit_flow`)."""
+        return PolicyEventStream(self, flow, None, None, body, timeout, on_admit, cost)
 
-    def open_stream(self, flow: Flow, body: Mapping[str, Any], *, timeout: float | None = None) -> EventStream:
+    def open_stream(self, flow: Flow, body: Mapping[str, Any], *, timeout: float | None = None,
+                    cost: float | None = None) -> EventStream:
         """A stream that is admitted, and answered by its upstream, before the ``async with``
         body runs, so that every refusal can still be an HTTP status::
 
@@ -739,7 +798,7 @@ class PolicyDispatcher:
         ``timeout``, ``NoHealthyBackend``) and the upstream's error before its first event
         (after the retries the policy allows), all ``SFQError`` s. Cancelling the task while
         it waits there removes the request uncharged, and nothing reaches an upstream."""
-        return PolicyEventStream(self, flow, None, None, body, timeout, None)
+        return PolicyEventStream(self, flow, None, None, body, timeout, None, cost)
 
     # ------------------------------------------------------------ reload
     def reload(self, policy: Policy | str | Path) -> list[Request]:
@@ -753,7 +812,7 @@ class PolicyDispatcher:
         if not isinstance(policy, Policy):
             policy = load_policy(policy)
         if self._closed:
-            raise Refused("closed", "this dispatcher is closed")
+            raise DispatcherClosed()
         engine, ended = self.engine.reloaded(local_policy(policy) if self._shared else policy)
         self.engine = engine
         self.policy = policy
@@ -776,7 +835,9 @@ class PolicyDispatcher:
             pool = self._pool_of[name]
             running = self.engine.queues[pool].backends[name].in_flight
             limit = next(x.max_in_flight for x in self.policy.pools[pool].backends if x.name == name)
-            backends[name] = {"pool": pool, "in_flight": running, "max_in_flight": limit, **m.stats()}
+            sent, aborted = self._sent[name]
+            backends[name] = {"pool": pool, "in_flight": running, "max_in_flight": limit, "dispatched": sent,
+                              "aborted": aborted, **m.stats()}
         s["backends"] = backends
         if self._shared:  # the limits in force are the shared state's; requests it has not granted yet wait
             st = self.state.stats()

@@ -33,7 +33,8 @@ from prometheus_client import CollectorRegistry
 
 from .._common import MAX_COST, check_cost
 from ..cost import MAX_PROMPT_SURPRISE, PRIOR_CHARS, CostEstimator, Estimate
-from ..errors import BackendHTTPError, BackendTimeout, DeadlineExceeded, NoHealthyBackend, Refused
+from ..errors import (BackendHTTPError, BackendTimeout, DeadlineExceeded, DispatcherClosed, NoHealthyBackend, Refused,
+                      RequestTooLarge)
 from ..policy.charge import ChargeMode
 from ..policy.classify import Classifier, Flow
 from ..policy.config import Policy
@@ -46,10 +47,12 @@ _INF = math.inf
 #: flows remembered as allowed, at most (then the memory starts again)
 _ALLOWED_CACHE = 4096
 
-__all__ = ["NO_METRICS", "NoMetrics", "PolicyEngine", "UNKNOWN"]
+__all__ = ["NO_METRICS", "NoMetrics", "OTHER", "PolicyEngine", "UNKNOWN"]
 
 #: label value for what a refused request's flow did not get as far as (e.g. an unknown key)
 UNKNOWN = ""
+#: the org (and class, pool) label of refusals of flows the policy does not name
+OTHER = "_other"
 log = logging.getLogger("sfq.engine")
 
 
@@ -219,12 +222,26 @@ class PolicyEngine:
 
     def _refused_unclassified(self, key: tuple[str, str, str], exc: Refused) -> None:
         self.submitted += 1
-        self.metrics.ended(key, "refused", exc.reason)
+        self.metrics.ended(self._refusal_key(key), "refused", exc.reason)
 
     def refuse(self, flow: Flow | tuple[str, str, str], reason: str) -> None:
         """Record a refusal decided outside the engine (a malformed body, a request too large)."""
         self.submitted += 1
-        self.metrics.ended(tuple(flow), "refused", reason)  # type: ignore[arg-type]
+        self.metrics.ended(self._refusal_key(tuple(flow)), "refused", reason)
+
+    def _refusal_key(self, key: tuple[Any, ...]) -> tuple[str, str, str]:
+        """Where a refusal is counted: under its own flow when the policy names its org (or the
+        flow has counted before), else under ``OTHER`` (the names a client makes up never grow
+        the counters, the stats or the metric series: refused flows leave no state)."""
+        flows = getattr(self.metrics, "flows", None)
+        if flows is None or key in flows:
+            return key
+        org, cls, pool = key
+        p = self.policy
+        if org in p.orgs or org == UNKNOWN:
+            return key
+        return (OTHER, cls if cls in p.classes or cls == UNKNOWN else OTHER,
+                pool if pool in p.pools or pool == UNKNOWN else OTHER)
 
     def submit(self, flow: Flow, *, cost: float | None = None, tokens: float | None = None,
                need: float | None = None, deadline: float | None = None, item: Any = None,
@@ -279,30 +296,30 @@ class PolicyEngine:
         key = tuple(flow)
         if need > q.largest_context:
             self.submitted += 1
-            self.metrics.ended(key, "refused", "too_large")  # type: ignore[arg-type]
-            raise Refused("too_large", f"the request needs about {need:.0f} tokens (prompt + max_tokens), more than "
+            self.metrics.ended(self._refusal_key(key), "refused", "too_large")
+            raise RequestTooLarge(f"the request needs about {need:.0f} tokens (prompt + max_tokens), more than "
                                        f"any backend of pool {flow.pool!r} takes (largest max_context "
                                        f"{q.largest_context:.0f})")
         if deadline is not None and deadline <= now:
             self.submitted += 1
-            self.metrics.ended(key, "refused", "deadline")  # type: ignore[arg-type]
+            self.metrics.ended(self._refusal_key(key), "refused", "deadline")
             raise Refused("deadline", "the request's deadline has already passed")
         try:
             victim = q.make_room(flow)  # a full class: the org holding the most gives a place up
         except Refused as exc:
             self.submitted += 1
-            self.metrics.ended(key, "refused", exc.reason)  # type: ignore[arg-type]
+            self.metrics.ended(self._refusal_key(key), "refused", exc.reason)
             raise
         if not q.available and q.unavailable_timeout <= 0:
             self.submitted += 1
-            self.metrics.ended(key, "refused", "unavailable")  # type: ignore[arg-type]
+            self.metrics.ended(self._refusal_key(key), "refused", "unavailable")
             down = NoHealthyBackend(f"no backend of pool {flow.pool!r} is in rotation")
             down.retry_after = self.unavailable_retry_after
             raise down
         bucket = self._org_bucket(flow.org, now)
         if bucket is not None and not bucket.take(1, now):
             self.submitted += 1
-            self.metrics.ended(key, "refused", "rate_limited")  # type: ignore[arg-type]
+            self.metrics.ended(self._refusal_key(key), "refused", "rate_limited")
             raise Refused("rate_limited", f"org {flow.org!r} is over its requests_per_minute "
                                           f"({bucket.capacity:g})", retry_after=bucket.wait(1, now))
         r = Request(flow, float(cost), float(tokens), now, deadline=deadline, item=item, need=float(need),
@@ -550,7 +567,9 @@ class PolicyEngine:
         ``DeadlineExceeded`` for a deadline that ran out between retries, else ``Refused``)."""
         reason = r.reason or "closed"
         if reason == "unavailable":
-            down = NoHealthyBackend(f"no backend of pool {r.flow.pool!r} is in rotation")
+            t = self.queues[r.flow.pool].unavailable_timeout
+            down = NoHealthyBackend(f"no backend of pool {r.flow.pool!r} was healthy for {t:g} s while this request "
+                                    "waited" if 0 < t < math.inf else f"no backend of pool {r.flow.pool!r} is in rotation")
             down.retry_after = self.unavailable_retry_after
             return down
         if reason == "deadline" and r.tries:
@@ -568,8 +587,8 @@ class PolicyEngine:
             return Refused(reason, f"the policy was reloaded and no longer allows flow "
                                    f"{r.flow.org}/{r.flow.cls}/{r.flow.pool}")
         if reason == "closed":
-            return Refused("closed", "the dispatcher closed while this request waited to be retried" if r.tries
-                           else "the dispatcher closed before this request started")
+            return DispatcherClosed("the dispatcher closed while this request waited to be retried" if r.tries
+                                    else "the dispatcher closed before this request started")
         return Refused(reason, f"the request ended ({reason}) before it started")
 
     # ------------------------------------------------------------ backends

@@ -58,6 +58,8 @@ class HTTPError(NamedTuple):
     message: str
     retry_after: int | None = None
     retry: bool | None = None
+    #: the request field at fault (OpenAI's ``param``), when known
+    param: str | None = None
 
     def headers(self) -> dict[str, str]:
         again = should_retry(self.status) if self.retry is None else self.retry
@@ -115,6 +117,13 @@ def http_error_of(exc: BaseException) -> HTTPError:
         ra = None if exc.retry_after is None else _whole_seconds(exc.retry_after)
         return HTTPError(503, "server_error", "upstream_unavailable",
                          "the backends are unavailable and the retries allowed ran out", ra, True)
+    if isinstance(exc, BackendHTTPError) and exc.client_fault:
+        # the client's to fix (a context-length error, an unknown parameter): the upstream's own
+        # status and words, secrets and addresses redacted
+        e = exc.to_openai()["error"]
+        param = e.get("param")
+        return HTTPError(int(exc.status or 400), str(e["type"]), str(e["code"]), str(e["message"]), None, None,
+                         param if isinstance(param, str) else None)
     if isinstance(exc, BackendHTTPError):
         st = exc.status
         return HTTPError(502, "server_error", "upstream_error",
@@ -129,7 +138,7 @@ def http_error_of(exc: BaseException) -> HTTPError:
 
 
 def error_body(err: HTTPError, request_id: str | None = None) -> dict[str, Any]:
-    e: dict[str, Any] = {"message": err.message, "type": err.type, "code": err.code, "param": None}
+    e: dict[str, Any] = {"message": err.message, "type": err.type, "code": err.code, "param": err.param}
     if request_id is not None:
         e["request_id"] = request_id
     return {"error": e}
