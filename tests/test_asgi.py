@@ -13,7 +13,7 @@ import logging
 import subprocess
 import sys
 import textwrap
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ class Client:
     def __init__(self, body: bytes = b"") -> None:
         self.inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.inbox.put_nowait({"type": "http.request", "body": body, "more_body": False})
-        self.sent: list[dict[str, Any]] = []
+        self.sent: list[MutableMapping[str, Any]] = []
         self.receiving = 0  # receive() calls pending now
 
     async def receive(self) -> dict[str, Any]:
@@ -57,7 +57,7 @@ class Client:
         finally:
             self.receiving -= 1
 
-    async def send(self, message: dict[str, Any]) -> None:
+    async def send(self, message: MutableMapping[str, Any]) -> None:
         self.sent.append(message)
 
     def leave(self) -> None:
@@ -65,7 +65,7 @@ class Client:
 
     def request(self) -> Request:
         scope = {"type": "http", "method": "POST", "path": "/", "headers": [], "query_string": b""}
-        return Request(scope, self.receive)  # type: ignore[arg-type]
+        return Request(scope, self.receive)
 
     @property
     def status(self) -> int:
@@ -233,7 +233,7 @@ async def test_every_sfq_error_is_the_openai_answer(exc: sfq.SFQError, status: i
     app = Starlette(routes=[Route("/", endpoint, methods=["POST"])])
     app.add_exception_handler(sfq.SFQError, sfq_asgi.error_response_handler)
     client = Client()
-    await app(SCOPE, client.receive, client.send)  # type: ignore[arg-type]
+    await app(SCOPE, client.receive, client.send)
     assert client.status == status == exc.http_status
     assert client.headers.get("retry-after") == retry_after
     assert client.headers["content-type"] == "application/json"
@@ -248,7 +248,7 @@ async def test_an_event_stream_is_sent_as_sse_and_closed(pd: sfq.PolicyDispatche
     await client.receive()
     body = {**BODY, "stream": True}
     events = await sfq_asgi.enter(client.receive, pd.open_stream(FLOW, body))
-    await sfq_asgi.EventStreamResponse(events)(SCOPE, client.receive, client.send)  # type: ignore[arg-type]
+    await sfq_asgi.EventStreamResponse(events)(SCOPE, client.receive, client.send)
     assert client.status == 200 and client.headers["content-type"].startswith("text/event-stream")
     assert client.headers["cache-control"] == "no-cache" and client.complete
     frames = client.body.decode().split("\n\n")
@@ -283,7 +283,7 @@ async def test_an_error_after_the_200_is_an_error_event() -> None:
 
     client = Client()
     await client.receive()
-    await sfq_asgi.EventStreamResponse(Broken())(SCOPE, client.receive, client.send)  # type: ignore[arg-type]
+    await sfq_asgi.EventStreamResponse(Broken())(SCOPE, client.receive, client.send)
     frames = client.body.decode().split("\n\n")
     assert client.status == 200 and len(frames) == 3 and frames[2] == ""
     error = json.loads(frames[1].removeprefix("data: "))
@@ -298,7 +298,7 @@ async def test_the_stream_is_closed_when_the_client_leaves(
     await client.receive()
     events = await sfq_asgi.enter(client.receive, pd.open_stream(FLOW, {**BODY, "stream": True}))
     response = asyncio.create_task(
-        sfq_asgi.EventStreamResponse(events)(SCOPE, client.receive, client.send))  # type: ignore[arg-type]
+        sfq_asgi.EventStreamResponse(events)(SCOPE, client.receive, client.send))
     await _until(lambda: b"t0" in client.body, "the first event to be sent")
     client.leave()
     await asyncio.wait_for(response, 5)  # ends quietly: no exception
@@ -322,7 +322,7 @@ async def test_a_streaming_response_exits_the_turn_it_holds(pd: sfq.PolicyDispat
         grant.finish({"prompt_tokens": 1, "completion_tokens": 2})
 
     await sfq_asgi.StreamingResponse(body(), closing=turn, media_type="text/plain")(
-        SCOPE, client.receive, client.send)  # type: ignore[arg-type]
+        SCOPE, client.receive, client.send)
     assert client.body == b"ab" and client.complete and _flow(pd)["completed"] == 1
 
     # gone: the client leaves while the body waits; the turn is exited as cancelled
@@ -341,7 +341,7 @@ async def test_a_streaming_response_exits_the_turn_it_holds(pd: sfq.PolicyDispat
             closed.append("body")
 
     response = asyncio.create_task(sfq_asgi.StreamingResponse(slow(), closing=turn)(
-        SCOPE, client.receive, client.send))  # type: ignore[arg-type]
+        SCOPE, client.receive, client.send))
     await _until(lambda: client.body == b"x", "the first chunk")
     client.leave()
     await asyncio.wait_for(response, 5)
