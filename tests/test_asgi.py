@@ -213,6 +213,30 @@ async def test_a_cancel_from_elsewhere_stays_a_cancel(pd: sfq.PolicyDispatcher) 
         assert _flow(pd)["cancelled_before_start"] == 1
 
 
+async def test_sfq_dispatcher_is_waited_for_the_same_way(upstream: Any, quiet: pytest.LogCaptureFixture) -> None:
+    async with sfq.Dispatcher([sfq.OpenAIBackend(upstream.url, max_in_flight=1)]) as d:
+        async with d.acquire("team-a", BODY):  # the only slot is taken
+            client = Client()
+            await client.receive()
+            task = asyncio.create_task(sfq_asgi.enter(client.receive, d.acquire("team-b", BODY)).__aenter__())
+            await _until(lambda: d.stats()["flows"].get("team-b", {}).get("waiting") == 1, "team-b to wait")
+            client.leave()
+            with pytest.raises(sfq_asgi.ClientDisconnected):
+                await asyncio.wait_for(task, 5)
+            assert d.stats()["flows"]["team-b"]["waiting"] == 0
+        client = Client()
+        await client.receive()
+        events = await sfq_asgi.enter(client.receive, d.open_stream("team-b", {**BODY, "stream": True}))
+        await sfq_asgi.EventStreamResponse(events)(SCOPE, client.receive, client.send)
+        assert client.body.endswith(b"data: [DONE]\n\n") and client.body.count(b'"text":"t') == 3
+        assert d.stats()["flows"]["team-b"]["completed"] == 1
+    assert _prompts_of(upstream) == ["hi"]  # team-b's first request never reached it
+
+
+def _prompts_of(upstream: Any) -> list[str]:
+    return [str(b.get("prompt")) for b in upstream.requests]
+
+
 # ---------------------------------------------------------------- errors
 def _retry_after(exc: sfq.SFQError, seconds: float) -> sfq.SFQError:
     exc.retry_after = seconds

@@ -39,7 +39,8 @@ CONTEXT_LENGTH = {"message": "This model's maximum context length is 8 tokens; t
 def _upstream() -> Any:
     """tests/policy/fake_openai.py's server (by path), answering a prompt that says "too long"
     with an upstream's context-length error."""
-    spec = importlib.util.spec_from_file_location("sfq_fastapi_fake_openai", ROOT / "tests" / "policy" / "fake_openai.py")
+    path = ROOT / "tests" / "policy" / "fake_openai.py"
+    spec = importlib.util.spec_from_file_location("sfq_fastapi_fake_openai", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
