@@ -201,6 +201,21 @@ async def test_a_disconnect_cancels_a_wait_that_would_never_end(quiet: pytest.Lo
     assert ended == ["cancelled"]
 
 
+async def test_a_receive_that_never_blocks_is_not_watched_forever(pd: sfq.PolicyDispatcher) -> None:
+    async def receive() -> dict[str, Any]:  # a server that answers at once, whatever was read
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async with pd.acquire(FLOW, BODY) as holder:
+        turn = sfq_asgi.enter(receive, pd.acquire(FLOW, BODY))
+        task = asyncio.create_task(turn.__aenter__())
+        await _until(lambda: _flow(pd)["waiting"] == 1, "the request to wait its turn")  # the loop runs
+        holder.finish({"prompt_tokens": 1, "completion_tokens": 1})
+    grant = await asyncio.wait_for(task, 5)
+    grant.finish({"prompt_tokens": 1, "completion_tokens": 1})
+    await turn.aclose()
+    assert _flow(pd)["completed"] == 2
+
+
 async def test_a_cancel_from_elsewhere_stays_a_cancel(pd: sfq.PolicyDispatcher) -> None:
     async with pd.acquire(FLOW, BODY):
         client = Client()

@@ -131,8 +131,11 @@ class _Watch:
         self._watcher.add_done_callback(_retrieve)
 
     async def _watch(self, receive: Receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
+        ends = 0
+        while (message := await receive())["type"] != "http.disconnect":
+            ends = 0 if message.get("more_body") else ends + 1
+            if ends > 1:  # a body's end twice: this server does not block here, nothing to watch
+                return
         self.gone = True
         if self._armed:
             self._cancelled = True
@@ -174,13 +177,12 @@ class Turn(Generic[T]):
     """An async context manager (what ``acquire`` or ``open_stream`` returns) entered while
     the client may leave: see :func:`enter`."""
 
-    __slots__ = ("_source", "_cm", "_state", "_value")
+    __slots__ = ("_source", "_cm", "_state")
 
     def __init__(self, source: Request | Receive, cm: AbstractAsyncContextManager[T]) -> None:
         self._source = source
         self._cm = cm
         self._state = 0  # 0 new, 1 entering, 2 entered, 3 exited
-        self._value: T | None = None
 
     def __await__(self) -> Generator[Any, None, T]:
         return self._enter().__await__()
@@ -214,7 +216,6 @@ class Turn(Generic[T]):
         finally:
             watch.stop()
         self._state = 2
-        self._value = value
         if watch.gone:  # it left as the turn came (and the context manager ignored the cancel)
             watch.caught()
             await self.__aexit__(asyncio.CancelledError, asyncio.CancelledError(), None)
