@@ -21,7 +21,7 @@ LAYERS = [
     {"cost"},
     {"engine"},
     {"state", "backends"},
-    {"dispatch", "demo"},
+    {"dispatch", "demo", "asgi"},
     {"serve", "sim"},
     {"cli", "_cli_help", "__main__"},
 ]

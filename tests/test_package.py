@@ -14,7 +14,7 @@ import sfq
 
 # what a plain ``import sfq`` must not load: numpy (the batch API imports it on first use),
 # the dispatcher's, the policy file's and the simulator's libraries
-HEAVY = ("numpy", "aiohttp", "yaml", "matplotlib", "rich", "prometheus_client")
+HEAVY = ("numpy", "aiohttp", "yaml", "matplotlib", "rich", "prometheus_client", "starlette", "fastapi")
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:

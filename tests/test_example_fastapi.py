@@ -1,0 +1,269 @@
+"""examples/fastapi_proxy.py, run as its users run it (uvicorn, in a process of its own), driven by
+the official ``openai`` client against a loopback upstream: a quiet tenant is served while
+another floods, a client that leaves while queued (plain or streamed) never reaches the
+upstream and leaves no traceback in the server's log, bad bodies are OpenAI-shaped 400s, the
+upstream's own 4xx reaches the client in its words, its 5xx and 429 are 502 and 503, and a
+streamed request works end to end. Nothing is timed: orders and counts are what the upstream saw."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import sys
+import textwrap
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from support.processes import free_port
+
+import sfq
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "fastapi_proxy.py"
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+pytestmark = pytest.mark.skipif(not EXAMPLE.is_file(), reason="needs the source tree (examples/)")
+
+CONTEXT_LENGTH = {"message": "This model's maximum context length is 8 tokens; the prompt has 12",
+                  "type": "invalid_request_error", "param": "prompt", "code": "context_length_exceeded"}
+
+
+def _upstream() -> Any:
+    """tests/policy/fake_openai.py's server (by path), answering a prompt that says "too long"
+    with an upstream's context-length error."""
+    path = ROOT / "tests" / "policy" / "fake_openai.py"
+    spec = importlib.util.spec_from_file_location("sfq_fastapi_fake_openai", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    class Upstream(mod.FakeOpenAI):  # type: ignore[misc,name-defined]
+        async def _complete(self, request: web.Request) -> web.StreamResponse:
+            body = await request.json()
+            if "too long" in str(body.get("prompt")):
+                self.requests.append(body)
+                return web.json_response({"error": CONTEXT_LENGTH}, status=400)
+            out: web.StreamResponse = await super()._complete(request)
+            return out
+
+    return Upstream()
+
+
+async def _until(cond: Any, what: str, limit: float = 20.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + limit
+    while not await cond():
+        if loop.time() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[Any]:
+    up = _upstream()
+    await up.start()
+    yield up
+    if up.release is not None:
+        up.release.set()
+    await up.stop()
+
+
+class Proxy:
+    def __init__(self, url: str, http: aiohttp.ClientSession, log: Path) -> None:
+        self.url = url
+        self.http = http
+        self.log = log
+        self.clients: list[Any] = []
+
+    async def stats(self) -> dict[str, Any]:
+        async with self.http.get(f"{self.url}/stats") as r:
+            assert r.status == 200
+            out: dict[str, Any] = await r.json()
+            return out
+
+    async def flow(self, name: str) -> dict[str, Any]:
+        out: dict[str, Any] = (await self.stats())["flows"][name]
+        return out
+
+    async def waiting(self) -> int:
+        return sum(int(f["waiting"]) for f in (await self.stats())["flows"].values())
+
+    def client(self, key: str) -> Any:
+        c = openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=30)
+        self.clients.append(c)
+        return c
+
+
+@pytest.fixture
+async def proxy(upstream: Any, tmp_path: Path) -> AsyncIterator[Proxy]:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(textwrap.dedent(f"""\
+        pools:
+          gpu:
+            models: [m]
+            backends: [{{url: "{upstream.url}", max_in_flight: 1}}]
+        classes:
+          interactive: {{weight: 1}}
+        orgs:
+          acme: {{classes: [interactive]}}
+          globex: {{classes: [interactive]}}
+        org_template: {{classes: [interactive]}}
+        """))
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(sfq.__file__).resolve().parents[1])}
+    log_path = tmp_path / "proxy.log"
+    log = log_path.open("wb")
+    proc = await asyncio.create_subprocess_exec(sys.executable, str(EXAMPLE), str(policy), "--port", str(port),
+                                                env=env, stdout=log, stderr=log)
+    async with aiohttp.ClientSession() as http:
+        p = Proxy(f"http://127.0.0.1:{port}", http, log_path)
+
+        async def up() -> bool:
+            if proc.returncode is not None:
+                raise AssertionError("the proxy exited: " + log_path.read_text())
+            try:
+                await p.stats()
+            except aiohttp.ClientError:
+                return False
+            return True
+
+        try:
+            await _until(up, "the proxy to listen", 30.0)
+            yield p
+        finally:
+            for c in p.clients:
+                await c.close()
+            proc.terminate()
+            await asyncio.wait_for(proc.wait(), 30)
+            log.close()
+    text = log_path.read_text()
+    assert "Traceback" not in text and "Exception in ASGI application" not in text, text
+
+
+def _prompts(upstream: Any) -> list[str]:
+    return [str(b.get("prompt")) for b in upstream.requests]
+
+
+async def test_a_quiet_tenant_is_served_while_another_floods(proxy: Proxy, upstream: Any) -> None:
+    upstream.release = asyncio.Event()  # the only slot stays busy until released
+    acme, globex = proxy.client("key-acme"), proxy.client("key-globex")
+    flood = [asyncio.create_task(acme.completions.create(model="m", prompt=f"acme {i}", max_tokens=4))
+             for i in range(24)]
+
+    async def flooding() -> bool:
+        return await proxy.waiting() == 23  # one holds the slot, the rest wait
+    await _until(flooding, "acme's flood to queue")
+    quiet = [asyncio.create_task(globex.completions.create(model="m", prompt=f"globex {i}", max_tokens=4))
+             for i in range(4)]
+
+    async def both() -> bool:
+        return await proxy.waiting() == 27
+    await _until(both, "globex's requests to queue behind the flood")
+    upstream.release.set()
+    await asyncio.gather(*flood, *quiet)
+    order = [p.split()[0] for p in _prompts(upstream)]
+    assert len(order) == 28 and order[0] == "acme"
+    # equal weights: after the request already running, the two alternate while both wait, so
+    # globex's 4 are served among the next 8, not after acme's 23
+    assert order[1:9].count("globex") == 4, order
+    assert (await proxy.flow("globex/interactive/gpu"))["completed"] == 4
+
+
+async def test_a_client_that_leaves_while_queued_never_reaches_the_upstream(proxy: Proxy, upstream: Any) -> None:
+    upstream.release = asyncio.Event()
+    acme, globex = proxy.client("key-acme"), proxy.client("key-globex")
+    holder = asyncio.create_task(acme.completions.create(model="m", prompt="holder", max_tokens=2))
+
+    async def holding() -> bool:
+        return len(upstream.requests) == 1
+    await _until(holding, "the first request to hold the slot")
+
+    async def streamed() -> None:
+        async for _ in await globex.completions.create(model="m", prompt="leaver 2", max_tokens=2, stream=True):
+            pass
+    # a plain request (Starlette never cancels its handler) and a stream, both queued
+    leavers = [asyncio.create_task(globex.completions.create(model="m", prompt="leaver 1", max_tokens=2)),
+               asyncio.create_task(streamed())]
+
+    async def queued() -> bool:
+        return await proxy.waiting() == 2
+    await _until(queued, "both to wait their turn in the proxy")
+    for task in leavers:
+        task.cancel()  # the clients go away while their requests wait
+    await asyncio.gather(*leavers, return_exceptions=True)
+
+    async def withdrawn() -> bool:
+        return await proxy.waiting() == 0
+    await _until(withdrawn, "the proxy to withdraw both")
+    upstream.release.set()
+    assert (await holder).choices[0].text == "ok"
+    after = await globex.completions.create(model="m", prompt="after", max_tokens=2)  # the slot is free
+    assert after.choices[0].text == "ok"
+    assert _prompts(upstream) == ["holder", "after"]  # neither leaver reached it
+    flow = await proxy.flow("globex/interactive/gpu")
+    assert flow["cancelled_before_start"] == 2 and flow["completed"] == 1
+    log = proxy.log.read_text()
+    assert "Traceback" not in log and "CancelledError" not in log, log
+
+
+async def test_a_bad_body_is_an_openai_shaped_400(proxy: Proxy, upstream: Any) -> None:
+    headers = {"Authorization": "Bearer key-acme", "Content-Type": "application/json"}
+    for raw in (b"{not json", b"[1, 2]", b'"hi"', json.dumps({"prompt": "hi", "max_tokens": 2}).encode()):
+        async with proxy.http.post(f"{proxy.url}/v1/completions", data=raw, headers=headers) as r:
+            assert r.status == 400, raw
+            assert r.headers["Content-Type"].startswith("application/json")
+            error = (await r.json())["error"]
+            assert error["type"] == "invalid_request_error" and error["code"] == "bad_request", raw
+            assert set(error) == {"message", "type", "param", "code"}
+    client = proxy.client("key-acme")
+    with pytest.raises(openai.BadRequestError) as info:  # refused by sfq before any byte of the stream
+        await client.completions.create(model="m", prompt="hi", max_tokens="abc", stream=True)
+    assert info.value.status_code == 400 and "max_tokens" in str(info.value.message)
+    with pytest.raises(openai.NotFoundError):
+        await client.completions.create(model="gpt-x", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        await proxy.client("key-nobody").completions.create(model="m", prompt="hi", max_tokens=2)
+    assert upstream.requests == []
+
+
+async def test_an_upstream_4xx_reaches_the_client_in_its_own_words(proxy: Proxy, upstream: Any) -> None:
+    client = proxy.client("key-acme")
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.completions.create(model="m", prompt="far too long", max_tokens=2)
+    err = info.value
+    assert err.status_code == 400 and err.body == CONTEXT_LENGTH  # the upstream's error object, whole
+    assert err.code == "context_length_exceeded" and err.param == "prompt"
+    ok = await client.completions.create(model="m", prompt="fine", max_tokens=2)  # the backend stays in rotation
+    assert ok.choices[0].text == "ok"
+    assert (await proxy.stats())["backends"][upstream.url]["healthy"]
+
+
+async def test_an_upstream_failure_is_a_502_or_503(proxy: Proxy, upstream: Any) -> None:
+    """(needs Grant.fail)"""
+    client = proxy.client("key-acme")
+    upstream.modes.extend(["500", "429"])
+    with pytest.raises(openai.InternalServerError) as info:
+        await client.completions.create(model="m", prompt="a", max_tokens=2)
+    assert info.value.status_code == 502 and info.value.code == "upstream_error"
+    with pytest.raises(openai.APIStatusError) as limited:
+        await client.completions.create(model="m", prompt="b", max_tokens=2)
+    assert limited.value.status_code == 503 and limited.value.response.headers["Retry-After"] == "1"
+    assert _prompts(upstream) == ["a", "b"]  # never retried by the proxy: it is the embedder's call
+
+
+async def test_a_streamed_request_works_end_to_end(proxy: Proxy, upstream: Any) -> None:
+    for key in ("key-acme", "key-initech"):  # a named org; an org only the template covers
+        stream = await proxy.client(key).completions.create(model="m", prompt=f"stream {key}", max_tokens=3,
+                                                            stream=True)
+        assert [c.choices[0].text async for c in stream if c.choices] == ["t0", "t1", "t2"]
+    flows = (await proxy.stats())["flows"]
+    assert flows["acme/interactive/gpu"]["completed"] == 1 and flows["initech/interactive/gpu"]["completed"] == 1
+    assert all(b.get("stream") for b in upstream.requests) and len(upstream.requests) == 2
