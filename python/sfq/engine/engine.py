@@ -364,11 +364,18 @@ class PolicyEngine:
         self.dropped, self._evicted = self._evicted, []
         starts: list[Request] = []
         for q in self.queues.values():
+            if not q.n_waiting:  # nothing to start or to drop (pop's own first test, without the call)
+                q.stalled = None
+                q.blocked_until = -math.inf
+                continue
             while True:
                 r = self._pop(q, fits)
                 if r is None:
                     break
                 starts.append(r)
+                if not q.n_waiting:
+                    q.stalled = None
+                    break
         return starts
 
     def next_start(self, fits: Fits | None = None) -> Request | None:
