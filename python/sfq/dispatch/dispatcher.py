@@ -33,7 +33,7 @@ from ..engine.pool import RUNNING, Request
 from ..errors import UnknownModel
 from ..policy.charge import CHARGE_MODES
 from ..policy.classify import Flow
-from ..policy.config import BackendSpec, ClassSpec, CostSpec, OrgSpec, Policy, PoolSpec, RetrySpec
+from ..policy.config import BackendSpec, ClassSpec, CostSpec, OrgSpec, Policy, PoolSpec, RetrySpec, UpstreamTimeouts
 from .policy_calls import Permit, PolicyEventStream, _check_body
 from .policy_dispatcher import PolicyDispatcher
 from .stream import EventStream
@@ -44,6 +44,9 @@ __all__ = ["DEFAULT_CLASS", "DEFAULT_POOL", "Dispatcher", "DispatchRecord", "Fle
 DEFAULT_POOL = "(default)"
 #: the one class of a dispatcher's flows in the request engine
 DEFAULT_CLASS = "default"
+#: a dispatcher's backends are the caller's, with their own timeouts (``OpenAIBackend``'s
+#: ``read_timeout``, ``timeout``, ``stream_timeout``): the driver adds none of its own
+_OWN_TIMEOUTS = UpstreamTimeouts(first_byte=None, between_events=None, total=None)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -348,7 +351,8 @@ class Dispatcher(PolicyDispatcher):
         cls = ClassSpec(DEFAULT_CLASS, small_cost=None, max_queue_length=max_queue_length)
         policy = FleetPolicy(
             pools=MappingProxyType({self._pool_names[m]: PoolSpec(self._pool_names[m], () if m is None else (m,), tuple(
-                BackendSpec(b.name, b.max_in_flight, b.name, b.max_context) for b in bs)) for m, bs in pools.items()}),
+                BackendSpec(b.name, b.max_in_flight, b.name, b.max_context) for b in bs), timeouts=_OWN_TIMEOUTS)
+                for m, bs in pools.items()}),
             classes=MappingProxyType({DEFAULT_CLASS: cls}), orgs=MappingProxyType({}),
             cost=CostSpec(e.input_weight, e.output_weight, e.default_max_tokens, e.prior_ratio, charge),
             retry=RetrySpec(max_attempts=max_attempts), source="<sfq.Dispatcher>")
