@@ -100,7 +100,8 @@ class FakeServer:
     """An OpenAI-shaped loopback server whose behaviour the test sets.
 
     ``mode`` is the default behaviour; ``modes`` (a deque) overrides it for the next requests,
-    one entry per request. Behaviours: ``ok``, ``500``, ``503``, ``400``, ``stall`` (never
+    one entry per request. Behaviours: ``ok``, ``500``, ``503``, ``400``, ``401``, ``403`` (the
+    body ``error_body`` when set, else ``{"error": {"message": "injected <status>"}}``), ``stall`` (never
     answers), ``slow`` (answers after ``delay`` s; streams one event per ``delay`` s),
     ``cut`` (drops the connection mid-body / mid-stream), ``garbage`` (200 with a non-JSON
     body), ``sse_error`` (a stream that reports an error event after one chunk), ``drop``
@@ -127,6 +128,7 @@ class FakeServer:
         self.completions_route = True  # POST /v1/completions (chat-only servers have none)
         self.models_calls = 0
         self.retry_after: str | None = None
+        self.error_body: dict[str, Any] | None = None  # the body of the error modes (default: "injected <status>")
         self.fail_prompt: str | None = None
         self.chaos: Any = None
         self.outage = False
@@ -210,8 +212,9 @@ class FakeServer:
         if mode == "absurd":
             usage = {"prompt_tokens": 10**12, "completion_tokens": 10**12, "total_tokens": 2 * 10**12}
         try:
-            if mode in ("500", "503", "400"):
-                return web.json_response({"error": {"message": f"injected {mode}"}}, status=int(mode))
+            if mode in ("500", "503", "400", "401", "403"):
+                err = self.error_body if self.error_body is not None else {"error": {"message": f"injected {mode}"}}
+                return web.json_response(err, status=int(mode))
             if mode == "429":
                 headers = {"Retry-After": self.retry_after} if self.retry_after is not None else {}
                 return web.json_response({"error": {"message": "slow down"}}, status=429, headers=headers)

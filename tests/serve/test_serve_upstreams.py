@@ -1,7 +1,8 @@
 """Misbehaving upstreams behind a real ``sfq serve`` process, with the official ``openai``
 client: a backend that answers 500 to everything beside a healthy one (every request served,
 the broken one out of rotation), an upstream that hangs (the pool's ``timeouts`` from the
-policy file), and a ``Retry-After: 3600`` (the pause capped at 60 s)."""
+policy file), a ``Retry-After: 3600`` (the pause capped at 60 s), and an upstream 4xx (a
+context-length error reaches the client, redacted; a 401 does not)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,15 @@ from serve_helpers import LIMIT, GatewayProcess, Upstream, make_client, wait_unt
 
 
 class Broken:
-    """A loopback upstream that answers every request with ``status`` (and ``headers``), on
-    its own event loop in a thread; ``hits`` counts the requests it got."""
+    """A loopback upstream that answers every request with ``status`` (and ``headers``, and
+    ``body``: default ``{"error": {"message": "broken (<status>)"}}``), on its own event loop
+    in a thread; ``hits`` counts the requests it got."""
 
-    def __init__(self, status: int, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, status: int, headers: dict[str, str] | None = None,
+                 body: dict[str, Any] | None = None) -> None:
         self.status = status
         self.headers = headers or {}
+        self.body = body
         self.hits = 0
         self.url = ""
         self._loop = asyncio.new_event_loop()
@@ -50,8 +54,8 @@ class Broken:
     async def _answer(self, request: web.Request) -> web.Response:
         if request.method == "POST":
             self.hits += 1
-        return web.json_response({"error": {"message": f"broken ({self.status})"}}, status=self.status,
-                                 headers=self.headers)
+        body = self.body if self.body is not None else {"error": {"message": f"broken ({self.status})"}}
+        return web.json_response(body, status=self.status, headers=self.headers)
 
     def stop(self) -> None:
         async def _stop() -> None:
@@ -146,3 +150,61 @@ def test_a_retry_after_of_an_hour_pauses_at_most_a_minute(tmp_path: Path) -> Non
             gw.stop()
     finally:
         slow.stop()
+
+
+CONTEXT_ERROR = {"error": {
+    "message": "This model's maximum context length is 8192 tokens. However, your messages resulted in 9000 "
+               "tokens (key sk-abcdefgh1234567, server http://10.0.0.5:8000).",
+    "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}}
+KEY_ERROR = {"error": {"message": "Incorrect API key provided: sk-abcdefgh1234567 (http://10.0.0.5:8000)",
+                       "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
+
+
+def test_an_upstream_4xx_reaches_the_client_redacted_but_a_401_does_not(tmp_path: Path) -> None:
+    too_long = Broken(400, body=CONTEXT_ERROR).start()
+    refused = Broken(401, body=KEY_ERROR).start()
+    try:
+        cfg = tmp_path / "policy.yaml"
+        cfg.write_text(f"""\
+pools:
+  long:
+    models: [m]
+    backends: [{{url: "{too_long.url}", max_in_flight: 2}}]
+  keyed:
+    models: [k]
+    backends: [{{url: "{refused.url}", max_in_flight: 2}}]
+classes:
+  batch: {{weight: 1}}
+orgs:
+  team-a: {{keys: ["sk-a"], classes: [batch]}}
+retry: {{max_attempts: 3, base_seconds: 0.01, max_seconds: 0.05}}
+""")
+        gw = GatewayProcess(cfg)
+        try:
+            client = make_client(gw)
+            messages: Any = [{"role": "user", "content": "a very long conversation"}]
+            for stream in (False, True):
+                with pytest.raises(openai.BadRequestError) as info:
+                    client.chat.completions.create(model="m", messages=messages, max_tokens=4, stream=stream)
+                e = info.value
+                assert (e.status_code, e.code, e.param, e.type) == (400, "context_length_exceeded", "messages",
+                                                                    "invalid_request_error")
+                assert isinstance(e.body, dict)
+                message = e.body["message"]
+                assert message.startswith("This model's maximum context length is 8192 tokens.")
+                assert "sk-abcdefgh1234567" not in str(e.body) and "10.0.0.5" not in str(e.body)
+                assert "http://" not in message and "[redacted]" in message
+
+                with pytest.raises(openai.InternalServerError) as bad_gateway:  # the gateway's key: not the client's
+                    client.chat.completions.create(model="k", messages=messages, max_tokens=4, stream=stream)
+                e = bad_gateway.value
+                assert e.status_code == 502 and e.code == "upstream_error"
+                assert "sk-abcdefgh1234567" not in str(e.body) and "Incorrect API key" not in str(e.body)
+                assert "10.0.0.5" not in str(e.body)
+            assert too_long.hits == 2 and refused.hits == 2  # neither retried
+            assert all(b["healthy"] for b in _health(gw)["backends"].values())
+        finally:
+            gw.stop()
+    finally:
+        too_long.stop()
+        refused.stop()

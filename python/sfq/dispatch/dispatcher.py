@@ -34,7 +34,7 @@ from ..errors import UnknownModel
 from ..policy.charge import CHARGE_MODES
 from ..policy.classify import Flow
 from ..policy.config import BackendSpec, ClassSpec, CostSpec, OrgSpec, Policy, PoolSpec, RetrySpec, UpstreamTimeouts
-from .policy_calls import Permit, PolicyEventStream, _check_body
+from .policy_calls import Permit, PolicyEventStream
 from .policy_dispatcher import PolicyDispatcher
 from .stream import EventStream
 
@@ -379,8 +379,10 @@ class Dispatcher(PolicyDispatcher):
             hash(flow)
         except TypeError:
             raise unhashable_flow(flow) from None
-        if body is not None:
-            _check_body(body)
+        if body is not None and not isinstance(body, Mapping):
+            # refused (BadRequest) where every refusal is, on entry (the driver's _admit checks
+            # the body before it looks at the flow): any pool will do
+            return Flow(flow, DEFAULT_CLASS, next(iter(self.engine.queues)))  # type: ignore[arg-type]
         pool = self._only
         if pool is None:
             if model is None and isinstance(body, Mapping):
