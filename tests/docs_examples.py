@@ -19,8 +19,12 @@ gateway quick start, run together as written by their own test. A table under
 
 The sandbox is a temporary directory holding ``policy.yaml`` (the last policy block before the
 example in its document, else ``docs/demo-policy.yaml``), the checkout's ``docs`` (its policy
-files copied, the rest linked) and links to its ``benchmarks`` and ``tests``. Examples that talk to ``127.0.0.1:8001`` or ``localhost:8080`` get
-the demo engine there (serving the policy's model) and ``sfq serve`` with ``policy.yaml``.
+files copied, the rest linked) and links to its ``benchmarks`` and ``tests``. An example that
+talks to ``127.0.0.1:8001`` (or reads ``policy.yaml``) gets the demo engine there, started as
+the docs tell a reader to start it: ``sfq demo-backend`` with its defaults (:data:`DEMO_MODEL`,
+port 8001), never told the model an example asks for, so an example naming a model the engine
+does not serve fails as it would for a reader (404). One that talks to ``localhost:8080`` also
+gets ``sfq serve`` with ``policy.yaml`` there.
 Where the machine allows it (``unshare -n``, as root) everything runs in a network namespace of
 its own, so the docs' fixed ports are used as written and cannot collide with anything else;
 elsewhere (or with ``SFQ_DOCS_NO_NETNS=1``) the two ports are replaced with free ones.
@@ -49,6 +53,18 @@ _FENCE = re.compile(r"^```([\w-]*)\n(.*?)^```[ \t]*$", re.M | re.S)
 _MARK = re.compile(r"^<!--\s*(.*?)\s*-->$")
 _PORTS = re.compile(r"(?<=[:\s])(8001|8080)\b")
 _NEEDS_SERVERS = re.compile(r"(127\.0\.0\.1|localhost):(8001|8080)\b")
+_NEEDS_GATEWAY = re.compile(r"(127\.0\.0\.1|localhost):8080\b")
+
+
+def _demo_default(option: str) -> str:
+    """The default of ``sfq demo-backend --OPTION``: what its own parser gives a bare command."""
+    from sfq.cli import build_parser
+
+    return str(getattr(build_parser().parse_args(["demo-backend"]), option))
+
+
+#: the one model ``sfq demo-backend`` serves when started with its defaults, as the docs start it
+DEMO_MODEL = _demo_default("model")
 
 # brings the loopback interface of a fresh network namespace up (SIOCGIFFLAGS / SIOCSIFFLAGS)
 _LO_UP = ("import fcntl, socket, struct; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
@@ -110,15 +126,10 @@ def policy_before(block: Block) -> str:
     return found
 
 
-def engine_model(policy_text: str) -> str:
-    """The model the demo engine serves: the first model of the pool with a backend on 8001."""
-    import yaml
-
-    doc = yaml.safe_load(policy_text)
-    for pool in doc["pools"].values():
-        if any(re.search(r":8001\b", b.get("url", "")) for b in pool["backends"]):
-            return str(pool["models"][0])
-    return "demo"
+def needs(text: str) -> tuple[bool, bool]:
+    """Whether an example needs the demo engine, and whether it needs the gateway too."""
+    gateway = _NEEDS_GATEWAY.search(text) is not None
+    return gateway or _NEEDS_SERVERS.search(text) is not None or "policy.yaml" in text, gateway
 
 
 def commands(text: str) -> list[str]:
@@ -212,25 +223,32 @@ class Sandbox:
         """``text`` with the docs' ports replaced by this sandbox's (the same ones in a namespace)."""
         return _PORTS.sub(lambda m: str(self.ports[int(m.group(1))]), text)
 
-    def servers(self) -> str:
-        """Shell lines that start the demo engine and the gateway and wait until both answer."""
+    def servers(self, gateway: bool = True) -> str:
+        """Shell lines that start the demo engine with its defaults (in a namespace of our own
+        the port is its default too), and the gateway unless told not to, and wait until they
+        answer."""
         e, g = self.ports[ENGINE_PORT], self.ports[GATEWAY_PORT]
-        model = shlex.quote(engine_model(self.policy_text))
-        return textwrap.dedent(f"""\
-            sfq demo-backend --port {e} --model {model} > demo.log 2>&1 &
-            sfq serve --config policy.yaml --port {g} --access-log off > gateway.log 2>&1 &
+        engine = "sfq demo-backend" if e == ENGINE_PORT else f"sfq demo-backend --port {e}"
+        up = f"curl -sf -o /dev/null localhost:{e}/health"
+        lines = f"{engine} > demo.log 2>&1 &\n"
+        if gateway:
+            lines += f"sfq serve --config policy.yaml --port {g} --access-log off > gateway.log 2>&1 &\n"
+            up = f"curl -s -o /dev/null localhost:{g}/health && {up}"
+        return lines + textwrap.dedent(f"""\
             for _ in $(seq 300); do
-                curl -s -o /dev/null localhost:{g}/health && curl -sf -o /dev/null localhost:{e}/health && break
+                {up} && break
                 sleep 0.1
             done
             """)
 
-    def run(self, script: str, *, servers: bool = False, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    def run(self, script: str, *, servers: bool = False, gateway: bool = True,
+            timeout: float = 120) -> subprocess.CompletedProcess[str]:
         """Run a bash script here (in a network namespace of its own where possible); every
-        background job it or :meth:`servers` started is stopped when it ends."""
+        background job it or :meth:`servers` started is stopped when it ends. ``servers``: start
+        the demo engine first (and the gateway, unless ``gateway`` is false)."""
         body = "trap 'kill $(jobs -p) 2>/dev/null; wait' EXIT\n"
         if servers:
-            body += self.servers()
+            body += self.servers(gateway)
         body += script + "\n"
         (self.path / "example.sh").write_text(body, encoding="utf-8")
         cmd = (["unshare", "-n", "bash", "-c", f'"{sys.executable}" -c "{_LO_UP}" && exec bash example.sh']

@@ -1,7 +1,10 @@
 """Every example of the shipped docs runs (or, where running it takes minutes or never ends, is
 checked against the command it names); the README's gateway quick start runs as written and
 shows the fairness it promises; tables marked as a command's output are that output.
-How blocks are found, run and checked: ``tests/docs_examples.py``."""
+Examples that talk to a server (docs/library.md's, docs/API.md's, docs/policy.md's...) run
+against a real ``sfq demo-backend`` started with its defaults, so one that names a model the
+demo engine does not serve fails. How blocks are found, run and checked:
+``tests/docs_examples.py``."""
 
 from __future__ import annotations
 
@@ -13,14 +16,18 @@ from pathlib import Path
 
 import pytest
 from docs_examples import (
+    DEMO_MODEL,
+    ENGINE_PORT,
     ROOT,
     Block,
     Sandbox,
+    _demo_default,
     all_blocks,
     blocks,
     commands,
     from_tables,
     is_policy,
+    needs,
     policy_before,
     words,
 )
@@ -45,13 +52,8 @@ def _extras() -> set[str]:
 EXTRAS = _extras()
 
 
-#: docs whose Python examples tests/test_docs.py runs (against its own loopback backend)
-RUN_BY_TEST_DOCS = ("docs/API.md", "docs/policy.md")
-
-
 def _ids(kind: set[str], quickstart: bool = False) -> list[Block]:
-    return [b for b in BLOCKS if b.lang in kind and (("quickstart" in b.marks) == quickstart)
-            and not (b.lang == "python" and b.id.rsplit(":", 1)[0] in RUN_BY_TEST_DOCS)]
+    return [b for b in BLOCKS if b.lang in kind and (("quickstart" in b.marks) == quickstart)]
 
 
 def _ok(res: subprocess.CompletedProcess[str], what: str) -> str:
@@ -66,13 +68,73 @@ def test_every_fenced_block_is_a_known_kind():
 
 
 # ------------------------------------------------------------------ python
+def _run_python(block: Block, text: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``text`` (the block's, or a changed copy) as a script in a sandbox, with the demo
+    engine (at its defaults) and the gateway it names answering on loopback."""
+    sb = Sandbox(tmp_path, policy_before(block))
+    (tmp_path / "example.py").write_text(sb.ports_in(text), encoding="utf-8")
+    engine, gateway = needs(text)
+    return sb.run("python example.py", servers=engine, gateway=gateway, timeout=120)
+
+
 @pytest.mark.parametrize("block", _ids({"python"}), ids=lambda b: b.id)
 def test_python_example_runs(block: Block, tmp_path: Path):
-    sb = Sandbox(tmp_path, policy_before(block))
-    (tmp_path / "example.py").write_text(sb.ports_in(block.text), encoding="utf-8")
-    # the servers of policy.yaml, or the demo engine and gateway it names, answer on loopback
-    servers = re.search(r"(127\.0\.0\.1|localhost):(8001|8080)\b|policy\.yaml", block.text) is not None
-    _ok(sb.run("python example.py", servers=servers, timeout=120), block.id)
+    _ok(_run_python(block, block.text, tmp_path), block.id)
+
+
+# the model names an example sends or a policy maps ("model": "x", model="x", models: [x, y])
+_MODEL_LITERAL = re.compile(r"""["']model["']\s*:\s*["']([^"']*)["']|\bmodel\s*=\s*["']([^"']*)["']""")
+_SERVED = re.compile(r"(127\.0\.0\.1|localhost):(8001|8080)\b")
+
+
+def _models_named(b: Block) -> set[str]:
+    """The models an example that reaches the demo engine (directly, or through the gateway on
+    8080) asks for; for a policy block, the models of its pools that have a backend on 8001."""
+    import yaml
+
+    if b.lang == "yaml":
+        if not is_policy(b.text):
+            return set()
+        return {str(m) for pool in yaml.safe_load(b.text)["pools"].values()
+                if any(re.search(r"(127\.0\.0\.1|localhost):8001\b", str(x.get("url", ""))) for x in pool["backends"])
+                for m in pool["models"]}
+    if not _SERVED.search(b.text):
+        return set()
+    found = {a or c for a, c in _MODEL_LITERAL.findall(b.text)}
+    for m in re.finditer(r"^\s*(?:\w[\w-]*:\s*\{\s*)?models:\s*\[([^\]]*)\]", b.text, re.M):
+        found |= {x.strip().strip("'\"") for x in m.group(1).split(",") if x.strip()}
+    return found
+
+
+def test_every_example_asks_the_demo_engine_for_its_own_model():
+    """The demo engine, started as the docs start it, serves one model: every example that
+    reaches it (and every policy file of the docs with a backend where it listens) names that
+    one, so each runs as written on a reader's machine (the runs above would fail too, with
+    the engine's 404; this names the block and the model at once)."""
+    assert _demo_default("port") == str(ENGINE_PORT), "the docs' demo engine listens on its default port"
+    wrong = {f"{b.id}: {sorted(_models_named(b) - {DEMO_MODEL})}" for b in BLOCKS
+             if b.lang in {"python", "sh", "bash", "yaml"} and _models_named(b) - {DEMO_MODEL}}
+    import yaml
+
+    for f in sorted((ROOT / "docs").glob("*.yaml")):
+        doc = yaml.safe_load(f.read_text(encoding="utf-8"))
+        for pool in doc["pools"].values():
+            # a pool served by the demo engine alone (policy-teams.yaml, the simulator's, has two servers)
+            alone = [re.search(r"127\.0\.0\.1:8001\b", x["url"]) is not None for x in pool["backends"]] == [True]
+            if alone and pool["models"] != [DEMO_MODEL]:
+                wrong.add(f"{f.relative_to(ROOT)}: {pool['models']}")
+    assert not wrong, f"`sfq demo-backend` serves only {DEMO_MODEL!r}; these examples name others:\n" + "\n".join(
+        sorted(wrong))
+
+
+def test_an_example_naming_another_model_fails_against_the_demo_engine(tmp_path: Path):
+    """The runs use a real demo engine at its defaults: the conveniences' example of
+    docs/library.md, asking for a model it does not serve, fails with the engine's 404."""
+    block = next(b for b in BLOCKS if b.doc.name == "library.md" and b.lang == "python" and ".submit(" in b.text)
+    assert f'"model": "{DEMO_MODEL}"' in block.text
+    res = _run_python(block, block.text.replace(f'"model": "{DEMO_MODEL}"', '"model": "llama-3-8b"'), tmp_path)
+    assert res.returncode != 0 and "Traceback" in res.stdout, res.stdout[-3000:]
+    assert f"serves model {DEMO_MODEL!r} only, got 'llama-3-8b'" in res.stdout, res.stdout[-3000:]
 
 
 # ------------------------------------------------------------------ policies
