@@ -60,6 +60,9 @@ MIN_CHARS_PER_TOKEN = 0.25
 MAX_CHARS_PER_TOKEN = 16.0
 #: one report may move a prompt's token count at most this factor away from the estimate
 MAX_PROMPT_SURPRISE = 4.0
+#: tokens: the most output a request may ask for (``max_tokens`` x ``n``), 2**27 (134M): beyond
+#: any model's context; a request past it is a ``BadRequest``, the same under any cost weights
+MAX_OUTPUT_TOKENS = 1 << 27
 #: the weight of the prior chars_per_token, in characters of evidence
 PRIOR_CHARS = 64.0
 
@@ -332,6 +335,10 @@ class CostEstimator:
             if "messages" not in body and type(p) is list and len(p) > 1 and not isinstance(p[0], int):
                 copies *= len(p)  # a batch of prompts: the server generates n completions for each
         cap = mt * copies
+        if cap > MAX_OUTPUT_TOKENS:  # (a token count, whatever the cost weights: every face answers alike)
+            raise BadRequest(f"the request asks for {cap} output tokens ('max_tokens' {mt} x {copies}), more than any "
+                             f"model generates (at most {MAX_OUTPUT_TOKENS})", param="max_tokens" if "max_tokens" in body
+                             else None)
         if ids or not text:
             prompt, exact, chars = float(ids), True, 0
         elif self.tokenizer is not None:

@@ -182,6 +182,8 @@ class BackendHTTPError(BackendError):
         elif self.client_fault:
             self.http_status = self.status  # type: ignore[assignment]
             self.error_type = "invalid_request_error"
+            p = _upstream_error(self.body).get("param")
+            self.param = p if isinstance(p, str) else None
 
     @property
     def client_fault(self) -> bool:
@@ -197,7 +199,7 @@ class BackendHTTPError(BackendError):
         up = _upstream_error(self.body)
         return {"error": {"message": up.get("message") or f"the backend refused the request (HTTP {self.status})",
                           "type": up.get("type", self.error_type), "code": up.get("code", self.error_code),
-                          "param": up.get("param")}}
+                          "param": self.param}}
 
 
 #: upstream 4xx statuses that are the gateway's (its own key, its proxy, its rate), not the client's
@@ -205,7 +207,7 @@ _NOT_PASSED = frozenset((401, 403, 407, 429))
 #: what is redacted from an upstream's error message before a client sees it: bearer and API
 #: keys (``sk-...``, ``hf_...``, ``Bearer ...``, ``api_key=...``) and URLs (internal addresses)
 _SECRET = re.compile(r"(?i)\bbearer\s+\S+|\b(?:sk|rk|pk|hf|key|gsk|xai)[-_][A-Za-z0-9_\-]{6,}"
-                     r"|\b(?:api[_-]?key|token|secret|password)\s*[=:]\s*\S+|\bhttps?://\S+")
+                     r"|\b(?:api[_-]?key|token|secret|password)\s*[=:]\s*\S+|\bhttps?://[^\s\x22\x27<>()\[\]]*[^\s\x22\x27<>()\[\].,;:!?]")
 
 
 def redact(text: str) -> str:

@@ -276,10 +276,9 @@ async def test_max_tokens_of_a_billion_gets_the_same_answer_on_both_faces(fake: 
     assert answers["Dispatcher"] == answers["PolicyDispatcher"], answers
 
 
-@pytest.mark.xfail(strict=True, reason="the faces' default cost models differ: a Dispatcher's CostEstimator() "
-                   "weighs output 1, a policy file's cost section 2; the largest charge (sfq.MAX_COST, 2**30 "
-                   "units) is a cost, so 10**9 output tokens fit one face and are a 400 (max_tokens) on the other")
 async def test_max_tokens_of_a_billion_with_each_faces_default_cost_model(fake: FakeServer) -> None:
+    """A token cap (``sfq.cost.MAX_OUTPUT_TOKENS``), not a cost cap: the same 400 under a
+    Dispatcher's ``CostEstimator()`` (output weight 1) and a policy file's (2)."""
     answers = await _answers_to_a_billion(fake, "")
     assert answers["Dispatcher"] == answers["PolicyDispatcher"], answers
 

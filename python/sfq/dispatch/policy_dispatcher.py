@@ -53,7 +53,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry
 
@@ -86,6 +86,7 @@ from .stream import EventStream
 __all__ = ["BackendAddress", "EventStream", "Grant", "Permit", "PolicyDispatcher"]
 
 log = logging.getLogger("sfq.dispatch")
+_Self = TypeVar("_Self", bound="PolicyDispatcher")
 
 
 class _Joined:
@@ -301,7 +302,7 @@ class PolicyDispatcher:
         """Whether :meth:`close` was called (new requests are refused)."""
         return self._closed
 
-    async def __aenter__(self) -> PolicyDispatcher:
+    async def __aenter__(self: _Self) -> _Self:
         await self.start()
         return self
 
