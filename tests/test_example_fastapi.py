@@ -23,6 +23,7 @@ from aiohttp import web
 from support.processes import free_port
 
 import sfq
+from support.proxies import flood_then_quiet, prompts, until
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "fastapi_proxy.py"
@@ -55,15 +56,6 @@ def _upstream() -> Any:
             return out
 
     return Upstream()
-
-
-async def _until(cond: Any, what: str, limit: float = 20.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + limit
-    while not await cond():
-        if loop.time() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture
@@ -136,7 +128,7 @@ async def proxy(upstream: Any, tmp_path: Path) -> AsyncIterator[Proxy]:
             return True
 
         try:
-            await _until(up, "the proxy to listen", 30.0)
+            await until(up, "the proxy to listen", 30.0)
             yield p
         finally:
             for c in p.clients:
@@ -148,32 +140,8 @@ async def proxy(upstream: Any, tmp_path: Path) -> AsyncIterator[Proxy]:
     assert "Traceback" not in text and "Exception in ASGI application" not in text, text
 
 
-def _prompts(upstream: Any) -> list[str]:
-    return [str(b.get("prompt")) for b in upstream.requests]
-
-
 async def test_a_quiet_tenant_is_served_while_another_floods(proxy: Proxy, upstream: Any) -> None:
-    upstream.release = asyncio.Event()  # the only slot stays busy until released
-    acme, globex = proxy.client("key-acme"), proxy.client("key-globex")
-    flood = [asyncio.create_task(acme.completions.create(model="m", prompt=f"acme {i}", max_tokens=4))
-             for i in range(24)]
-
-    async def flooding() -> bool:
-        return await proxy.waiting() == 23  # one holds the slot, the rest wait
-    await _until(flooding, "acme's flood to queue")
-    quiet = [asyncio.create_task(globex.completions.create(model="m", prompt=f"globex {i}", max_tokens=4))
-             for i in range(4)]
-
-    async def both() -> bool:
-        return await proxy.waiting() == 27
-    await _until(both, "globex's requests to queue behind the flood")
-    upstream.release.set()
-    await asyncio.gather(*flood, *quiet)
-    order = [p.split()[0] for p in _prompts(upstream)]
-    assert len(order) == 28 and order[0] == "acme"
-    # equal weights: after the request already running, the two alternate while both wait, so
-    # globex's 4 are served among the next 8, not after acme's 23
-    assert order[1:9].count("globex") == 4, order
+    await flood_then_quiet(proxy, upstream, 4)
     assert (await proxy.flow("globex/interactive/gpu"))["completed"] == 4
 
 
@@ -184,7 +152,7 @@ async def test_a_client_that_leaves_while_queued_never_reaches_the_upstream(prox
 
     async def holding() -> bool:
         return len(upstream.requests) == 1
-    await _until(holding, "the first request to hold the slot")
+    await until(holding, "the first request to hold the slot")
 
     async def streamed() -> None:
         async for _ in await globex.completions.create(model="m", prompt="leaver 2", max_tokens=2, stream=True):
@@ -195,19 +163,19 @@ async def test_a_client_that_leaves_while_queued_never_reaches_the_upstream(prox
 
     async def queued() -> bool:
         return await proxy.waiting() == 2
-    await _until(queued, "both to wait their turn in the proxy")
+    await until(queued, "both to wait their turn in the proxy")
     for task in leavers:
         task.cancel()  # the clients go away while their requests wait
     await asyncio.gather(*leavers, return_exceptions=True)
 
     async def withdrawn() -> bool:
         return await proxy.waiting() == 0
-    await _until(withdrawn, "the proxy to withdraw both")
+    await until(withdrawn, "the proxy to withdraw both")
     upstream.release.set()
     assert (await holder).choices[0].text == "ok"
     after = await globex.completions.create(model="m", prompt="after", max_tokens=2)  # the slot is free
     assert after.choices[0].text == "ok"
-    assert _prompts(upstream) == ["holder", "after"]  # neither leaver reached it
+    assert prompts(upstream) == ["holder", "after"]  # neither leaver reached it
     flow = await proxy.flow("globex/interactive/gpu")
     assert flow["cancelled_before_start"] == 2 and flow["completed"] == 1
     log = proxy.log.read_text()
@@ -256,7 +224,7 @@ async def test_an_upstream_failure_is_a_502_or_503(proxy: Proxy, upstream: Any) 
     with pytest.raises(openai.APIStatusError) as limited:
         await client.completions.create(model="m", prompt="b", max_tokens=2)
     assert limited.value.status_code == 503 and limited.value.response.headers["Retry-After"] == "1"
-    assert _prompts(upstream) == ["a", "b"]  # never retried by the proxy: it is the embedder's call
+    assert prompts(upstream) == ["a", "b"]  # never retried by the proxy: it is the embedder's call
 
 
 async def test_a_streamed_request_works_end_to_end(proxy: Proxy, upstream: Any) -> None:

@@ -19,6 +19,7 @@ import aiohttp
 import pytest
 
 import sfq
+from support.proxies import flood_then_quiet, prompts, until
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "proxy.py"
@@ -44,15 +45,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-async def _until(cond: Any, what: str, limit: float = 15.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + limit
-    while not await cond():
-        if loop.time() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture
@@ -118,16 +110,12 @@ async def proxy(upstream: Any, tmp_path: Path) -> AsyncIterator[Proxy]:
             return True
 
         try:
-            await _until(up, "the proxy to listen", 30.0)
+            await until(up, "the proxy to listen", 30.0)
             yield p
         finally:
             proc.terminate()
             await asyncio.wait_for(proc.wait(), 30)
             log.close()
-
-
-def _prompts(upstream: Any) -> list[str]:
-    return [str(b.get("prompt")) for b in upstream.requests]
 
 
 async def test_a_streamed_bad_request_is_a_400_before_any_byte(proxy: Proxy, upstream: Any) -> None:
@@ -154,7 +142,7 @@ async def test_a_queued_stream_whose_client_leaves_never_reaches_the_upstream(pr
 
     async def holding() -> bool:
         return len(upstream.requests) == 1
-    await _until(holding, "the first request to hold the slot")
+    await until(holding, "the first request to hold the slot")
 
     async def leave() -> None:
         stream = await globex.completions.create(model="m", prompt="leaver", max_tokens=2, stream=True)
@@ -164,45 +152,25 @@ async def test_a_queued_stream_whose_client_leaves_never_reaches_the_upstream(pr
 
     async def queued() -> bool:
         return await proxy.waiting() == 1
-    await _until(queued, "the stream to wait its turn in the proxy")
+    await until(queued, "the stream to wait its turn in the proxy")
     leaver.cancel()  # the client goes away while its stream waits
     with pytest.raises(asyncio.CancelledError):
         await leaver
 
     async def withdrawn() -> bool:
         return await proxy.waiting() == 0
-    await _until(withdrawn, "the proxy to withdraw the stream")
+    await until(withdrawn, "the proxy to withdraw the stream")
     upstream.release.set()
     assert (await holder).choices[0].text == "ok"
     after = await globex.completions.create(model="m", prompt="after", max_tokens=2)  # the slot is free
     assert after.choices[0].text == "ok"
-    assert _prompts(upstream) == ["holder", "after"]  # "leaver" never reached it
+    assert prompts(upstream) == ["holder", "after"]  # "leaver" never reached it
     flow = (await proxy.stats())["flows"]["globex/interactive/gpu"]
     assert flow["cancelled_before_start"] == 1 and flow["completed"] == 1
 
 
 async def test_two_tenants_get_their_shares_while_one_floods(proxy: Proxy, upstream: Any) -> None:
-    upstream.release = asyncio.Event()
-    acme, globex = proxy.client("key-acme"), proxy.client("key-globex")
-    flood = [asyncio.create_task(acme.completions.create(model="m", prompt=f"acme {i}", max_tokens=4))
-             for i in range(24)]
-
-    async def flooding() -> bool:
-        return await proxy.waiting() == 23  # one holds the slot, the rest wait
-    await _until(flooding, "acme's flood to queue")
-    polite = [asyncio.create_task(globex.completions.create(model="m", prompt=f"globex {i}", max_tokens=4))
-              for i in range(8)]
-
-    async def both() -> bool:
-        return await proxy.waiting() == 31
-    await _until(both, "globex's requests to queue behind the flood")
-    upstream.release.set()
-    await asyncio.gather(*flood, *polite)
-    order = [p.split()[0] for p in _prompts(upstream)]
-    assert len(order) == 32 and order[0] == "acme"
-    # equal weights: after the request already running, the two alternate while both wait, so
-    # globex's 8 are served among the next 16, not after acme's 23
-    assert order[1:17].count("globex") == 8, order
+    await flood_then_quiet(proxy, upstream, 8)
     flows = (await proxy.stats())["flows"]
     assert flows["acme/interactive/gpu"]["completed"] == 24 and flows["globex/interactive/gpu"]["completed"] == 8
 
@@ -218,4 +186,4 @@ async def test_orgs_without_keys_and_template_orgs_are_served(proxy: Proxy, upst
     flows = (await proxy.stats())["flows"]
     assert flows["acme/interactive/gpu"]["completed"] == 2
     assert flows["initech/interactive/gpu"]["completed"] == 2
-    assert _prompts(upstream) == ["plain key-acme", "stream key-acme", "plain key-initech", "stream key-initech"]
+    assert prompts(upstream) == ["plain key-acme", "stream key-acme", "plain key-initech", "stream key-initech"]

@@ -108,6 +108,12 @@ class _Row:
         self.waits: deque[float] = deque(maxlen=window)  # seconds from arrival to start, the last ``window``
 
 
+#: the counter of ``stats()["flows"]`` an engine outcome counts in (refusals: by their reason)
+_BY_OUTCOME = {"completed": "completed", "failed": "failed", "cancelled_before_start": "cancelled",
+               "cancelled_during_execution": "aborted"}
+_BY_REASON = {"closed": "rejected", "unavailable": "unavailable", "deadline": "expired", "queue_timeout": "expired"}
+
+
 class FlowTally:
     """The engine's observer for a ``Dispatcher``: counters per flow id, across pools, for at
     most about ``limit`` flows (beyond it, flows with nothing waiting or running are forgotten,
@@ -193,22 +199,8 @@ class FlowTally:
             if outcome == "refused":
                 self.refused_other[reason or ""] = self.refused_other.get(reason or "", 0) + 1
             return
-        if outcome == "completed":
-            row.completed += 1
-        elif outcome == "failed":
-            row.failed += 1
-        elif outcome == "cancelled_before_start":
-            row.cancelled += 1
-        elif outcome == "cancelled_during_execution":
-            row.aborted += 1
-        elif reason == "closed":
-            row.rejected += 1
-        elif reason == "unavailable":
-            row.unavailable += 1
-        elif reason in ("deadline", "queue_timeout"):
-            row.expired += 1
-        else:
-            row.refused += 1
+        field = _BY_OUTCOME.get(outcome) or _BY_REASON.get(reason or "", "refused")
+        setattr(row, field, getattr(row, field) + 1)
         self._maybe_idle(flow, row)
 
     def snapshot(self) -> dict[Any, dict[str, Any]]:
