@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "is invalid (the message names the bad field), 2 when it cannot be read.")
     cc.add_argument("file", metavar="FILE", help="the policy file")
     cc.add_argument("--plain", action="store_true", help="plain text tables (the default when rich is not installed)")
+    cc.add_argument("--flows", action="store_true",
+                    help="list every flow and org (default: each pool's largest and smallest shares, and a summary "
+                         "of the orgs, when there are many)")
     sv = sub.add_parser(
         "serve", help="run the fair OpenAI-compatible gateway in front of the policy file's backends",
         description="Serve POST /v1/chat/completions and /v1/completions (streaming too), GET /v1/models, "
@@ -281,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "check-config":
         from .policy.report import check_config
 
-        return check_config(args.file, plain=args.plain)
+        return check_config(args.file, plain=args.plain, every_flow=args.flows)
     if args.command == "demo-backend":
         from .demo import DemoConfig, run as run_demo
 

@@ -337,7 +337,7 @@ class CostEstimator:
         cap = mt * copies
         if cap > MAX_OUTPUT_TOKENS:  # (a token count, whatever the cost weights: every face answers alike)
             raise BadRequest(f"the request asks for {cap} output tokens ('max_tokens' {mt} x {copies}), more than any "
-                             f"model generates (at most {MAX_OUTPUT_TOKENS})", param="max_tokens" if "max_tokens" in body
+                             f"model generates (at most {MAX_OUTPUT_TOKENS}): lower max_tokens or n", param="max_tokens" if "max_tokens" in body
                              else None)
         if ids or not text:
             prompt, exact, chars = float(ids), True, 0

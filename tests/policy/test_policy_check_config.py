@@ -125,3 +125,31 @@ def test_an_unreachable_redis_is_a_warning(tmp_path, capsys):
     captured = capsys.readouterr()
     assert f"warning: state.redis: redis://127.0.0.1:{port}/0 does not answer" in captured.err
     assert "1 warning(s) above" in captured.out
+
+
+def _tenants(n: int) -> str:
+    lines = ["pools:", "  gpu:", "    models: [m]", "    backends:", "      - {url: 'http://127.0.0.1:8001'}",
+             "classes:", "  interactive: {weight: 4}", "  batch: {weight: 1}", "orgs:"]
+    lines += [f"  org{i}: {{keys: ['sk-{i}'], classes: [interactive, batch], weight: {1 + i % 5}}}" for i in range(n)]
+    return "\n".join(lines) + "\n"
+
+
+def test_many_orgs_get_a_summary_and_flows_lists_every_one(tmp_path, capsys):
+    """A file of 3,000 orgs: the default output stays a page (each pool's largest and smallest
+    shares, the orgs summed up), and its shares are the pool's (weight / total weight); with
+    ``--flows`` every flow and org is listed (plain text: rich would take seconds)."""
+    p = tmp_path / "tenants.yaml"
+    p.write_text(_tenants(3000))
+    assert main(["check-config", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert len(out.splitlines()) < 80 and "5990 more flows (--flows lists every one)" in out
+    assert "orgs named" in out and "3000 (3000 with keys, 0 without)" in out and "1 .. 5" in out
+    total = sum((1 + i % 5) * (4 + 1) for i in range(3000))
+    assert f"{20 / total * 100:.2g}%" in out  # org4's interactive flow: the largest share
+    assert "valid (1 pools, 2 classes, 3000 orgs, 6000 flows)" in out
+    assert main(["check-config", str(p), "--flows"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("gpu ") and line.split()[2] in ("interactive", "batch")]
+    assert len(rows) == 6000 and sum(line.split()[1] == "org2999" for line in rows) == 2
+    assert sum(line.split()[0].startswith("org") and line.split()[1] == "1" for line in out.splitlines()
+               if len(line.split()) > 2) == 3000  # the orgs table, whole (its "keys" column: 1)

@@ -20,15 +20,71 @@ def _n(v: float | int | None, unit: str = "") -> str:
     return s + unit
 
 
-def policy_tables(policy: Policy) -> list[Table]:
-    """``(title, headers, rows)`` for flows, pools, backends, classes, orgs, cost and retries."""
+def _pct(x: float) -> str:
+    """A share as a percentage, with two significant digits when it is under 0.1 %."""
+    return f"{x:.1%}" if x >= 0.001 else f"{x * 100:.2g}%"
+
+
+#: rows beyond which ``check-config`` prints plain text even when rich is installed
+RICH_ROWS = 2_000
+#: flows of a pool shown by the summary at each end (the largest shares and the smallest)
+SUMMARY_FLOWS = 5
+
+
+def _flow_rows(policy: Policy, pool: str) -> list[list[str]]:
+    """Every flow of ``pool`` with its weight and share, in file order, in one pass (the pool's
+    total weight is summed once: a 10,000-org file is not 10,000 sums of 10,000)."""
+    flows = policy.flows(pool)
+    weight = {(o, c): policy.flow_weight(o, c) for o, c, _ in flows}
+    total = sum(w for (o, c), w in weight.items() if not policy.classes[c].strict)
+    rows = []
+    for org, cls, _ in flows:
+        strict = policy.classes[cls].strict
+        w = weight[(org, cls)]
+        rows.append([pool, org, cls, "strict" if strict else _n(w),
+                     "first (capped)" if strict else _pct(w / total)])
+    return rows
+
+
+def _ends(rows: list[list[str]], policy: Policy) -> list[list[str]]:
+    """The summary of a pool's flows: all of them when few, else the ``SUMMARY_FLOWS`` largest
+    and smallest shares (strict flows first) with a row saying how many were left out."""
+    if len(rows) <= 2 * SUMMARY_FLOWS + 1:
+        return rows
+    strict = [r for r in rows if r[4] == "first (capped)"]
+    weighted = sorted((r for r in rows if r[4] != "first (capped)"),
+                      key=lambda r: -policy.flow_weight(r[1], r[2]))
+    cut = len(weighted) - 2 * SUMMARY_FLOWS
+    if cut <= 0:
+        return strict + weighted
+    return (strict + weighted[:SUMMARY_FLOWS]
+            + [[rows[0][0], f"... {cut} more flows (--flows lists every one)", "", "", ""]]
+            + weighted[-SUMMARY_FLOWS:])
+
+
+def _org_summary(policy: Policy) -> list[list[str]]:
+    listed = list(policy.orgs.values())
+    keyed = sum(1 for o in listed if o.key_digests)
+    weights = [o.weight for o in listed]
+    rows = [["orgs named", f"{len(listed)} ({keyed} with keys, {len(listed) - keyed} without)"]]
+    if weights:
+        rows.append(["weights", f"{min(weights):g} .. {max(weights):g}"])
+        rows.append(["own limits", f"max_in_flight: {sum(o.max_in_flight is not None for o in listed)}, "
+                                   f"requests/min: {sum(o.requests_per_minute is not None for o in listed)}"])
+    t = policy.org_template
+    if t is not None:
+        rows.append(["org_template", f"classes {', '.join(t.classes)}, weight {t.weight:g}"])
+    return rows
+
+
+def policy_tables(policy: Policy, *, every_flow: bool = False) -> list[Table]:
+    """``(title, headers, rows)`` for flows, pools, backends, classes, orgs, cost and retries:
+    every flow and org with ``every_flow``; else each pool's largest and smallest shares and a
+    summary of the orgs (what stays readable, and fast, with 10,000 orgs)."""
     flows: list[list[str]] = []
     for pool in policy.pools:
-        for org, cls, _ in policy.flows(pool):
-            c = policy.classes[cls]
-            share = policy.share((org, cls, pool))
-            flows.append([pool, org, cls, "strict" if c.strict else _n(policy.flow_weight(org, cls)),
-                          "first (capped)" if share is None else f"{share:.1%}"])
+        rows = _flow_rows(policy, pool)
+        flows.extend(rows if every_flow else _ends(rows, policy))
     pools = [[p.name, ", ".join(p.models), str(len(p.backends)), str(sum(b.max_in_flight for b in p.backends)),
               _n(p.limits.max_in_flight), _n(p.limits.requests_per_minute), _n(p.limits.tokens_per_minute)]
              for p in policy.pools.values()]
@@ -45,6 +101,7 @@ def policy_tables(policy: Policy) -> list[Table]:
     if t is not None:
         orgs.append(["(org_template)", "-", ", ".join(t.classes), t.default_class, _n(t.weight),
                      _n(t.max_in_flight), _n(t.requests_per_minute)])
+    few = len(listed) <= 2 * SUMMARY_FLOWS + 1
     r, cs = policy.retry, policy.cost
     other = [["cost", f"{cs.input_weight:g} x prompt + {cs.output_weight:g} x output tokens "
                       f"(default max_tokens {cs.default_max_tokens}, prior ratio {cs.prior_ratio:g})"],
@@ -56,13 +113,15 @@ def policy_tables(policy: Policy) -> list[Table]:
         other.append(["state", f"redis {st.redis} prefix {st.prefix!r} lease {st.lease_seconds:g} s "
                                "(shared by sfq serve replicas; the in-process library keeps its state in memory)"])
     return [
-        ("Flows (org, class, pool): weight = org x class; share = of the pool's weighted capacity when all are busy",
+        ("Flows (org, class, pool): weight = org x class; share = of the pool's weighted capacity when all are busy"
+         + ("" if every_flow else "; the largest and smallest shares of each pool (--flows lists every one)"),
          ["pool", "org", "class", "weight", "share"], flows),
         ("Pools", ["pool", "models", "backends", "backend slots", "max_in_flight", "requests/min", "tokens/min"], pools),
         ("Backends", ["pool", "name", "url", "max_in_flight", "max_context"], backends),
         ("Classes", ["class", "kind", "weight", "max_in_flight", "max_queue_length", "max_queue_age",
                      "small requests first"], classes),
-        ("Orgs", ["org", "keys", "classes", "default", "weight", "max_in_flight", "requests/min"], orgs),
+        ("Orgs", ["org", "keys", "classes", "default", "weight", "max_in_flight", "requests/min"], orgs)
+        if every_flow or few else ("Orgs (--flows lists every one)", ["orgs", "summary"], _org_summary(policy)),
         ("Cost and retries", ["section", "resolved"], other),
     ]
 
@@ -143,11 +202,12 @@ def startup_checks(policy: Policy, *, redis_timeout: float = 1.0) -> tuple[list[
     return errors, warnings
 
 
-def check_config(path: str, *, plain: bool = False) -> int:
+def check_config(path: str, *, plain: bool = False, every_flow: bool = False) -> int:
     """``sfq check-config FILE``: 0 and the tables on stdout when the file is valid; 1 and
     every error (``FILE: field.path: problem``, one per line) on stderr when it is not, or when
     ``sfq serve`` would refuse it at start-up (:func:`startup_checks`); 2 when it cannot be
-    read. Warnings (an unreachable Redis) go to stderr and leave the status 0."""
+    read. Warnings (an unreachable Redis) go to stderr and leave the status 0. ``every_flow``
+    (``--flows``): every flow and org, not the summary."""
     import sys
 
     from ..errors import PolicyError
@@ -173,9 +233,10 @@ def check_config(path: str, *, plain: bool = False) -> int:
         for line in errors:
             sys.stderr.write(f"sfq check-config: {path}: {line}\n")
         return 1
-    tables = policy_tables(policy)
+    tables = policy_tables(policy, every_flow=every_flow)
     console = None
-    if not plain:
+    # rich draws about 1,000 rows a second: a table of thousands of flows goes out as plain text
+    if not plain and sum(len(rows) for _, _, rows in tables) <= RICH_ROWS:
         try:
             from rich.console import Console
 
