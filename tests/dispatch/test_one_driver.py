@@ -567,11 +567,6 @@ async def test_names_refused_for_their_body_leave_no_state_on_either_face(face: 
                                                                           request: pytest.FixtureRequest) -> None:
     """Any name is allowed (a flow id; an org of the template), but its request is refused for
     its body: the names never grow the counters, the stats or the memory."""
-    if face.kind == "PolicyDispatcher":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "Policy.org() keeps the OrgSpec it makes from the org_template for every name it is asked about "
-            "(Policy._made, never emptied), refused requests' orgs included: about 210 bytes a name (4.2 MB "
-            "for 20,000); the counters and stats stay bounded")))
     bad = {**BODY, "max_tokens": "abc"}
 
     async def refuse(prefix: str, n: int) -> None:

@@ -63,7 +63,7 @@ class FleetPolicy(Policy):
 
     weights: dict[Hashable, float] = field(default_factory=dict, compare=False)
 
-    def org(self, name: str) -> OrgSpec | None:
+    def org(self, name: str, *, keep: bool = True) -> OrgSpec | None:
         w = self.weights.get(name)
         return _weighted(1.0) if w is None else _weighted(w)
 

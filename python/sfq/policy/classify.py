@@ -69,7 +69,8 @@ class Classifier:
     def org_named(self, name: str) -> OrgSpec:
         """The org an embedder names: the file's entry, else one made from its
         ``org_template``. ``Refused("unknown_org")`` (403) when the file has neither."""
-        org = self.policy.org(name) if isinstance(name, str) else None
+        # (not kept: the org is made for good when a request of it is accepted, engine.submit)
+        org = self.policy.org(name, keep=False) if isinstance(name, str) else None
         if org is None:
             raise unknown_org(name)
         return org

@@ -227,16 +227,19 @@ class Policy:
                 return p
         return None
 
-    def org(self, name: str) -> OrgSpec | None:
+    def org(self, name: str, *, keep: bool = True) -> OrgSpec | None:
         """The org called ``name``: the file's entry, else one made from ``org_template`` (made
         once, then kept: the same object every time), else ``None`` (the policy does not know
-        it). Every rule that needs an org's spec asks here."""
+        it). Every rule that needs an org's spec asks here. ``keep=False``: a template org not
+        made yet is made for this answer only (a request not accepted yet must leave nothing)."""
         o = self.orgs.get(name)
         if o is not None:
             return o
         o = self._made.get(name)
         if o is None and self.org_template is not None and isinstance(name, str) and name:
-            o = self._made[name] = replace(self.org_template, name=name)
+            o = replace(self.org_template, name=name)
+            if keep:
+                self._made[name] = o
         return o
 
     def made_orgs(self) -> list[OrgSpec]:
