@@ -12,7 +12,6 @@ import importlib.util
 import json
 import os
 import sys
-import textwrap
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from aiohttp import web
 from support.processes import free_port
 
 import sfq
-from support.proxies import flood_then_quiet, prompts, until
+from support.proxies import example_policy, flood_then_quiet, prompts, until
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "fastapi_proxy.py"
@@ -97,18 +96,7 @@ class Proxy:
 @pytest.fixture
 async def proxy(upstream: Any, tmp_path: Path) -> AsyncIterator[Proxy]:
     policy = tmp_path / "policy.yaml"
-    policy.write_text(textwrap.dedent(f"""\
-        pools:
-          gpu:
-            models: [m]
-            backends: [{{url: "{upstream.url}", max_in_flight: 1}}]
-        classes:
-          interactive: {{weight: 1}}
-        orgs:
-          acme: {{classes: [interactive]}}
-          globex: {{classes: [interactive]}}
-        org_template: {{classes: [interactive]}}
-        """))
+    policy.write_text(example_policy(upstream.url))
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(Path(sfq.__file__).resolve().parents[1])}
     log_path = tmp_path / "proxy.log"

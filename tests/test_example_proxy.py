@@ -10,7 +10,6 @@ import importlib.util
 import os
 import socket
 import sys
-import textwrap
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ import aiohttp
 import pytest
 
 import sfq
-from support.proxies import flood_then_quiet, prompts, until
+from support.proxies import example_policy, flood_then_quiet, prompts, until
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "proxy.py"
@@ -77,21 +76,8 @@ class Proxy:
 
 @pytest.fixture
 async def proxy(upstream: Any, tmp_path: Path) -> AsyncIterator[Proxy]:
-    # acme and globex: orgs without keys (the proxy authenticates its users); anyone else the
-    # proxy names (initech) gets the template
     policy = tmp_path / "policy.yaml"
-    policy.write_text(textwrap.dedent(f"""\
-        pools:
-          gpu:
-            models: [m]
-            backends: [{{url: "{upstream.url}", max_in_flight: 1}}]
-        classes:
-          interactive: {{weight: 1}}
-        orgs:
-          acme: {{classes: [interactive]}}
-          globex: {{classes: [interactive]}}
-        org_template: {{classes: [interactive]}}
-        """))
+    policy.write_text(example_policy(upstream.url))
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(Path(sfq.__file__).resolve().parents[1])}
     log = (tmp_path / "proxy.log").open("wb")

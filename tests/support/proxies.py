@@ -8,7 +8,25 @@ records what it served (``requests``) and holds its one slot until ``release`` i
 from __future__ import annotations
 
 import asyncio
+import textwrap
 from typing import Any
+
+
+def example_policy(upstream_url: str) -> str:
+    """The policy both examples run under: one slot upstream; acme and globex, orgs without keys
+    (the proxy authenticates its users); anyone else the proxy names gets the template."""
+    return textwrap.dedent(f"""\
+        pools:
+          gpu:
+            models: [m]
+            backends: [{{url: "{upstream_url}", max_in_flight: 1}}]
+        classes:
+          interactive: {{weight: 1}}
+        orgs:
+          acme: {{classes: [interactive]}}
+          globex: {{classes: [interactive]}}
+        org_template: {{classes: [interactive]}}
+        """)
 
 
 async def until(cond: Any, what: str, limit: float = 20.0) -> None:
