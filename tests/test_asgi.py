@@ -7,7 +7,6 @@ close what they hold when the body ends or the client leaves."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import logging
 import subprocess
@@ -28,17 +27,9 @@ from starlette.routing import Route  # noqa: E402
 
 import sfq  # noqa: E402
 from sfq import asgi as sfq_asgi  # noqa: E402
+from support.proxies import fake_openai, serving  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 FLOW = sfq.Flow(org="acme", cls="batch", pool="gpu")
-
-
-def _fake_openai() -> Any:
-    spec = importlib.util.spec_from_file_location("sfq_asgi_fake_openai", ROOT / "tests" / "policy" / "fake_openai.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.FakeOpenAI()
 
 
 class Client:
@@ -98,12 +89,8 @@ async def _until(cond: Any, what: str, limit: float = 10.0) -> None:
 
 @pytest.fixture
 async def upstream() -> AsyncIterator[Any]:
-    up = _fake_openai()
-    await up.start()
-    yield up
-    if up.release is not None:
-        up.release.set()
-    await up.stop()
+    async with serving(fake_openai()()) as up:
+        yield up
 
 
 @pytest.fixture

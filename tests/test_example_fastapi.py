@@ -8,21 +8,16 @@ streamed request works end to end. Nothing is timed: orders and counts are what 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import os
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 from aiohttp import web
-from support.processes import free_port
 
 import sfq
-from support.proxies import example_policy, flood_then_quiet, prompts, until
+from support.proxies import Proxy, fake_openai, flood_then_quiet, prompts, running, serving, until
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "fastapi_proxy.py"
@@ -39,13 +34,7 @@ CONTEXT_LENGTH = {"message": "This model's maximum context length is 8 tokens; t
 def _upstream() -> Any:
     """tests/policy/fake_openai.py's server (by path), answering a prompt that says "too long"
     with an upstream's context-length error."""
-    path = ROOT / "tests" / "policy" / "fake_openai.py"
-    spec = importlib.util.spec_from_file_location("sfq_fastapi_fake_openai", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-
-    class Upstream(mod.FakeOpenAI):  # type: ignore[misc,name-defined]
+    class Upstream(fake_openai()):  # type: ignore[misc]
         async def _complete(self, request: web.Request) -> web.StreamResponse:
             body = await request.json()
             if "too long" in str(body.get("prompt")):
@@ -59,72 +48,15 @@ def _upstream() -> Any:
 
 @pytest.fixture
 async def upstream() -> AsyncIterator[Any]:
-    up = _upstream()
-    await up.start()
-    yield up
-    if up.release is not None:
-        up.release.set()
-    await up.stop()
-
-
-class Proxy:
-    def __init__(self, url: str, http: aiohttp.ClientSession, log: Path) -> None:
-        self.url = url
-        self.http = http
-        self.log = log
-        self.clients: list[Any] = []
-
-    async def stats(self) -> dict[str, Any]:
-        async with self.http.get(f"{self.url}/stats") as r:
-            assert r.status == 200
-            out: dict[str, Any] = await r.json()
-            return out
-
-    async def flow(self, name: str) -> dict[str, Any]:
-        out: dict[str, Any] = (await self.stats())["flows"][name]
-        return out
-
-    async def waiting(self) -> int:
-        return sum(int(f["waiting"]) for f in (await self.stats())["flows"].values())
-
-    def client(self, key: str) -> Any:
-        c = openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=30)
-        self.clients.append(c)
-        return c
+    async with serving(_upstream()) as up:
+        yield up
 
 
 @pytest.fixture
 async def proxy(upstream: Any, tmp_path: Path) -> AsyncIterator[Proxy]:
-    policy = tmp_path / "policy.yaml"
-    policy.write_text(example_policy(upstream.url))
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(Path(sfq.__file__).resolve().parents[1])}
-    log_path = tmp_path / "proxy.log"
-    log = log_path.open("wb")
-    proc = await asyncio.create_subprocess_exec(sys.executable, str(EXAMPLE), str(policy), "--port", str(port),
-                                                env=env, stdout=log, stderr=log)
-    async with aiohttp.ClientSession() as http:
-        p = Proxy(f"http://127.0.0.1:{port}", http, log_path)
-
-        async def up() -> bool:
-            if proc.returncode is not None:
-                raise AssertionError("the proxy exited: " + log_path.read_text())
-            try:
-                await p.stats()
-            except aiohttp.ClientError:
-                return False
-            return True
-
-        try:
-            await until(up, "the proxy to listen", 30.0)
-            yield p
-        finally:
-            for c in p.clients:
-                await c.close()
-            proc.terminate()
-            await asyncio.wait_for(proc.wait(), 30)
-            log.close()
-    text = log_path.read_text()
+    async with running(EXAMPLE, upstream.url, tmp_path) as p:
+        yield p
+    text = p.log.read_text()
     assert "Traceback" not in text and "Exception in ASGI application" not in text, text
 
 

@@ -6,19 +6,14 @@ while one floods, and orgs the policy file gives no key (or only its template) a
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import os
-import socket
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 
 import sfq
-from support.proxies import example_policy, flood_then_quiet, prompts, until
+from support.proxies import Proxy, fake_openai, flood_then_quiet, prompts, running, serving, until
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "proxy.py"
@@ -31,77 +26,16 @@ pytestmark = [
 ]
 
 
-def _fake_openai() -> Any:
-    """The policy tests' loopback OpenAI server (tests/policy/fake_openai.py), by path."""
-    spec = importlib.util.spec_from_file_location("sfq_tests_fake_openai", ROOT / "tests" / "policy" / "fake_openai.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.FakeOpenAI
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 async def upstream() -> AsyncIterator[Any]:
-    up = _fake_openai()()
-    await up.start()
-    yield up
-    if up.release is not None:
-        up.release.set()
-    await up.stop()
-
-
-class Proxy:
-    def __init__(self, url: str, http: aiohttp.ClientSession) -> None:
-        self.url = url
-        self.http = http
-
-    async def stats(self) -> dict[str, Any]:
-        async with self.http.get(f"{self.url}/stats") as r:
-            assert r.status == 200
-            out: dict[str, Any] = await r.json()
-            return out
-
-    async def waiting(self) -> int:
-        return sum(int(f["waiting"]) for f in (await self.stats())["flows"].values())
-
-    def client(self, key: str) -> Any:
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=30)
+    async with serving(fake_openai()()) as up:
+        yield up
 
 
 @pytest.fixture
 async def proxy(upstream: Any, tmp_path: Path) -> AsyncIterator[Proxy]:
-    policy = tmp_path / "policy.yaml"
-    policy.write_text(example_policy(upstream.url))
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(Path(sfq.__file__).resolve().parents[1])}
-    log = (tmp_path / "proxy.log").open("wb")
-    proc = await asyncio.create_subprocess_exec(sys.executable, str(EXAMPLE), str(policy), "--port", str(port),
-                                                env=env, stdout=log, stderr=log)
-    async with aiohttp.ClientSession() as http:
-        p = Proxy(f"http://127.0.0.1:{port}", http)
-
-        async def up() -> bool:
-            if proc.returncode is not None:
-                raise AssertionError("the proxy exited: " + (tmp_path / "proxy.log").read_text())
-            try:
-                await p.stats()
-            except aiohttp.ClientError:
-                return False
-            return True
-
-        try:
-            await until(up, "the proxy to listen", 30.0)
-            yield p
-        finally:
-            proc.terminate()
-            await asyncio.wait_for(proc.wait(), 30)
-            log.close()
+    async with running(EXAMPLE, upstream.url, tmp_path) as p:
+        yield p
 
 
 async def test_a_streamed_bad_request_is_a_400_before_any_byte(proxy: Proxy, upstream: Any) -> None:

@@ -8,8 +8,44 @@ records what it served (``requests``) and holds its one slot until ``release`` i
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import sys
 import textwrap
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
+
+import aiohttp
+
+import sfq
+
+from .processes import free_port
+
+
+def fake_openai() -> Any:
+    """tests/policy/fake_openai.py's ``FakeOpenAI`` class (loaded by path: tests/policy has no
+    package), the loopback upstream the example proxies and ``sfq.asgi`` are tested against."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "policy" / "fake_openai.py"
+    spec = importlib.util.spec_from_file_location("sfq_support_fake_openai", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.FakeOpenAI
+
+
+@contextlib.asynccontextmanager
+async def serving(up: Any) -> AsyncIterator[Any]:
+    """A fake upstream started, and stopped on exit (its held slot released first)."""
+    await up.start()
+    try:
+        yield up
+    finally:
+        if up.release is not None:
+            up.release.set()
+        await up.stop()
 
 
 def example_policy(upstream_url: str) -> str:
@@ -70,3 +106,70 @@ async def flood_then_quiet(proxy: Any, upstream: Any, quiet: int) -> list[str]:
     assert len(order) == 24 + quiet and order[0] == "acme"
     assert order[1:1 + 2 * quiet].count("globex") == quiet, order
     return order
+
+
+class Proxy:
+    """An example proxy running as its users run it (:func:`running`): its ``url``, its
+    ``/stats``, and ``openai`` clients for its users (closed when it stops)."""
+
+    def __init__(self, url: str, http: aiohttp.ClientSession, log: Path) -> None:
+        self.url = url
+        self.http = http
+        self.log = log
+        self.clients: list[Any] = []
+
+    async def stats(self) -> dict[str, Any]:
+        async with self.http.get(f"{self.url}/stats") as r:
+            assert r.status == 200
+            out: dict[str, Any] = await r.json()
+            return out
+
+    async def flow(self, name: str) -> dict[str, Any]:
+        out: dict[str, Any] = (await self.stats())["flows"][name]
+        return out
+
+    async def waiting(self) -> int:
+        return sum(int(f["waiting"]) for f in (await self.stats())["flows"].values())
+
+    def client(self, key: str) -> Any:
+        import openai
+
+        c = openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=30)
+        self.clients.append(c)
+        return c
+
+
+@contextlib.asynccontextmanager
+async def running(example: Path, upstream_url: str, tmp_path: Path) -> AsyncIterator[Proxy]:
+    """``python EXAMPLE policy.yaml --port N`` (:func:`example_policy` in front of the upstream)
+    in a process of its own, until it answers ``/stats``; terminated on exit. Its output is in
+    ``proxy.log`` under ``tmp_path`` (``Proxy.log``)."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(example_policy(upstream_url))
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(sfq.__file__).resolve().parents[1])}
+    log_path = tmp_path / "proxy.log"
+    log = log_path.open("wb")
+    proc = await asyncio.create_subprocess_exec(sys.executable, str(example), str(policy), "--port", str(port),
+                                                env=env, stdout=log, stderr=log)
+    async with aiohttp.ClientSession() as http:
+        p = Proxy(f"http://127.0.0.1:{port}", http, log_path)
+
+        async def up() -> bool:
+            if proc.returncode is not None:
+                raise AssertionError("the proxy exited: " + log_path.read_text())
+            try:
+                await p.stats()
+            except aiohttp.ClientError:
+                return False
+            return True
+
+        try:
+            await until(up, "the proxy to listen", 30.0)
+            yield p
+        finally:
+            for c in p.clients:
+                await c.close()
+            proc.terminate()
+            await asyncio.wait_for(proc.wait(), 30)
+            log.close()
