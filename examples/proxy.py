@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -27,7 +26,7 @@ HTTP = web.AppKey("http", aiohttp.ClientSession)
 
 
 def answer(exc: sfq.SFQError) -> web.Response:
-    headers = {} if exc.retry_after is None else {"Retry-After": str(max(1, math.ceil(exc.retry_after)))}
+    headers = {} if exc.retry_after is None else {"Retry-After": str(sfq.errors.whole_seconds(exc.retry_after))}
     return web.json_response(exc.to_openai(), status=exc.http_status, headers=headers)
 
 

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import orjson
 
 from ._optional import MissingExtra
-from .errors import SFQError
+from .errors import SFQError, whole_seconds
 
 try:
     from starlette.background import BackgroundTask
@@ -95,9 +95,8 @@ def error_response(exc: SFQError) -> Response:
     ``exc.http_status``, ``Retry-After`` (whole seconds, rounded up, at least 1) when
     ``exc.retry_after`` is set."""
     headers = {}
-    ra = exc.retry_after
-    if ra is not None and math.isfinite(ra):
-        headers["Retry-After"] = str(max(1, math.ceil(ra)))
+    if exc.retry_after is not None and math.isfinite(exc.retry_after):
+        headers["Retry-After"] = str(whole_seconds(exc.retry_after))
     return JSONResponse(exc.to_openai(), status_code=exc.http_status, headers=headers)
 
 

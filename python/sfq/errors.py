@@ -19,6 +19,7 @@ Errors in the arguments of the scheduler core itself are the builtin ``ValueErro
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -41,6 +42,7 @@ __all__ = [
     "Refused",
     "DeadlineExceeded",
     "REFUSALS",
+    "whole_seconds",
 ]
 
 #: a refusal's ``reason`` -> the gateway's answer: (HTTP status, OpenAI error ``type``, ``code``).
@@ -59,6 +61,14 @@ REFUSALS: dict[str, tuple[int, str, str]] = {
     "closed": (503, "server_error", "shutting_down"),
     "state_unavailable": (503, "server_error", "state_unavailable"),
 }
+
+
+def whole_seconds(s: float | None) -> int:
+    """``Retry-After`` as whole seconds: rounded up, at least 1 (a 0 invites a busy loop); 1 for
+    ``None`` or a number that is not finite. The one rule of the gateway and ``sfq.asgi``."""
+    if s is None or not math.isfinite(s):
+        return 1
+    return max(1, math.ceil(s - 1e-9))
 
 
 class SFQError(Exception):

@@ -518,8 +518,9 @@ class Dispatcher(PolicyDispatcher):
             p["healthy"] = sum(b["healthy"] for b in p["backends"].values())
             by_model[m] = p
         s["pools"] = by_model  # keyed by model (None: the default pool), as the fleet was given
+        model_of = {name: m for m, name in self._pool_names.items()}
         for b in s["backends"].values():
-            b["model"] = next(m for m, name in self._pool_names.items() if name == b["pool"])
+            b["model"] = model_of[b["pool"]]
         return s
 
     def flow_stats(self, flow: Hashable) -> dict[str, Any] | None:

@@ -19,7 +19,6 @@ request's id; the client gets a fixed message naming what failed, and the same i
 from __future__ import annotations
 
 import json
-import math
 from typing import Any, NamedTuple
 
 from .. import errors as _errors
@@ -34,6 +33,7 @@ from ..errors import (
     NoHealthyBackend,
     Refused,
     StreamInterrupted,
+    whole_seconds,
 )
 
 __all__ = ["HTTPError", "REFUSALS", "http_error_of", "error_body", "sse_error", "should_retry"]
@@ -78,26 +78,19 @@ REFUSALS: dict[str, tuple[int, str, str]] = {k: v for k, v in _errors.REFUSALS.i
 _REFUSAL_TEXT = {"state_unavailable": "the gateways' shared state cannot be reached; try again shortly"}
 
 
-def _whole_seconds(s: float | None) -> int:
-    """``Retry-After`` as whole seconds, rounded up, at least 1 (a 0 invites a busy loop)."""
-    if s is None or not math.isfinite(s):
-        return 1
-    return max(1, math.ceil(s - 1e-9))
-
-
 def http_error_of(exc: BaseException) -> HTTPError:
     """The client's answer for an exception of the policy layer (or its backends). The
     message never quotes a backend: see the module's docstring."""
     if isinstance(exc, Refused):
         status, typ, code = REFUSALS.get(exc.reason, (503, "server_error", exc.reason))
-        ra = _whole_seconds(exc.retry_after) if status == 429 or exc.retry_after is not None else None
+        ra = whole_seconds(exc.retry_after) if status == 429 or exc.retry_after is not None else None
         # a deadline or queue age that ran out: the same request would wait as long again
         return HTTPError(status, typ, code, _REFUSAL_TEXT.get(exc.reason) or str(exc), ra,
                          False if status == 504 else None)
     if isinstance(exc, DeadlineExceeded):
         return HTTPError(504, "timeout_error", "deadline_exceeded", str(exc), None, False)
     if isinstance(exc, BackendRateLimited):
-        ra = None if exc.retry_after is None else _whole_seconds(exc.retry_after)
+        ra = None if exc.retry_after is None else whole_seconds(exc.retry_after)
         return HTTPError(503, "server_error", "upstream_rate_limited",
                          "the backends are rate limiting and the retries allowed ran out", ra, True)
     if isinstance(exc, BackendTimeout):
@@ -108,13 +101,13 @@ def http_error_of(exc: BaseException) -> HTTPError:
                          "no backend could be reached (after the retries allowed)", None, True)
     if isinstance(exc, NoHealthyBackend):
         after: object = getattr(exc, "retry_after", None)  # set by the request engine
-        ra = _whole_seconds(float(after)) if isinstance(after, (int, float)) else 1
+        ra = whole_seconds(float(after)) if isinstance(after, (int, float)) else 1
         return HTTPError(503, "server_error", "upstream_unavailable",
                          "no backend of this model's pool is in rotation", ra, True)
     if isinstance(exc, DispatcherClosed):
         return HTTPError(503, "server_error", "shutting_down", "the gateway is shutting down", None, True)
     if isinstance(exc, BackendHTTPError) and exc.status == 503:
-        ra = None if exc.retry_after is None else _whole_seconds(exc.retry_after)
+        ra = None if exc.retry_after is None else whole_seconds(exc.retry_after)
         return HTTPError(503, "server_error", "upstream_unavailable",
                          "the backends are unavailable and the retries allowed ran out", ra, True)
     if isinstance(exc, BackendHTTPError) and exc.client_fault:
