@@ -256,3 +256,62 @@ def test_both_twins_start_the_same_requests_in_the_same_order(ops: list[tuple[st
                 clock.t += [0.0, 0.5, 30.0, 7200.0][x % 4]
         runs.append(log)
     assert runs[0] == runs[1]
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(st.tuples(st.sampled_from(["submit", "submit", "complete", "fail", "cancel", "advance"]),
+                              st.integers(0, 10_000)), max_size=120))
+def test_starting_at_submit_decides_what_the_next_poll_would(ops: list[tuple[str, int]]) -> None:
+    """``submit(start=True)`` (the drivers' fast path: an uncontended request starts without a
+    poll) against ``submit`` then ``poll``, for a driver that polls after every event: the
+    same requests start, in the same order, on the same backends, at the same meters."""
+    runs = []
+    for at_once in (False, True):
+        clock = Clock()
+        e = PolicyEngine(POLICY, clock=clock, rng=random.Random(0))
+        index: dict[int, int] = {}  # request id -> submission number
+        log: list[tuple[str, int, float]] = []
+        running: list[Request] = []
+        waiting: list[Request] = []
+        n = 0
+
+        def started(r: Request) -> None:
+            q = e.queues[r.flow.pool]
+            log.append(("start:" + str(r.backend), index[r.id], q.meter(r.flow) if r.in_core else -1.0))
+            running.append(r)
+
+        for op, x in ops:
+            if op == "submit":
+                f = FLOWS[x % len(FLOWS)]
+                try:
+                    r = e.submit(f, cost=[1, 60, 150, 3000][x % 4], tokens=x % 700, need=[0, 3000, 6000][x % 3],
+                                 start=at_once)
+                except Refused as exc:
+                    log.append(("refused:" + exc.reason, n, 0.0))
+                else:
+                    index[r.id] = n
+                    if r.state == RUNNING:
+                        assert at_once
+                        started(r)
+                    else:
+                        waiting.append(r)
+                n += 1
+            elif op == "complete" and running:
+                e.complete(running.pop(x % len(running)))
+            elif op == "fail" and running:
+                r = running.pop(x % len(running))
+                d = e.fail(r, BackendHTTPError("busy", status=503))
+                if d.retry:
+                    e.requeue(r)
+            elif op == "cancel":
+                live = [r for r in waiting if r.outcome is None and r.state == WAITING]
+                if live:
+                    e.cancel(live[x % len(live)])
+            elif op == "advance":
+                clock.t += [0.0, 0.5, 30.0, 7200.0][x % 4]
+            for r in e.poll():  # the driver's pump after every event
+                started(r)
+            log.extend(("dropped:" + str(d.reason), index[d.id], 0.0) for d in e.dropped)
+        runs.append(log)
+    assert runs[0] == runs[1]
+    assert any(s.startswith("start") for s, _, _ in runs[0]) or not any(op == "submit" for op, _ in ops)

@@ -323,6 +323,8 @@ class PolicyDispatcher:
         if self._pumping:
             self._again = True
             return
+        if not self.engine.has_waiting():  # nothing to start or drop; no timer to move
+            return
         self._pumping = True
         try:
             while True:
@@ -437,7 +439,7 @@ class PolicyDispatcher:
                 raise
         try:
             r = self.engine.submit(flow, cost=cost, estimate=est, streaming=bool(streaming), deadline=deadline,
-                                   idempotency_key=key)
+                                   idempotency_key=key, start=True)
         except OverflowError as exc:  # a figure too large for the scheduler: the body's fault
             if self._shared:
                 self.state.drop(ticket)
@@ -449,7 +451,12 @@ class PolicyDispatcher:
             raise
         if self._shared:
             self.state.bind(ticket, r)
-        self._pump()
+        if r.state == RUNNING:  # nothing else waited in its pool: the engine started it at once
+            self._sent[r.backend][0] += 1  # type: ignore[index]
+            if self.on_start is not None:
+                self._started_hook(r)
+        else:
+            self._pump()
         return r
 
     def _ended_error(self, r: Request) -> Exception:

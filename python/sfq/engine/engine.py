@@ -246,7 +246,7 @@ class PolicyEngine:
     def submit(self, flow: Flow, *, cost: float | None = None, tokens: float | None = None,
                need: float | None = None, deadline: float | None = None, item: Any = None,
                idempotency_key: str | None = None, estimate: Estimate | None = None,
-               streaming: bool = False) -> Request:
+               streaming: bool = False, start: bool = False) -> Request:
         """Accept a request of ``flow`` (from :meth:`classify`) into its pool's queue.
 
         ``estimate``: the request's estimate (``CostEstimator.estimate``); with it the request
@@ -257,7 +257,10 @@ class PolicyEngine:
         ``tokens``: the estimate debited from the pool's ``tokens_per_minute``; ``need``:
         prompt + max_tokens of one sequence (backends' ``max_context``); ``deadline``: absolute
         clock time; ``streaming``: the reply is a stream (``served`` charges its output as it
-        is delivered, :meth:`delivered`).
+        is delivered, :meth:`delivered`). ``start``: when nothing else waits in its pool, start
+        it now if it may (returned RUNNING on ``r.backend``), the decision the next
+        :meth:`poll` would make, for a driver that polls after every event and checks no
+        ``fits`` of its own (an uncontended request then costs no poll).
 
         Raises ``Refused`` (recorded) with reason ``rate_limited`` (the org's
         ``requests_per_minute``), ``queue_full``, ``deadline`` (already past) or ``too_large``
@@ -326,6 +329,7 @@ class PolicyEngine:
                     idempotency_key=idempotency_key, est=estimate,
                     epoch=self.estimator.epoch if estimate is not None else -1, streaming=bool(streaming))
         r.fixed = fixed
+        alone = not q.n_waiting  # (a victim waited: never alone)
         if victim is not None:
             self.evict(victim)
         q.queue_new(r, now)  # (checked above: the flow, its need, its cost, its class's room)
@@ -333,6 +337,11 @@ class PolicyEngine:
         self.live[r.id] = r
         self.metrics.queued(key)  # type: ignore[arg-type]
         self.retry.first_attempt(flow, now)
+        if start and alone:
+            # the only request waiting in its pool: what poll() would do next (nothing else in
+            # the pool can start or be dropped: its other requests are running), without the poll
+            if q.pop() is not None:  # (r: nothing else waits)
+                self._started(r)
         return r
 
     def _allow(self, flow: Flow) -> bool:
@@ -355,6 +364,16 @@ class PolicyEngine:
         return b
 
     # ------------------------------------------------------------ the loop
+    def has_waiting(self) -> bool:
+        """Whether :meth:`poll` may have anything to do: a request waits in some pool (or gave
+        its place up in :meth:`submit` and is still to be handed out as dropped)."""
+        if self._evicted:
+            return True
+        for q in self.queues.values():
+            if q.n_waiting:
+                return True
+        return False
+
     def poll(self, fits: Fits | None = None) -> list[Request]:
         """Start everything that may start now: returns the requests to send (each on
         ``r.backend``), after ending as refused those whose queue age or deadline ran out
