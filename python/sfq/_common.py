@@ -60,6 +60,8 @@ def _number(value: object, what: str) -> float:
 
 def check_cost(cost: object) -> float:
     """Return ``cost`` as a float, or raise naming the bad value."""
+    if type(cost) is float and 0.0 < cost <= MAX_COST:  # the common case, in one test (NaN, inf fail it)
+        return cost
     c = _number(cost, "cost")
     if not (c > 0.0) or math.isinf(c):
         raise ValueError(f"cost must be a finite number > 0, got {cost!r}")

@@ -272,7 +272,7 @@ def test_starting_at_submit_decides_what_the_next_poll_would(ops: list[tuple[str
         index: dict[int, int] = {}  # request id -> submission number
         log: list[tuple[str, int, float]] = []
         running: list[Request] = []
-        waiting: list[Request] = []
+        accepted: list[Request] = []
         n = 0
 
         def started(r: Request) -> None:
@@ -290,11 +290,10 @@ def test_starting_at_submit_decides_what_the_next_poll_would(ops: list[tuple[str
                     log.append(("refused:" + exc.reason, n, 0.0))
                 else:
                     index[r.id] = n
+                    accepted.append(r)
                     if r.state == RUNNING:
                         assert at_once
                         started(r)
-                    else:
-                        waiting.append(r)
                 n += 1
             elif op == "complete" and running:
                 e.complete(running.pop(x % len(running)))
@@ -304,7 +303,7 @@ def test_starting_at_submit_decides_what_the_next_poll_would(ops: list[tuple[str
                 if d.retry:
                     e.requeue(r)
             elif op == "cancel":
-                live = [r for r in waiting if r.outcome is None and r.state == WAITING]
+                live = [r for r in accepted if r.outcome is None and r.state == WAITING]
                 if live:
                     e.cancel(live[x % len(live)])
             elif op == "advance":

@@ -542,8 +542,9 @@ class PolicyDispatcher:
             return
         assert r.backend is not None
         self._monitors[r.backend].replied(r.flow, None)
-        self.engine.complete(r, usage if isinstance(usage, Mapping) else None,
-                             output_text_chars=None if isinstance(usage, Mapping) else text_chars)
+        if usage is not None and not isinstance(usage, Mapping):
+            usage = None
+        self.engine.complete(r, usage, output_text_chars=None if usage is not None else text_chars)
         self._settled()
 
     def _deadline_hit(self, r: Request, what: str) -> DeadlineExceeded:

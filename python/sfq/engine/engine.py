@@ -289,11 +289,12 @@ class PolicyEngine:
         tokens = 0.0 if tokens is None else tokens
         need = 0.0 if need is None else need
         cost = check_cost(cost)  # the core's own check and message (TypeError, ValueError, OverflowError)
-        for what, v in (("tokens", tokens), ("need", need)):
-            if not ((type(v) is int or type(v) is float) and 0 <= v < _INF):  # (bool is neither)
-                raise ValueError(f"{what} must be a finite number >= 0, got {v!r}")
-        if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
-                                     or math.isnan(deadline)):
+        if not ((type(tokens) is float or type(tokens) is int) and 0 <= tokens < _INF):  # (bool is neither)
+            raise ValueError(f"tokens must be a finite number >= 0, got {tokens!r}")
+        if not ((type(need) is float or type(need) is int) and 0 <= need < _INF):
+            raise ValueError(f"need must be a finite number >= 0, got {need!r}")
+        if deadline is not None and type(deadline) is not float and (
+                isinstance(deadline, bool) or not isinstance(deadline, (int, float))) or deadline != deadline:
             raise ValueError(f"deadline must be a clock time (a number) or None, got {deadline!r}")
         now = self.clock()
         key = tuple(flow)
@@ -522,7 +523,7 @@ class PolicyEngine:
         nothing is known (the charge at dispatch stands)."""
         p: float | None = None
         c: float | None = None
-        if isinstance(usage, Mapping):
+        if usage is not None and (type(usage) is dict or isinstance(usage, Mapping)):
             c = _count(usage.get("completion_tokens"))
             p = _count(usage.get("prompt_tokens"))
         e = r.est
@@ -567,7 +568,7 @@ class PolicyEngine:
         tokens, served = self._actual(r, usage, output_text_chars)
         if served is not None:
             self.queues[r.flow.pool].settle(r, served)
-        if r.est is not None and isinstance(usage, Mapping):
+        if r.est is not None and usage is not None and isinstance(usage, Mapping):
             try:
                 self.estimator.observe(r.est, usage, r.flow)
             except Exception:  # a bad usage report must not fail a served request
