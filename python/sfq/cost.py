@@ -469,6 +469,7 @@ class CostEstimator:
         m.output += comp
         m.cap += estimate.max_tokens
         m.n_out += 1
+        learn = [m]
         if flow is not None:
             key = (model, flow)
             f = self._flows.get(key)
@@ -479,10 +480,11 @@ class CostEstimator:
             f.output += comp
             f.cap += estimate.max_tokens
             f.n_out += 1
+            learn.append(f)
         pt = usage.get("prompt_tokens")  # type: ignore[union-attr]
         if type(pt) is int and pt > 0:  # the cached fraction: learned per model and flow, like the ratio
             cached = min(cached_tokens_of(usage), pt)  # type: ignore[arg-type]
-            for s in (m, f) if flow is not None else (m,):
+            for s in learn:
                 s.reported += pt
                 s.cached += cached
                 s.n_cache += 1

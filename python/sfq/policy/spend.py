@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
@@ -44,8 +44,14 @@ from ..errors import Refused
 from .config import BudgetSpec, Policy, PriceSpec
 
 if TYPE_CHECKING:
-    from ..cost import Estimate
     from .classify import Flow
+
+
+class Estimate(Protocol):
+    """What a reservation reads of a request's estimate (``sfq.cost.Estimate``)."""
+
+    prompt_tokens: float
+    max_tokens: int
 
 __all__ = ["Hold", "MemoryLedger", "SpendBook", "SpendCollector", "period_of"]
 

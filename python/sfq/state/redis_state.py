@@ -115,6 +115,9 @@ class RedisState(SharedState):
                  timeout: float = 0.5, gateway_id: str | None = None, client: Any = None) -> None:
         if not isinstance(spec, StateSpec):
             raise TypeError(f"spec must be an sfq.policy.StateSpec, got {spec!r}")
+        if spec.redis is None:
+            raise ValueError("state.redis: a shared state needs a redis:// URL (state.file is one gateway's spend)")
+        self.url: str = spec.redis
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
                 math.isfinite(timeout) and timeout > 0):
             raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
@@ -175,7 +178,7 @@ class RedisState(SharedState):
             import redis.asyncio as aioredis
 
             self._client = aioredis.Redis.from_url(
-                self.spec.redis, socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
+                self.url, socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
                 retry_on_timeout=False, health_check_interval=0)
         for name in ("ADMIT", "ACQUIRE", "WITHDRAW", "RENEW", "RETRY", "HELLO", "SPEND_RESERVE", "SPEND_SETTLE"):
             self._scripts[name] = self._client.register_script(getattr(_lua, name))
