@@ -120,10 +120,12 @@ class MemoryLedger:
         return self._held.get((org, key), 0.0)
 
     def reserve(self, org: str, key: str, amount: float, limit: float) -> bool:
-        """Reserve ``amount`` if spent + reserved + amount stays within ``limit``."""
+        """Reserve ``amount`` if spent + reserved + amount stays within ``limit`` (a reservation
+        of 0, a permit without a body, needs some budget left)."""
         k = (org, key)
         held = self._held.get(k, 0.0)
-        if self._spent.get(k, 0.0) + held + amount > limit:
+        used = self._spent.get(k, 0.0) + held
+        if used + amount > limit or (amount <= 0 and used >= limit):
             return False
         self._held[k] = held + amount
         return True

@@ -487,7 +487,7 @@ redis.call('ZREMRANGEBYSCORE', zk, '-inf', NOW)
 local spent = tonumber(redis.call('HGET', A.k, 's') or '0')
 local held = 0
 for _, m in ipairs(redis.call('ZRANGE', zk, 0, -1)) do held = held + tonumber(redis.call('HGET', ak, m) or '0') end
-if spent + held + A.a > A.lim then return {0, fmt(spent), fmt(held)} end
+if spent + held + A.a > A.lim or (A.a <= 0 and spent + held >= A.lim) then return {0, fmt(spent), fmt(held)} end
 redis.call('ZADD', zk, NOW + A.lease, A.m)
 redis.call('HSET', ak, A.m, fmt(A.a))
 for _, k in ipairs({A.k, zk, ak}) do redis.call('EXPIRE', k, A.keep) end
