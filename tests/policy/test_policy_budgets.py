@@ -187,6 +187,10 @@ def test_the_spend_file_keeps_the_period_across_restarts(core, clock: Clock, tmp
     assert again.spend.ledger.spent("a", "2026-12-31") == pytest.approx(9)
     with pytest.raises(Refused, match="budget"):
         submit(again, A, 2)
+    ledger = MemoryLedger(f)  # a new period of one org forgets that org's old one only
+    ledger.settle("c", "2026-12", 0.0, 4.0)
+    ledger.keep_only({"a": "2027-01-01"})
+    assert (ledger.spent("a", "2026-12-31"), ledger.spent("c", "2026-12")) == (0.0, 4.0)
     f.write_text('{"version": 1, "spent": [["a", "2026-12-31", -3]]}')
     with pytest.raises(ValueError, match=r"state.file: bad entry"):
         MemoryLedger(f)

@@ -145,8 +145,9 @@ class MemoryLedger:
                 self.flush()
 
     def keep_only(self, keys: dict[str, str]) -> None:
-        """Forget every period but ``keys[org]`` (the current one) of the orgs in ``keys``."""
-        for k in [k for k in self._spent if keys.get(k[0]) != k[1]]:
+        """Forget every period but ``keys[org]`` (the current one) of the orgs in ``keys``
+        (an org not in ``keys`` keeps what it has until its own period is read)."""
+        for k in [k for k in self._spent if k[0] in keys and keys[k[0]] != k[1]]:
             del self._spent[k]
             self._dirty = True
 
