@@ -253,7 +253,10 @@ def test_weight_1_decides_exactly_as_without_cached_tokens(core, clock: Clock) -
     plain = _meters(core, Clock(), "", None)
     assert _meters(core, Clock(), "", 80) == plain  # the same floats, not approximately
     assert _meters(core, Clock(), ", cached_input_weight: 1", 80) == plain
-    assert _meters(core, Clock(), ", cached_input_weight: 0", 80) != plain
+    free = _meters(core, Clock(), ", cached_input_weight: 0", 80)
+    assert free != plain
+    # at weight 0 the 80 cached tokens of each report leave the token bucket (and the meters) alone
+    assert free[-1] - plain[-1] == pytest.approx(30 * 80, rel=0.05)
 
 
 def test_cached_tokens_are_charged_at_their_weight(core, clock: Clock) -> None:
