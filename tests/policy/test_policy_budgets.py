@@ -145,6 +145,8 @@ def test_a_request_the_budget_cannot_cover_is_refused_until_the_period_ends(core
     assert e.spend.ledger.spent("a", "2026-12-31") == pytest.approx(2)
     r3 = submit(e, A, 4)  # 2 spent + 4 reserved + 4 = 10
     e.cancel(r3)  # cancelled before it started: given back, nothing spent
+    assert r3.hold is not None
+    e.spend.release(r3.hold)  # (given back once only)
     assert e.spend.ledger.held("a", "2026-12-31") == pytest.approx(4)
     wall.t += 3600  # a new day (and a new month): the budget starts again
     for _ in range(2):

@@ -82,7 +82,7 @@ class Hold:
     """A request's reservation: ``key`` (the period), ``amount`` (currency), ``member`` (its
     name in a shared ledger), ``spent`` (currency its attempts used so far)."""
 
-    __slots__ = ("org", "pool", "key", "amount", "member", "spent", "budgeted")
+    __slots__ = ("org", "pool", "key", "amount", "member", "spent", "budgeted", "settled")
 
     def __init__(self, org: str, pool: str, key: str, amount: float, member: str = "", budgeted: bool = True) -> None:
         self.org = org
@@ -92,6 +92,7 @@ class Hold:
         self.member = member
         self.spent = 0.0
         self.budgeted = budgeted  # False: priced for the metric only (the org has no budget)
+        self.settled = False
 
     def __repr__(self) -> str:
         return f"Hold({self.org}/{self.pool} {self.key} reserved={self.amount:g} spent={self.spent:g})"
@@ -270,7 +271,10 @@ class SpendBook:
             hold.spent += prices.cost(prompt, cached, completion)
 
     def settle(self, hold: Hold) -> None:
-        """The request ended: its reservation becomes what it spent."""
+        """The request ended: its reservation becomes what it spent (once: a second call is a no-op)."""
+        if hold.settled:
+            return
+        hold.settled = True
         if hold.spent > 0:
             label = hold.org if hold.org in self.policy.orgs else OTHER
             k = (label, hold.pool)
@@ -284,7 +288,7 @@ class SpendBook:
 
     def release(self, hold: Hold | None) -> None:
         """A request refused after its reservation: give it back unspent."""
-        if hold is not None:
+        if hold is not None and not hold.settled:
             hold.spent = 0.0
             self.settle(hold)
 
