@@ -35,6 +35,13 @@ its cap, a chars-per-token ratio outside ``[1/4, 16]``, counts that disagree) is
 ``ValueError`` naming the entry and the field, and the estimator is left unchanged (a bad
 state is refused, never silently repaired).
 
+Cached prompt tokens (``usage.prompt_tokens_details.cached_tokens``, reported by vLLM, SGLang
+and the providers) count ``cached_input_weight`` prompt tokens each (default 1: like any
+other). With a weight other than 1, the estimate expects the fraction of a prompt served from
+a cache that the flow's (else the model's) usage reports showed, learned like the output
+ratio (same sample thresholds, same bounded per-flow memory): ``charged prompt = prompt x (1 -
+(1 - cached_input_weight) x cached fraction)``.
+
 Units: tokens for every count, "cost units" for costs (whatever ``input_weight`` and
 ``output_weight`` make of a token; 1.0 each by default, i.e. tokens).
 """
@@ -52,7 +59,7 @@ from typing import Any
 from ._common import MAX_COST
 from .errors import BadRequest
 
-__all__ = ["CostEstimator", "Estimate", "prompt_of"]
+__all__ = ["CostEstimator", "Estimate", "cached_tokens_of", "prompt_of"]
 
 STATE_VERSION = 1
 #: bounds of a prompt's characters per token (a report outside them is clamped into them)
@@ -81,10 +88,11 @@ class Estimate:
     """
 
     __slots__ = ("model", "cost", "prompt_tokens", "prompt_exact", "prompt_chars", "max_tokens", "ratio",
-                 "expected_output", "copies")
+                 "expected_output", "copies", "charged_prompt")
 
     def __init__(self, model: str, cost: float, prompt_tokens: float, prompt_exact: bool, prompt_chars: int,
-                 max_tokens: int, ratio: float, expected_output: float, copies: int = 1) -> None:
+                 max_tokens: int, ratio: float, expected_output: float, copies: int = 1,
+                 charged_prompt: float | None = None) -> None:
         self.model = model
         self.cost = cost
         self.prompt_tokens = prompt_tokens
@@ -94,6 +102,9 @@ class Estimate:
         self.ratio = ratio
         self.expected_output = expected_output
         self.copies = copies
+        #: the prompt as the charge counts it: ``prompt_tokens`` less the expected cached tokens'
+        #: discount (``cached_input_weight``); ``prompt_tokens`` itself at weight 1
+        self.charged_prompt = prompt_tokens if charged_prompt is None else charged_prompt
 
     def __repr__(self) -> str:
         return (f"Estimate(model={self.model!r}, cost={self.cost!r}, prompt_tokens={self.prompt_tokens!r}, "
@@ -104,7 +115,7 @@ class Estimate:
 class _Sums:
     """Running totals of one calibration key."""
 
-    __slots__ = ("output", "cap", "n_out", "chars", "tokens", "n_prompt")
+    __slots__ = ("output", "cap", "n_out", "chars", "tokens", "n_prompt", "reported", "cached", "n_cache")
 
     def __init__(self) -> None:
         self.output = 0.0  # actual completion tokens
@@ -113,10 +124,16 @@ class _Sums:
         self.chars = 0.0  # prompt characters (estimated prompts only)
         self.tokens = 0.0  # the backends' prompt_tokens for those prompts
         self.n_prompt = 0
+        self.reported = 0.0  # prompt tokens of the usage reports (cached fraction's denominator)
+        self.cached = 0.0  # of which served from a cache (prompt_tokens_details.cached_tokens)
+        self.n_cache = 0  # usage reports counted in reported/cached
 
     def to_json(self) -> dict[str, float]:
-        return {"output": self.output, "cap": self.cap, "n_out": self.n_out,
-                "chars": self.chars, "tokens": self.tokens, "n_prompt": self.n_prompt}
+        d = {"output": self.output, "cap": self.cap, "n_out": self.n_out,
+             "chars": self.chars, "tokens": self.tokens, "n_prompt": self.n_prompt}
+        if self.n_cache:
+            d.update(reported=self.reported, cached=self.cached, n_cache=self.n_cache)
+        return d
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any], where: str) -> _Sums:
@@ -129,6 +146,14 @@ class _Sums:
         if min(s.output, s.cap, s.chars, s.tokens, s.n_out, s.n_prompt) < 0 or not all(
                 math.isfinite(x) for x in (s.output, s.cap, s.chars, s.tokens)):
             raise ValueError(f"bad calibration entry {where}: negative or non-finite totals in {d!r}")
+        try:  # (absent from states saved before cached tokens were learned)
+            s.reported, s.cached, s.n_cache = float(d.get("reported", 0)), float(d.get("cached", 0)), int(d.get("n_cache", 0))
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ValueError(f"bad calibration entry {where}: {d!r} ({exc})") from None
+        if not (math.isfinite(s.reported) and 0 <= s.cached <= s.reported * (1 + 1e-9) and s.n_cache >= 0
+                and (s.n_cache == 0) == (s.reported == 0)):
+            raise ValueError(f"bad calibration entry {where}: 'cached' {s.cached!r}, 'reported' {s.reported!r} and "
+                             f"'n_cache' {s.n_cache!r} disagree (cached tokens are part of the prompt)")
         if s.output > s.cap * (1 + 1e-9):
             raise ValueError(f"bad calibration entry {where}: 'output' {s.output!r} exceeds 'cap' {s.cap!r} "
                              "(no server generates more than it was allowed)")
@@ -158,6 +183,15 @@ def _count(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return value
+
+
+def cached_tokens_of(usage: Mapping[str, Any]) -> int:
+    """``usage.prompt_tokens_details.cached_tokens`` (0 when absent or not an integer >= 0)."""
+    d = usage.get("prompt_tokens_details")
+    if type(d) is not dict and not isinstance(d, Mapping):
+        return 0
+    c = d.get("cached_tokens")
+    return c if type(c) is int and c > 0 else 0
 
 
 def prompt_of(body: Mapping[str, Any]) -> tuple[str, int]:
@@ -231,6 +265,8 @@ class CostEstimator:
         the output cap assumed when a request does not set ``max_tokens`` (>= 1).
     min_cost:
         the smallest cost handed out (> 0): the scheduler needs costs > 0.
+    cached_input_weight:
+        prompt tokens one cached prompt token counts as (>= 0; default 1: like any other).
     """
 
     def __init__(
@@ -246,6 +282,7 @@ class CostEstimator:
         default_max_tokens: int = 1024,
         min_cost: float = 1.0,
         max_flows: int = 100_000,
+        cached_input_weight: float = 1.0,
     ) -> None:
         self.input_weight = _positive("input_weight", input_weight, allow_zero=True)
         self.output_weight = _positive("output_weight", output_weight, allow_zero=True)
@@ -261,6 +298,7 @@ class CostEstimator:
         self.default_max_tokens = _count("default_max_tokens", default_max_tokens, 1)
         self.min_cost = _positive("min_cost", min_cost)
         self.max_flows = _count("max_flows", max_flows, 1)
+        self.cached_input_weight = _positive("cached_input_weight", cached_input_weight, allow_zero=True)
         self._models: dict[str, _Sums] = {}
         self._flows: dict[tuple[str, Hashable], _Sums] = {}
         self.observed = 0  # completions observed
@@ -289,6 +327,24 @@ class CostEstimator:
             return False
         m = self._models.get(model)
         return not (m is not None and m.n_out >= self.min_model_samples and m.cap > 0)
+
+    def cached_fraction(self, model: str, flow: Hashable = None) -> float:
+        """The fraction of a prompt expected from a cache for ``model`` (and ``flow``): the
+        flow's usage reports once it has ``min_flow_samples``, else the model's once it has
+        ``min_model_samples``, else 0."""
+        if flow is not None:
+            f = self._flows.get((model, flow))
+            if f is not None and f.n_cache >= self.min_flow_samples and f.reported > 0:
+                return f.cached / f.reported
+        m = self._models.get(model)
+        if m is not None and m.n_cache >= self.min_model_samples and m.reported > 0:
+            return m.cached / m.reported
+        return 0.0
+
+    def charged_prompt(self, prompt: float, cached: float) -> float:
+        """Prompt tokens as the charge counts them: ``cached`` of them at ``cached_input_weight``."""
+        w = self.cached_input_weight
+        return prompt if w == 1.0 or cached <= 0 else prompt - (1.0 - w) * cached
 
     def chars_per_token_of(self, model: str) -> float:
         """The characters-per-token ratio used now for ``model``'s estimated prompts."""
@@ -380,13 +436,16 @@ class CostEstimator:
                 flow: Hashable) -> Estimate:
         ratio = self.ratio(model, flow)
         expected = cap * ratio
-        cost = self.input_weight * prompt + self.output_weight * expected
+        charged = prompt
+        if self.cached_input_weight != 1.0:  # (weight 1: the cached fraction changes nothing)
+            charged = self.charged_prompt(prompt, prompt * self.cached_fraction(model, flow))
+        cost = self.input_weight * charged + self.output_weight * expected
         if cost < self.min_cost:
             cost = self.min_cost
         elif cost > MAX_COST:
             raise OverflowError(f"the request asks for too much output: its estimated cost {cost!r} exceeds the "
                                 f"largest cost {MAX_COST:.0f}; lower max_tokens or n")
-        return Estimate(model, cost, prompt, exact, chars, cap, ratio, expected, copies)
+        return Estimate(model, cost, prompt, exact, chars, cap, ratio, expected, copies, charged)
 
     def observe(self, estimate: Estimate, usage: Mapping[str, Any] | None, flow: Hashable = None) -> bool:
         """Feed one completed request's ``usage`` (OpenAI: ``prompt_tokens``, ``completion_tokens``)
@@ -410,6 +469,7 @@ class CostEstimator:
         m.output += comp
         m.cap += estimate.max_tokens
         m.n_out += 1
+        learn = [m]
         if flow is not None:
             key = (model, flow)
             f = self._flows.get(key)
@@ -420,7 +480,14 @@ class CostEstimator:
             f.output += comp
             f.cap += estimate.max_tokens
             f.n_out += 1
+            learn.append(f)
         pt = usage.get("prompt_tokens")  # type: ignore[union-attr]
+        if type(pt) is int and pt > 0:  # the cached fraction: learned per model and flow, like the ratio
+            cached = min(cached_tokens_of(usage), pt)  # type: ignore[arg-type]
+            for s in learn:
+                s.reported += pt
+                s.cached += cached
+                s.n_cache += 1
         chars = estimate.prompt_chars
         if not estimate.prompt_exact and chars > 0 and type(pt) is int and pt > 0:
             if m.n_prompt > 0 and m.tokens > 0:  # chars_per_token_of(model), inline
@@ -462,7 +529,10 @@ class CostEstimator:
         if type(pt) is int and pt >= 0:
             lo = prompt / MAX_PROMPT_SURPRISE
             hi = prompt * MAX_PROMPT_SURPRISE + PRIOR_CHARS
-            prompt = lo if pt < lo else hi if pt > hi else float(pt)
+            reported = float(pt)
+            prompt = lo if pt < lo else hi if pt > hi else reported
+            if self.cached_input_weight != 1.0 and pt > 0:  # cached tokens: their share of the (clamped) prompt
+                prompt = self.charged_prompt(prompt, prompt * min(cached_tokens_of(usage), pt) / reported)
         cost = self.input_weight * prompt + self.output_weight * comp
         return self.min_cost if cost < self.min_cost else MAX_COST if cost > MAX_COST else cost
 

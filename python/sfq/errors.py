@@ -56,6 +56,8 @@ REFUSALS: dict[str, tuple[int, str, str]] = {
     "too_large": (400, "invalid_request_error", "context_length_exceeded"),
     "rate_limited": (429, "rate_limit_error", "rate_limited"),
     "queue_full": (429, "rate_limit_error", "queue_full"),
+    # the org's spending budget (orgs.NAME.budget) cannot cover the request until the period ends
+    "budget_exhausted": (429, "insufficient_quota", "budget_exhausted"),
     "queue_timeout": (504, "timeout_error", "queue_timeout"),
     "deadline": (504, "timeout_error", "deadline_exceeded"),
     "closed": (503, "server_error", "shutting_down"),

@@ -74,6 +74,15 @@ class Upstream:
         self.hold = False
         self._loop.call_soon_threadsafe(self._gate.set)
 
+    def rearm(self) -> None:
+        """Hold every request from now on, until the next :meth:`release` (after one already)."""
+        assert self._loop is not None
+
+        async def _close() -> None:
+            self._gate = asyncio.Event()
+            self.hold = True
+        asyncio.run_coroutine_threadsafe(_close(), self._loop).result(LIMIT)
+
     def stop(self) -> None:
         if self._loop is not None:
             async def _stop() -> None:

@@ -18,6 +18,12 @@ stream's first event (its role) goes out as the request starts: the client learn
 that its request left the gateway's queue. Tokens are 4 characters (``"tok "``), as the
 usage counts them.
 
+**Prefix caching** (``cached_weight``): a prompt tagged ``"cache=P"`` has P % of its tokens
+served from the engine's prefix cache, reported as ``usage.prompt_tokens_details.cached_tokens``
+(as vLLM, SGLang and the providers do); the engine spends ``cached_weight`` of a token's prefill
+on each (default 1: a cache saves nothing) and counts its service so. An org's ``cached``
+(:class:`OrgLoad`) tags its prompts.
+
 **The workload** (:class:`OrgLoad`): each org is a set of clients. ``closed``: ``clients``
 loops, each sends its next request when the last one ends; ``keep_one``: one request always
 waiting at the gateway (the next is sent when the last one's first event arrives);
@@ -57,8 +63,9 @@ class FakeEngine:
 
     def __init__(self, name: str, speed: float, *, slots: int = 4, unit: float = 0.002, chunk: int = 8,
                  log: list[tuple[float, str, float]], done: list[tuple[float, str, int]],
-                 ids: list[str] | None = None) -> None:
+                 ids: list[str] | None = None, cached_weight: float = 1.0) -> None:
         self.name = name
+        self.cached_weight = cached_weight  # a cached prompt token's share of a prefilled one
         self.speed = speed
         self.unit = unit
         self.chunk = chunk
@@ -102,7 +109,13 @@ class FakeEngine:
         org = tags.get("org", "?")
         out = min(int(tags.get("use", "1")), int(body.get("max_tokens") or 16))
         prompt_tokens = max(1, len(text) // len(TOKEN))
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": out, "total_tokens": prompt_tokens + out}
+        usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": out,
+                                 "total_tokens": prompt_tokens + out}
+        prefill = float(prompt_tokens)
+        if "cache" in tags:  # P % of the prompt from the prefix cache
+            cached = prompt_tokens * int(tags["cache"]) // 100
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+            prefill = prompt_tokens - cached + self.cached_weight * cached
         stream = bool(body.get("stream"))
         async with self.slots:
             self.running += 1
@@ -113,8 +126,8 @@ class FakeEngine:
                     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                     await resp.prepare(request)
                     await self._event(resp, chat, body, "", role=True)
-                await asyncio.sleep(prompt_tokens * self.unit / self.speed)
-                self._deliver(org, prompt_tokens)
+                await asyncio.sleep(prefill * self.unit / self.speed)
+                self._deliver(org, prefill)
                 left = out
                 while left > 0:
                     n = min(self.chunk, left)
@@ -159,14 +172,15 @@ class Fleet:
     """Fake engines of the given speeds on one event loop in a thread; ``log`` records every
     org's service as delivered, ``done`` every request served to its end."""
 
-    def __init__(self, speeds: Sequence[float], *, slots: int = 4, unit: float = 0.002, chunk: int = 8) -> None:
+    def __init__(self, speeds: Sequence[float], *, slots: int = 4, unit: float = 0.002, chunk: int = 8,
+                 cached_weight: float = 1.0) -> None:
         self.log: list[tuple[float, str, float]] = []
         self.done: list[tuple[float, str, int]] = []
         self.served_ids: list[str] = []
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="fleet", daemon=True)
         self.engines = [FakeEngine(f"e{i}", s, slots=slots, unit=unit, chunk=chunk, log=self.log, done=self.done,
-                                   ids=self.served_ids)
+                                   ids=self.served_ids, cached_weight=cached_weight)
                         for i, s in enumerate(speeds)]
 
     def start(self) -> Fleet:
@@ -199,6 +213,7 @@ class OrgLoad:
     backlogged: bool = True  # counted in the fairness measures
     weight: float = 1.0  # orgs.X.weight in the policy file
     route: int | None = None  # None: round-robin over the gateways, per request; i: always gateway i
+    cached: int = 0  # percent of each prompt the engines serve from their prefix cache
 
 
 @dataclass
@@ -223,7 +238,8 @@ class RunResult:
 
 
 def _prompt(org: OrgLoad, use: int, rid: str = "") -> str:
-    head = f"org={org.name} use={use}" + (f" req={rid}" if rid else "") + " |"
+    head = (f"org={org.name} use={use}" + (f" req={rid}" if rid else "")
+            + (f" cache={org.cached}" if org.cached else "") + " |")
     return head + " " + "p" * max(0, org.prompt_chars - len(head) - 1)
 
 
@@ -422,9 +438,12 @@ def drift(log: Sequence[tuple[float, str, float]], orgs: Sequence[str], t0: floa
 
 
 def policy_text(urls: Sequence[str], orgs: Sequence[OrgLoad], *, slots: int = 4, charge: str = "served",
-                redis: str | None = None, prefix: str = "sfq-fleet:", lease: float = 10.0) -> str:
+                redis: str | None = None, prefix: str = "sfq-fleet:", lease: float = 10.0,
+                cached_input_weight: float | None = None) -> str:
     """The gateway's policy: one pool over the fleet, each org's weight (``OrgLoad.weight``),
-    the charge mode given; with ``redis``, the section that shares the state through it."""
+    the charge mode given (and ``cached_input_weight`` when given); with ``redis``, the section
+    that shares the state through it."""
+    cw = "" if cached_input_weight is None else f", cached_input_weight: {cached_input_weight:g}"
     backends = "\n".join(f'      - {{url: "{u}", max_in_flight: {slots}}}' for u in urls)
     org_lines = "\n".join(f'  {o.name}: {{keys: ["{o.key}"], classes: [batch, interactive]'
                           + (f", weight: {o.weight:g}" if o.weight != 1 else "") + "}" for o in orgs)
@@ -440,7 +459,7 @@ classes:
   interactive: {{weight: 1}}
 orgs:
 {org_lines}
-cost: {{input_weight: 1, output_weight: 2, charge: {charge}}}
+cost: {{input_weight: 1, output_weight: 2, charge: {charge}{cw}}}
 {state}"""
 
 

@@ -77,6 +77,7 @@ from ..policy.classify import Flow
 from ..policy.config import Policy, UpstreamTimeouts, load_policy
 from ..policy.metrics import PolicyMetrics
 from ..policy.retry import IdempotencyIndex
+from ..policy.spend import Hold
 from ..state import SharedState, local_policy, state_for
 from .policy_calls import BackendAddress, Grant, Permit, PolicyEventStream, Reply, _check_body, _endpoint, _Expired, \
     _text_chars, _within
@@ -193,7 +194,8 @@ class PolicyDispatcher:
         self._shared = bool(state.shared)
         cs = policy.cost
         self.estimator = estimator if estimator is not None else CostEstimator(
-            cs.input_weight, cs.output_weight, default_max_tokens=cs.default_max_tokens, prior_ratio=cs.prior_ratio)
+            cs.input_weight, cs.output_weight, default_max_tokens=cs.default_max_tokens, prior_ratio=cs.prior_ratio,
+            cached_input_weight=cs.cached_input_weight)
         # shared: the engine orders each flow's requests and hands them on; the shared state
         # applies the limits and the order over every gateway
         self.engine = PolicyEngine(local_policy(policy) if self._shared else policy, clock=clock,
@@ -256,6 +258,7 @@ class PolicyDispatcher:
                 q.on_charge = state.charged
                 q.refund_floors = False  # the shared ledger applies them, in its global order
             state.on_evicted = self._evicted
+            self.engine.spend.on_settle = state.settle_spend  # budgets: the shared ledger
             state.estimator = self.estimator  # the refund floor's "a guess" is the engine's
 
     # ------------------------------------------------------------ lifecycle
@@ -294,6 +297,7 @@ class PolicyDispatcher:
                 await asyncio.wait_for(self._drained.wait(), self.close_grace)
         await asyncio.gather(*(m.close() for m in self._monitors.values()), return_exceptions=True)
         await asyncio.gather(*(b.close() for b in self._backends.values()), return_exceptions=True)
+        self.engine.spend.flush()  # (a state file: the spend so far)
         if self._shared:
             await self.state.close()
 
@@ -431,23 +435,28 @@ class PolicyDispatcher:
         deadline = self._deadline(timeout)
         est = None if body is None else self._estimate(body, flow)
         ticket = None
+        hold = None
         if self._shared:
+            hold = await self._reserve(flow, est)  # the budget over every gateway
             try:
                 ticket = await self.state.admit(flow)  # org rates, queue lengths over every gateway
             except Refused as exc:
+                self.engine.spend.release(hold)
                 self.engine.refuse(flow, exc.reason)
                 raise
         try:
             r = self.engine.submit(flow, cost=cost, estimate=est, streaming=bool(streaming), deadline=deadline,
-                                   idempotency_key=key, start=True)
+                                   idempotency_key=key, start=True, hold=hold)
         except OverflowError as exc:  # a figure too large for the scheduler: the body's fault
             if self._shared:
                 self.state.drop(ticket)
+                self.engine.spend.release(hold)
             self.engine.refuse(flow, "bad_request")
             raise BadRequest(f"the request is too large to schedule: {exc}") from None
         except BaseException:
             if self._shared:
                 self.state.drop(ticket)
+                self.engine.spend.release(hold)
             raise
         if self._shared:
             self.state.bind(ticket, r)
@@ -458,6 +467,26 @@ class PolicyDispatcher:
         else:
             self._pump()
         return r
+
+    async def _reserve(self, flow: Flow, est: Estimate | None) -> Hold | None:
+        """A shared state's budget reservation for a request of ``flow`` (``None``: its pool
+        has no prices); ``Refused("budget_exhausted"|"state_unavailable")``, recorded."""
+        book = self.engine.spend
+        q = book.quote(flow, est)
+        if q is None:
+            return None
+        hold, limit, end = q
+        if not hold.budgeted:
+            return hold
+        try:
+            ok = await self.state.reserve_spend(hold, limit, end - book.wall_clock() + 2 * 86400)
+        except Refused as exc:
+            self.engine.refuse(flow, exc.reason)
+            raise
+        if not ok:
+            self.engine.refuse(flow, "budget_exhausted")
+            raise book.refusal(hold, limit, end)
+        return hold
 
     def _ended_error(self, r: Request) -> Exception:
         """The error for a request the engine ended before (or between) its attempts."""

@@ -32,7 +32,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from .._common import MAX_COST, check_cost
-from ..cost import MAX_PROMPT_SURPRISE, PRIOR_CHARS, CostEstimator, Estimate
+from ..cost import MAX_PROMPT_SURPRISE, PRIOR_CHARS, CostEstimator, Estimate, cached_tokens_of
 from ..errors import (BackendHTTPError, BackendTimeout, DeadlineExceeded, DispatcherClosed, NoHealthyBackend, Refused,
                       RequestTooLarge)
 from ..policy.charge import ChargeMode
@@ -41,6 +41,7 @@ from ..policy.config import Policy
 from ..policy.limits import TokenBucket
 from ..policy.metrics import PolicyMetrics
 from ..policy.retry import RetryDecision, RetryPlanner, retry_after_of, retry_safe
+from ..policy.spend import Hold, SpendBook, SpendCollector
 from .pool import BACKOFF, ENDED, RUNNING, WAITING, Fits, PolicyQueue, Request, SharedLimits
 
 _INF = math.inf
@@ -140,12 +141,15 @@ def text_counts(choices: object, cpt: float = 0.0) -> tuple[int, float]:
 class PolicyEngine:
     """A policy in force. ``clock``: seconds (default ``time.monotonic``); ``scheduler``: the
     core factory (default ``sfq.Scheduler``); ``rng``: the retry jitter's random source;
-    ``registry``: the Prometheus registry for the metrics (a new one by default)."""
+    ``registry``: the Prometheus registry for the metrics (a new one by default);
+    ``wall_clock``: epoch seconds, for the budgets' UTC periods (default ``time.time``);
+    ``spend``: the spend rule and ledger (default: made from the policy; a reload hands its own on)."""
 
     def __init__(self, policy: Policy, *, clock: Callable[[], float] = time.monotonic,
                  scheduler: Callable[[], Any] | None = None, rng: random.Random | None = None,
                  registry: CollectorRegistry | None = None, metrics: PolicyMetrics | NoMetrics | None = None,
-                 estimator: CostEstimator | None = None, max_pause: float = 60.0) -> None:
+                 estimator: CostEstimator | None = None, max_pause: float = 60.0,
+                 wall_clock: Callable[[], float] = time.time, spend: SpendBook | None = None) -> None:
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be an sfq.policy.Policy, got {policy!r}")
         if not callable(clock):
@@ -160,7 +164,8 @@ class PolicyEngine:
         cs = policy.cost
         #: prices requests, re-prices them at dispatch, learns from their usage
         self.estimator = estimator if estimator is not None else CostEstimator(
-            cs.input_weight, cs.output_weight, default_max_tokens=cs.default_max_tokens, prior_ratio=cs.prior_ratio)
+            cs.input_weight, cs.output_weight, default_max_tokens=cs.default_max_tokens, prior_ratio=cs.prior_ratio,
+            cached_input_weight=cs.cached_input_weight)
         #: the charge mode (the policy file's ``cost.charge``)
         self.charge = ChargeMode(cs.charge)
         #: seconds: the longest an upstream's ``Retry-After`` may pause one of its backends
@@ -181,6 +186,10 @@ class PolicyEngine:
             for k in policy.flows():
                 metrics._get(k)
         self.metrics = metrics
+        #: spend (currency) against the orgs' budgets: reserved at admission, settled at the end
+        self.spend = spend if spend is not None else SpendBook(policy, wall_clock=wall_clock)
+        if spend is None and metrics.registry is not None:
+            metrics.registry.register(SpendCollector(self.spend))
         self.live: dict[int, Request] = {}
         self._allowed: set[Flow] = set()  # flows the policy allows, as submit() met them
         self.submitted = 0
@@ -246,7 +255,7 @@ class PolicyEngine:
     def submit(self, flow: Flow, *, cost: float | None = None, tokens: float | None = None,
                need: float | None = None, deadline: float | None = None, item: Any = None,
                idempotency_key: str | None = None, estimate: Estimate | None = None,
-               streaming: bool = False, start: bool = False) -> Request:
+               streaming: bool = False, start: bool = False, hold: Hold | None = None) -> Request:
         """Accept a request of ``flow`` (from :meth:`classify`) into its pool's queue.
 
         ``estimate``: the request's estimate (``CostEstimator.estimate``); with it the request
@@ -267,7 +276,10 @@ class PolicyEngine:
         (no backend's ``max_context`` fits ``need``), with ``retry_after`` where trying later
         can help; ``NoHealthyBackend`` (recorded as refused, ``unavailable``) when no backend
         of the pool is in rotation; ``ValueError`` for a flow the policy does not allow or a
-        bad number (nothing recorded).
+        bad number (nothing recorded). ``Refused`` with reason ``budget_exhausted`` (429, retry
+        at the period's end) when the org's budget cannot cover the request's reservation
+        (:class:`~sfq.policy.spend.SpendBook`); ``hold``: a reservation the caller already made
+        in a shared ledger (``sfq.state``), the request's from now on (given back if refused).
         """
         if type(flow) is not Flow:
             flow = Flow(*flow)
@@ -281,7 +293,7 @@ class PolicyEngine:
             if cost is None:
                 cost = estimate.cost
             if tokens is None:
-                tokens = estimate.prompt_tokens + estimate.max_tokens
+                tokens = estimate.charged_prompt + estimate.max_tokens
             if need is None:
                 need = estimate.prompt_tokens + estimate.max_tokens // max(1, estimate.copies)
         if cost is None:
@@ -320,8 +332,16 @@ class PolicyEngine:
             down = NoHealthyBackend(f"no backend of pool {flow.pool!r} is in rotation")
             down.retry_after = self.unavailable_retry_after
             raise down
+        if hold is None:
+            try:
+                hold = self.spend.admit(flow, estimate)
+            except Refused as exc:
+                self.submitted += 1
+                self.metrics.ended(self._refusal_key(key), "refused", exc.reason)
+                raise
         bucket = self._org_bucket(flow.org, now)
         if bucket is not None and not bucket.take(1, now):
+            self.spend.release(hold)
             self.submitted += 1
             self.metrics.ended(self._refusal_key(key), "refused", "rate_limited")
             raise Refused("rate_limited", f"org {flow.org!r} is over its requests_per_minute "
@@ -330,6 +350,7 @@ class PolicyEngine:
                     idempotency_key=idempotency_key, est=estimate,
                     epoch=self.estimator.epoch if estimate is not None else -1, streaming=bool(streaming))
         r.fixed = fixed
+        r.hold = hold
         alone = not q.n_waiting  # (a victim waited: never alone)
         if victim is not None:
             self.evict(victim)
@@ -457,6 +478,8 @@ class PolicyEngine:
         r.state = ENDED
         self.live.pop(r.id, None)
         self.metrics.ended(tuple(r.flow), outcome, reason)  # type: ignore[arg-type]
+        if r.hold is not None:
+            self.spend.settle(r.hold)
         if self.on_end is not None:
             self.on_end(r)
 
@@ -515,17 +538,37 @@ class PolicyEngine:
 
     def _actual(self, r: Request, usage: Mapping[str, Any] | None,
                 text_chars: int | None) -> tuple[float | None, float | None]:
+        used = self._used(r, usage, text_chars)
+        if used is None:
+            return None, None
+        p, cached, c = used
+        if r.hold is not None:
+            self.spend.used(r.hold, p, cached, c)
+        est = self.estimator
+        if cached:  # cached prompt tokens count cached_input_weight each, in the charge and the bucket
+            p = est.charged_prompt(p, cached)
+        cost = est.input_weight * p + est.output_weight * c
+        cost = est.min_cost if cost < est.min_cost else MAX_COST if cost > MAX_COST else cost
+        return p + c, cost
+
+    def _used(self, r: Request, usage: Mapping[str, Any] | None,
+              text_chars: int | None) -> tuple[float, float, float] | None:
         """``(tokens, cost units)`` the attempt of ``r`` really used, clamped to what it could
         have cost: output within ``[0, max_tokens]``, the prompt within a factor 4 of its
         estimate (plus 64 for a chat template's tokens), so one absurd report moves no meter
         or bucket by more than the request was worth. From ``usage``; without a usable one,
         from the tokens :meth:`delivered` or the returned text's length; ``(None, None)`` when
-        nothing is known (the charge at dispatch stands)."""
+        nothing is known (the charge at dispatch stands). :meth:`_used` gives the tokens:
+        ``(prompt, of which cached, output)`` or ``None``; the cached ones keep their share of
+        a clamped prompt."""
         p: float | None = None
         c: float | None = None
+        cached = 0.0
         if usage is not None and (type(usage) is dict or isinstance(usage, Mapping)):
             c = _count(usage.get("completion_tokens"))
             p = _count(usage.get("prompt_tokens"))
+            if p:
+                cached = min(float(cached_tokens_of(usage)), p) / p  # (a fraction until p is clamped)
         e = r.est
         if c is None:
             if r.delivered > 0:
@@ -533,7 +576,7 @@ class PolicyEngine:
             elif text_chars is not None and e is not None:
                 c = text_chars / self.estimator.chars_per_token_of(e.model)
             else:
-                return None, None
+                return None
         if e is not None:
             if c > e.max_tokens:
                 c = float(e.max_tokens)
@@ -547,10 +590,15 @@ class PolicyEngine:
             if p + c > limit:
                 scale = limit / (p + c)
                 p, c = p * scale, c * scale
-        est = self.estimator
-        cost = est.input_weight * p + est.output_weight * c
-        cost = est.min_cost if cost < est.min_cost else MAX_COST if cost > MAX_COST else cost
-        return p + c, cost
+        return p, (p * cached if cached else 0.0), c
+
+    def _spent_delivered(self, r: Request) -> None:
+        """An attempt of ``r`` ended without a usage report (failed, cancelled): its spend is
+        the prompt and the output it delivered, if it delivered any (else nothing)."""
+        if r.hold is not None and r.delivered > 0:
+            used = self._used(r, None, None)
+            if used is not None:
+                self.spend.used(r.hold, *used)
 
     def complete(self, r: Request, usage: Mapping[str, Any] | None = None, *,
                  output_text_chars: int | None = None) -> None:
@@ -586,7 +634,10 @@ class PolicyEngine:
                    for x in (p, c)):
             return None, None
         cs = self.policy.cost
-        return float(p) + float(c), cs.input_weight * float(p) + cs.output_weight * float(c)  # type: ignore[arg-type]
+        pc = float(p)  # type: ignore[arg-type]
+        if cs.cached_input_weight != 1.0:
+            pc = self.estimator.charged_prompt(pc, min(float(cached_tokens_of(usage)), pc))
+        return pc + float(c), cs.input_weight * pc + cs.output_weight * float(c)  # type: ignore[arg-type]
 
     def ended_error(self, r: Request) -> Exception:
         """The error a driver raises for ``r``, which the engine ended before (or between) its
@@ -687,6 +738,7 @@ class PolicyEngine:
         ``retryable=False``: the caller cannot repeat it (a stream that already passed events on)."""
         if r.state != RUNNING:
             raise ValueError(f"fail({r!r}): the request is not running")
+        self._spent_delivered(r)
         now = self.clock()
         is429 = isinstance(error, BackendHTTPError) and error.status == 429
         ra = retry_after_of(error)
@@ -744,6 +796,7 @@ class PolicyEngine:
             self.queues[r.flow.pool].cancel(r)
             self.metrics.left_queue(tuple(r.flow))  # type: ignore[arg-type]
         elif r.state == RUNNING:
+            self._spent_delivered(r)
             self._attempt_over(r)
             if work_tokens:
                 self.metrics.cancelled_work_tokens(tuple(r.flow), work_tokens)  # type: ignore[arg-type]
@@ -828,8 +881,9 @@ class PolicyEngine:
         for section in ("cost", "state"):
             if getattr(policy, section) != getattr(old, section):
                 raise PolicyError(section, "a reload cannot change this section; restart for that")
+        self.spend.policy = policy  # (budgets may change; the spend so far carries over)
         new = PolicyEngine(policy, clock=self.clock, scheduler=self._scheduler, metrics=self.metrics,
-                           estimator=self.estimator, max_pause=self.max_pause)
+                           estimator=self.estimator, max_pause=self.max_pause, spend=self.spend)
         new.unavailable_retry_after = self.unavailable_retry_after
         new.retry = self.retry
         new.on_attempt_over, new.on_end = self.on_attempt_over, self.on_end

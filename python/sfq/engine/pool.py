@@ -57,6 +57,7 @@ from ..policy.charge import ChargeMode
 from ..policy.classify import Flow
 from ..policy.config import ClassSpec, Policy, PoolSpec
 from ..policy.limits import Slots, TokenBucket
+from ..policy.spend import Hold
 from ._floors import RefundFloors
 
 __all__ = ["Fits", "PolicyQueue", "Request", "SharedLimits", "WAITING", "RUNNING", "BACKOFF", "ENDED"]
@@ -76,7 +77,7 @@ class Request:
     __slots__ = ("id", "flow", "cost", "tokens", "need", "arrival", "queued_at", "deadline", "drop_at", "cpt",
                  "drop_reason", "item", "state", "backend", "started_at", "tries", "idempotency_key",
                  "outcome", "reason", "small", "retrying", "est", "epoch", "streaming", "charged", "delivered",
-                 "work_flow", "working", "in_core", "avoid", "start_tag", "fixed")
+                 "work_flow", "working", "in_core", "avoid", "start_tag", "fixed", "hold")
 
     def __init__(self, flow: Flow, cost: float, tokens: float, arrival: float, *, deadline: float | None = None,
                  item: Any = None, need: float = 0.0, idempotency_key: str | None = None,
@@ -113,6 +114,7 @@ class Request:
         self.avoid: str | None = None  # a backend a retry should avoid when another can take it
         self.start_tag = 0.0  # cost units: its flow's meter when the core dispatched it (= v then)
         self.fixed = est is None  # ``cost`` is charged as given, never re-estimated or corrected
+        self.hold: Hold | None = None  # its spend's reservation (a pool with prices), settled when it ends
 
     def __repr__(self) -> str:
         return (f"Request(#{self.id} {self.flow.org}/{self.flow.cls}/{self.flow.pool} cost={self.cost:g} "
@@ -269,7 +271,8 @@ class PolicyQueue:
         self.served = self.charge is ChargeMode.SERVED
         cs = policy.cost
         self.estimator = estimator if estimator is not None else CostEstimator(
-            cs.input_weight, cs.output_weight, default_max_tokens=cs.default_max_tokens, prior_ratio=cs.prior_ratio)
+            cs.input_weight, cs.output_weight, default_max_tokens=cs.default_max_tokens, prior_ratio=cs.prior_ratio,
+            cached_input_weight=cs.cached_input_weight)
         self.spec: PoolSpec = policy.pools[pool]
         self.name = pool
         self.clock = clock
@@ -473,7 +476,7 @@ class PolicyQueue:
             c = head.cost
         else:
             est = self.estimator
-            c = est.input_weight * e.prompt_tokens
+            c = est.input_weight * e.charged_prompt
             if c < est.min_cost:
                 c = est.min_cost
         fq.token_cost = c
@@ -751,7 +754,7 @@ class PolicyQueue:
             except Exception:  # an estimator subclass's own failure: the estimate at arrival stands
                 log.exception("sfq: re-estimating a request of flow %r at dispatch failed", r.flow)
         if self.served and r.streaming:
-            c = est.input_weight * e.prompt_tokens
+            c = est.input_weight * e.charged_prompt
             cost = c if c > est.min_cost else est.min_cost
         else:
             cost = e.cost

@@ -26,12 +26,14 @@ from .charge import CHARGE_MODES
 
 __all__ = [
     "BackendSpec",
+    "BudgetSpec",
     "ClassSpec",
     "CostSpec",
     "OrgSpec",
     "Policy",
     "PoolLimits",
     "PoolSpec",
+    "PriceSpec",
     "RetrySpec",
     "ServerSpec",
     "StateSpec",
@@ -48,6 +50,8 @@ BACKOFFS = ("exponential_with_jitter", "exponential", "constant")
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
 _URL = re.compile(r"^https?://[^\s/]+(/\S*)?$")
 _REDIS = re.compile(r"^(redis|rediss|unix)://\S+$")
+#: a budget's periods (UTC): the spend starts again at each day's or month's start
+BUDGET_PERIODS = ("day", "month")
 
 
 # ===================================================================== the objects
@@ -99,6 +103,34 @@ class PoolSpec:
     backends: tuple[BackendSpec, ...]
     limits: PoolLimits = PoolLimits()
     timeouts: UpstreamTimeouts = UpstreamTimeouts()
+    #: what the pool's tokens cost (``None``: no prices, so no spend and no budget applies here)
+    prices: PriceSpec | None = None
+
+
+@dataclass(frozen=True)
+class PriceSpec:
+    """A pool's prices, in currency per 1M tokens: ``input`` (prompt tokens not read from a
+    cache), ``cached_input`` (``usage.prompt_tokens_details.cached_tokens``; default: the input
+    price) and ``output`` (completion tokens)."""
+
+    input: float
+    output: float
+    cached_input: float | None = None
+
+    def cost(self, prompt: float, cached: float, completion: float) -> float:
+        """Currency for ``prompt`` prompt tokens of which ``cached`` came from a cache, and
+        ``completion`` output tokens."""
+        ci = self.input if self.cached_input is None else self.cached_input
+        return ((prompt - cached) * self.input + cached * ci + completion * self.output) / 1e6
+
+
+@dataclass(frozen=True)
+class BudgetSpec:
+    """An org's spending budget: at most ``amount`` (currency, the pools' ``prices``) per UTC
+    ``per`` (``day`` or ``month``)."""
+
+    amount: float
+    per: str
 
 
 @dataclass(frozen=True)
@@ -134,6 +166,8 @@ class OrgSpec:
     weight: float = 1.0
     max_in_flight: int | None = None
     requests_per_minute: float | None = None
+    #: what the org may spend per day or month (``None``: no budget)
+    budget: BudgetSpec | None = None
 
     @property
     def default_class(self) -> str:
@@ -150,6 +184,9 @@ class CostSpec:
     prior_ratio: float = 1.0
     #: what a request is charged (``sfq.engine.CHARGE_MODES``): ``served`` (default), ``settle`` or ``seed``
     charge: str = "served"
+    #: what one cached prompt token (``usage.prompt_tokens_details.cached_tokens``) counts as, in
+    #: prompt tokens: in the charge and in ``tokens_per_minute`` (1: like any prompt token)
+    cached_input_weight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -168,12 +205,15 @@ class RetrySpec:
 
 @dataclass(frozen=True)
 class StateSpec:
-    """Shared state for several gateways (``sfq serve`` replicas). An in-process policy keeps
+    """Shared state for several gateways (``sfq serve`` replicas), or (``file`` without
+    ``redis``) one gateway's spend kept in a file across restarts. An in-process policy keeps
     its state in memory and does not connect anywhere."""
 
-    redis: str
+    redis: str | None
     prefix: str = "sfq:"
     lease_seconds: float = 10.0
+    #: one gateway without Redis: the file its spend (budgets) is kept in across restarts
+    file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -565,7 +605,7 @@ def _class(name: str, v: object, path: str) -> ClassSpec:
 
 
 def _pool(name: str, v: object, path: str) -> PoolSpec:
-    d = _section(v, path, ("models", "backends", "limits", "timeouts"))
+    d = _section(v, path, ("models", "backends", "limits", "timeouts", "prices"))
     for need in ("models", "backends"):
         if need not in d:
             raise PolicyError(f"{path}.{need}", "is required")
@@ -608,14 +648,15 @@ def _pool(name: str, v: object, path: str) -> PoolSpec:
         timeouts = UpstreamTimeouts(**{
             k: (_number(td[k], f"{tp}.{k}") if td[k] is not None else None) if k in td else getattr(timeouts, k)
             for k in fields})
-    return PoolSpec(name, models, tuple(backends), limits, timeouts)
+    prices = _prices(d["prices"], f"{path}.prices") if _opt(d, "prices") is not None else None
+    return PoolSpec(name, models, tuple(backends), limits, timeouts, prices)
 
 
 _ORG_SETTINGS = ("classes", "weight", "max_in_flight", "requests_per_minute")
 
 
 def _org(name: str, v: object, path: str, classes: Mapping[str, ClassSpec]) -> tuple[OrgSpec, list[str]]:
-    d = _section(v, path, ("keys", "key_sha256", *_ORG_SETTINGS))
+    d = _section(v, path, ("keys", "key_sha256", *_ORG_SETTINGS, "budget"))
     digests: list[str] = []
     where: list[str] = []
     if "keys" in d:
@@ -656,11 +697,13 @@ def _org_settings(name: str, d: Mapping[str, Any], path: str, classes: Mapping[s
     mif = _integer(d["max_in_flight"], f"{path}.max_in_flight") if _opt(d, "max_in_flight") is not None else None
     rpm = (_number(d["requests_per_minute"], f"{path}.requests_per_minute")
            if _opt(d, "requests_per_minute") is not None else None)
-    return OrgSpec(name, digests, tuple(cls), weight, mif, rpm)
+    budget = _budget(d["budget"], f"{path}.budget") if _opt(d, "budget") is not None else None
+    return OrgSpec(name, digests, tuple(cls), weight, mif, rpm, budget)
 
 
 def _cost(v: object, path: str) -> CostSpec:
-    d = _section(v, path, ("input_weight", "output_weight", "default_max_tokens", "prior_ratio", "charge"))
+    d = _section(v, path, ("input_weight", "output_weight", "default_max_tokens", "prior_ratio", "charge",
+                           "cached_input_weight"))
     iw = _number(d["input_weight"], f"{path}.input_weight", strict_min=False) if "input_weight" in d else 1.0
     ow = _number(d["output_weight"], f"{path}.output_weight", strict_min=False) if "output_weight" in d else 2.0
     if iw == 0 and ow == 0:
@@ -670,7 +713,36 @@ def _cost(v: object, path: str) -> CostSpec:
     charge = d.get("charge", "served")
     if charge not in CHARGE_MODES:
         raise PolicyError(f"{path}.charge", f"must be one of {', '.join(CHARGE_MODES)}, got {_desc(charge)}")
-    return CostSpec(iw, ow, dm, pr, charge)
+    cw = (_number(d["cached_input_weight"], f"{path}.cached_input_weight", strict_min=False)
+          if "cached_input_weight" in d else 1.0)
+    return CostSpec(iw, ow, dm, pr, charge, cw)
+
+
+# ------------------------------------------------------------ spend: prices and budgets
+def _prices(v: object, path: str) -> PriceSpec:
+    """``pools.NAME.prices``: currency per 1M tokens; ``cached_input`` defaults to ``input``."""
+    d = _section(v, path, ("input", "cached_input", "output"))
+    for need in ("input", "output"):
+        if need not in d:
+            raise PolicyError(f"{path}.{need}", "is required (currency per 1M tokens)")
+    inp = _number(d["input"], f"{path}.input", strict_min=False)
+    out = _number(d["output"], f"{path}.output", strict_min=False)
+    ci = (_number(d["cached_input"], f"{path}.cached_input", strict_min=False)
+          if _opt(d, "cached_input") is not None else None)
+    return PriceSpec(inp, out, ci)
+
+
+def _budget(v: object, path: str) -> BudgetSpec:
+    """``orgs.NAME.budget``: ``{amount: >= 0, per: day | month}`` (UTC periods)."""
+    d = _section(v, path, ("amount", "per"))
+    for need in ("amount", "per"):
+        if need not in d:
+            raise PolicyError(f"{path}.{need}", "is required")
+    amount = _number(d["amount"], f"{path}.amount", strict_min=False)
+    per = d["per"]
+    if per not in BUDGET_PERIODS:
+        raise PolicyError(f"{path}.per", f"must be one of {', '.join(BUDGET_PERIODS)} (UTC), got {_desc(per)}")
+    return BudgetSpec(amount, str(per))
 
 
 def _retry(v: object, path: str) -> RetrySpec:
@@ -691,9 +763,14 @@ def _retry(v: object, path: str) -> RetrySpec:
 
 
 def _state(v: object, path: str) -> StateSpec:
-    d = _section(v, path, ("redis", "prefix", "lease_seconds"))
-    if "redis" not in d:
-        raise PolicyError(f"{path}.redis", "is required (a redis:// URL)")
+    d = _section(v, path, ("redis", "prefix", "lease_seconds", "file"))
+    if "redis" not in d and "file" not in d:
+        raise PolicyError(f"{path}.redis", "is required (a redis:// URL), or file: a path for one gateway's spend")
+    if "redis" in d and "file" in d:
+        raise PolicyError(f"{path}.file", "a gateway sharing Redis keeps its spend there: give redis or file, not both")
+    if "file" in d:
+        _section(d, path, ("file",))  # prefix and lease_seconds are Redis's
+        return StateSpec(None, file=_string(d["file"], f"{path}.file"))
     url = _string(d["redis"], f"{path}.redis")
     if not _REDIS.match(url):
         raise PolicyError(f"{path}.redis", f"must be a redis://, rediss:// or unix:// URL, got {url!r}")

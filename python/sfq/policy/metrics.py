@@ -36,7 +36,10 @@ REASONS = ("unauthenticated", "class_not_allowed", "unknown_model", "bad_request
            "unavailable",
            # several gateways sharing one queue (sfq.state): Redis cannot be reached; a retry over
            # the flow's budget counted over every gateway
-           "state_unavailable", "budget")
+           "state_unavailable", "budget",
+           # the org's spending budget (orgs.NAME.budget) cannot cover the request ("budget" above
+           # is the retry budget)
+           "budget_exhausted")
 #: seconds: the buckets of the wait-before-start histogram
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
                 900.0, 3600.0, 7200.0)

@@ -108,7 +108,9 @@ def policy_tables(policy: Policy, *, every_flow: bool = False) -> list[Table]:
              ["retry", f"max_attempts {r.max_attempts} (first try included), budget {r.budget_per_flow_percent:g}% "
                        f"of a flow's attempts per minute (one always allowed), {r.backoff} "
                        f"{r.base_seconds:g}..{r.max_seconds:g} s"]]
-    if policy.state is not None:
+    if policy.state is not None and policy.state.redis is None:
+        other.append(["state", f"file {policy.state.file} (this gateway's spend, kept across restarts)"])
+    elif policy.state is not None:
         st = policy.state
         other.append(["state", f"redis {st.redis} prefix {st.prefix!r} lease {st.lease_seconds:g} s "
                                "(shared by sfq serve replicas; the in-process library keeps its state in memory)"])
@@ -123,7 +125,25 @@ def policy_tables(policy: Policy, *, every_flow: bool = False) -> list[Table]:
         ("Orgs", ["org", "keys", "classes", "default", "weight", "max_in_flight", "requests/min"], orgs)
         if every_flow or few else ("Orgs (--flows lists every one)", ["orgs", "summary"], _org_summary(policy)),
         ("Cost and retries", ["section", "resolved"], other),
+        *_spend_tables(policy),
     ]
+
+
+def _spend_tables(policy: Policy) -> list[Table]:
+    """Prices per pool and budgets per org (only when the file sets any)."""
+    out: list[Table] = []
+    prices = [[p.name, f"{p.prices.input:g}", f"{p.prices.input if p.prices.cached_input is None else p.prices.cached_input:g}",
+               f"{p.prices.output:g}"] for p in policy.pools.values() if p.prices is not None]
+    if prices:
+        out.append(("Prices (currency per 1M tokens)", ["pool", "input", "cached input", "output"], prices))
+    budgets = [[o.name, f"{o.budget.amount:g}", f"per UTC {o.budget.per}"]
+               for o in policy.orgs.values() if o.budget is not None]
+    if budgets:
+        if not prices:
+            budgets = [[*b[:2], b[2] + " (no pool has prices: nothing is spent)"] for b in budgets]
+        out.append(("Budgets (a request the remaining budget cannot cover is refused: 429 budget_exhausted)",
+                    ["org", "amount", "period"], budgets))
+    return out
 
 
 def policy_notes(policy: Policy) -> list[str]:
@@ -183,7 +203,7 @@ def startup_checks(policy: Policy, *, redis_timeout: float = 1.0) -> tuple[list[
                 errors.append(f"pools.{pool.name}.backends[{i}].api_key_env: the environment variable "
                               f"{b.api_key_env!r} is not set (or empty); sfq serve refuses to start")
     warnings: list[str] = []
-    if policy.state is not None:
+    if policy.state is not None and policy.state.redis is not None:
         url = policy.state.redis
         try:
             import redis  # type: ignore[import-not-found,unused-ignore]

@@ -85,8 +85,9 @@ def http_error_of(exc: BaseException) -> HTTPError:
         status, typ, code = REFUSALS.get(exc.reason, (503, "server_error", exc.reason))
         ra = whole_seconds(exc.retry_after) if status == 429 or exc.retry_after is not None else None
         # a deadline or queue age that ran out: the same request would wait as long again
+        # (a spent budget: no retry helps before the period ends, hours or days away)
         return HTTPError(status, typ, code, _REFUSAL_TEXT.get(exc.reason) or str(exc), ra,
-                         False if status == 504 else None)
+                         False if status == 504 or exc.reason == "budget_exhausted" else None)
     if isinstance(exc, DeadlineExceeded):
         return HTTPError(504, "timeout_error", "deadline_exceeded", str(exc), None, False)
     if isinstance(exc, BackendRateLimited):

@@ -169,7 +169,8 @@ class EngineDiscipline(Discipline):
         estimator = self._estimator if self._estimator is not None else run_est if self._run_estimator else None
         policy = self.policy
         self.engine = PolicyEngine(policy, clock=self._clock, scheduler=self.scheduler, estimator=estimator,
-                                   metrics=NO_METRICS)  # the run keeps its own record
+                                   metrics=NO_METRICS,  # the run keeps its own record
+                                   wall_clock=self._clock)  # budgets: simulated UTC days from the epoch
         self.estimator = self.engine.estimator
         pool = self.flow_of[0].pool if self.flow_of else next(iter(policy.pools))
         models = policy.pools[pool].models

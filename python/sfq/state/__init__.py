@@ -21,7 +21,7 @@ def state_for(policy: Policy, *, clock: Callable[[], float] | None = None, **opt
     """The state the policy's ``state:`` section asks for: :class:`RedisState` (needs the
     ``redis`` extra: ``pip install 'sfq[redis]'``) or, without the section,
     :class:`InMemoryState`. ``options`` go to ``RedisState``."""
-    if policy.state is None:
+    if policy.state is None or policy.state.redis is None:  # (a state file is the engine's own spend ledger)
         return InMemoryState()
     try:
         from .redis_state import RedisState

@@ -29,11 +29,15 @@ Keys (``P`` = the prefix):
   the other gateways to look again (a slot freed, a turn passed); ``P evict``: the channel
   that names a waiting place taken from the org holding the most (``ADMIT``).
 * ``P policy``: the hash of the policy in force (expires unless a gateway renews it).
+* ``P spend:<org>:<period>`` hash ``s``: what the org spent in the period (currency, settled
+  requests); ``... :res`` sorted set: its running requests' reservations (leases, renewed by
+  their gateway), ``... :amt`` hash member -> the reserved amount. They expire some days after
+  the period ends.
 """
 
 from __future__ import annotations
 
-__all__ = ["ADMIT", "ACQUIRE", "RENEW", "RETRY", "WITHDRAW", "HELLO"]
+__all__ = ["ADMIT", "ACQUIRE", "RENEW", "RETRY", "WITHDRAW", "HELLO", "SPEND_RESERVE", "SPEND_SETTLE"]
 
 _COMMON = r"""
 local P = ARGV[1]
@@ -470,5 +474,31 @@ HELLO = _COMMON + r"""
 local cur = redis.call('GET', P .. 'policy')
 if cur and cur ~= A.hash and not A.force then return {0, cur} end
 redis.call('SET', P .. 'policy', A.hash, 'PX', math.ceil(A.lease * 3000))
+return {1}
+"""
+
+#: a budget's reservation, atomic over every gateway: spent + live reservations + this one must
+#: stay within the limit. {k (the spend key), m, a (amount), lim, lease, keep (seconds)}
+#: -> {1 | 0, spent, reserved}
+SPEND_RESERVE = _COMMON + r"""
+local zk, ak = A.k .. ':res', A.k .. ':amt'
+for _, m in ipairs(redis.call('ZRANGEBYSCORE', zk, '-inf', NOW)) do redis.call('HDEL', ak, m) end
+redis.call('ZREMRANGEBYSCORE', zk, '-inf', NOW)
+local spent = tonumber(redis.call('HGET', A.k, 's') or '0')
+local held = 0
+for _, m in ipairs(redis.call('ZRANGE', zk, 0, -1)) do held = held + tonumber(redis.call('HGET', ak, m) or '0') end
+if spent + held + A.a > A.lim or (A.a <= 0 and spent + held >= A.lim) then return {0, fmt(spent), fmt(held)} end
+redis.call('ZADD', zk, NOW + A.lease, A.m)
+redis.call('HSET', ak, A.m, fmt(A.a))
+for _, k in ipairs({A.k, zk, ak}) do redis.call('EXPIRE', k, A.keep) end
+return {1, fmt(spent), fmt(held)}
+"""
+
+#: a reservation becomes what the request spent: {k, m, s (currency), keep} -> {1}
+SPEND_SETTLE = _COMMON + r"""
+redis.call('ZREM', A.k .. ':res', A.m)
+redis.call('HDEL', A.k .. ':amt', A.m)
+if A.s > 0 then redis.call('HINCRBYFLOAT', A.k, 's', fmt(A.s)) end
+redis.call('EXPIRE', A.k, A.keep)
 return {1}
 """

@@ -23,6 +23,7 @@ from typing import Any
 from ..policy.classify import Flow
 from ..policy.config import Policy
 from ..engine.pool import Request
+from ..policy.spend import Hold
 
 __all__ = ["SharedState", "InMemoryState", "Ticket", "local_policy"]
 
@@ -130,6 +131,15 @@ class SharedState:
 
     def ended(self, r: Request) -> None:
         """``r`` ended (any outcome): forget it."""
+
+    async def reserve_spend(self, hold: Hold, limit: float, keep: float) -> bool:
+        """Reserve ``hold.amount`` of ``hold.org``'s budget ``limit`` in period ``hold.key``
+        over every gateway (``keep``: seconds the period's record must live); ``False`` when
+        the budget cannot cover it."""
+        return True
+
+    def settle_spend(self, hold: Hold, actual: float) -> None:
+        """The request of ``hold`` ended having spent ``actual`` (currency)."""
 
     def stats(self) -> dict[str, Any]:
         return {"kind": "memory"}

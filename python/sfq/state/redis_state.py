@@ -46,6 +46,7 @@ from ..policy.classify import Flow, unknown_org
 from ..policy.config import OrgSpec, Policy, StateSpec
 from ..cost import CostEstimator
 from ..engine.pool import Request, guessed
+from ..policy.spend import Hold
 from . import _lua
 from .base import SharedState, Ticket
 
@@ -114,6 +115,9 @@ class RedisState(SharedState):
                  timeout: float = 0.5, gateway_id: str | None = None, client: Any = None) -> None:
         if not isinstance(spec, StateSpec):
             raise TypeError(f"spec must be an sfq.policy.StateSpec, got {spec!r}")
+        if spec.redis is None:
+            raise ValueError("state.redis: a shared state needs a redis:// URL (state.file is one gateway's spend)")
+        self.url: str = spec.redis
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
                 math.isfinite(timeout) and timeout > 0):
             raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
@@ -148,6 +152,8 @@ class RedisState(SharedState):
         self.estimator: CostEstimator | None = None
         self._queued: dict[int, tuple[str, str]] = {}  # request id -> (queue key, member)
         self._retrying: dict[int, tuple[str, str]] = {}  # request id -> (outstanding retries key, member)
+        self._spending: dict[str, tuple[str, str]] = {}  # member -> (spend key, member): reservations held
+        self._unsettled: list[dict[str, Any]] = []  # settlements Redis did not take yet (sent again on renewal)
         self._budgeted = policy.retry.max_attempts > 1 and policy.retry.budget_per_flow_percent < 100
         self._tickets = itertools.count(1)
         self._up: asyncio.Future[None] | None = None
@@ -172,9 +178,9 @@ class RedisState(SharedState):
             import redis.asyncio as aioredis
 
             self._client = aioredis.Redis.from_url(
-                self.spec.redis, socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
+                self.url, socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
                 retry_on_timeout=False, health_check_interval=0)
-        for name in ("ADMIT", "ACQUIRE", "WITHDRAW", "RENEW", "RETRY", "HELLO"):
+        for name in ("ADMIT", "ACQUIRE", "WITHDRAW", "RENEW", "RETRY", "HELLO", "SPEND_RESERVE", "SPEND_SETTLE"):
             self._scripts[name] = self._client.register_script(getattr(_lua, name))
         self._up = asyncio.get_running_loop().create_future()
         try:
@@ -339,9 +345,13 @@ class RedisState(SharedState):
                 items.append([f"{p}cexp:{a.pool}", a.member])
         items.extend([k, m] for k, m in self._queued.values())
         items.extend([k, m] for k, m in self._retrying.values())
+        items.extend([f"{k}:res", m] for k, m in self._spending.values())
         return items
 
     async def _renew(self, add: bool = False) -> None:
+        while self._unsettled:  # settlements that failed while Redis was away
+            await self._call("SPEND_SETTLE", self._unsettled[0])
+            self._unsettled.pop(0)
         items = self._held()
         res = await self._call("RENEW", {"lease": self.lease, "hash": self.hash, "add": add, "items": items})
         if res[0] != 1:
@@ -749,6 +759,47 @@ class RedisState(SharedState):
             await self._call("WITHDRAW", {"m": member, "pool": pool, "q": q})
         if pool is not None:
             self._wakeup(pool)
+
+    # ------------------------------------------------------------ spend (budgets)
+    async def reserve_spend(self, hold: Hold, limit: float, keep: float) -> bool:
+        """Reserve ``hold.amount`` of ``hold.org``'s budget ``limit`` for period ``hold.key``,
+        atomically over every gateway (a lease, renewed while the request runs; freed within
+        ``lease_seconds`` if this gateway dies). ``keep``: seconds the period's keys must live.
+        ``Refused("state_unavailable")`` when Redis cannot be reached."""
+        if not self.available:
+            raise self._unavailable()
+        hold.member = f"{self.gateway_id}:s{next(self._tickets)}"
+        key = f"{self.prefix}spend:{hold.org}:{hold.key}"
+        try:
+            res = await self._call("SPEND_RESERVE", {"k": key, "m": hold.member, "a": hold.amount, "lim": limit,
+                                                     "lease": self.lease, "keep": max(1, math.ceil(keep))})
+        except StateUnavailable:
+            raise self._unavailable() from None
+        if res[0] != 1:
+            return False
+        self._spending[hold.member] = (key, hold.member)
+        return True
+
+    def settle_spend(self, hold: Hold, actual: float) -> None:
+        """The request of ``hold`` ended having spent ``actual``: the shared ledger takes it
+        (with the next renewal when Redis cannot be reached now)."""
+        entry = self._spending.pop(hold.member, None)
+        if entry is None:
+            return
+        payload = {"k": entry[0], "m": hold.member, "s": actual, "keep": 3 * 86400 + 31 * 86400}
+        self._spawn(self._settle(payload))
+
+    async def _settle(self, payload: dict[str, Any]) -> None:
+        try:
+            await self._call("SPEND_SETTLE", payload)
+        except StateUnavailable:
+            self._unsettled.append(payload)
+
+    async def spent(self, org: str, period: str) -> float:
+        """What ``org`` spent in ``period`` over every gateway (settled requests; for tests)."""
+        assert self._client is not None
+        v = await asyncio.wait_for(self._client.hget(f"{self.prefix}spend:{org}:{period}", "s"), self.timeout)
+        return float(v) if v is not None else 0.0
 
     # ------------------------------------------------------------ views
     def stats(self) -> dict[str, Any]:

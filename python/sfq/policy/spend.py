@@ -1,0 +1,326 @@
+"""Spend: what requests cost in currency, against the orgs' budgets.
+
+A pool's ``prices`` (currency per 1M tokens: ``input``, ``cached_input``, ``output``) turn a
+request's usage into spend; an org's ``budget`` (``{amount, per: day | month}``, UTC periods)
+caps what it may spend per period. The engine (:class:`sfq.engine.PolicyEngine`) applies the
+rule, this module holds its pieces:
+
+* :class:`SpendBook`: the rule. At admission a request of an org with a budget, for a pool
+  with prices, *reserves* its largest likely spend: its prompt at the input price plus its
+  output cap (``max_tokens``, declared or the policy's default) at the output price. A
+  reservation the remaining budget (amount - spent - reserved) cannot cover is refused:
+  ``Refused("budget_exhausted")``, 429, ``Retry-After`` to the end of the period. When the
+  request ends, the reservation is replaced by what it really cost (its usage, at the prices;
+  cached prompt tokens at ``cached_input``), in the period it was reserved in.
+* :class:`MemoryLedger`: one gateway's spend per org and period, optionally kept in a file
+  (``state: {file: PATH}``): written atomically (a temporary file, then a rename) at most
+  once a second and on close, loaded at start; it holds the current period of orgs with a
+  budget only, so its size is bounded by the policy file. Gateways sharing Redis keep the
+  ledger there instead (``sfq.state.RedisState``: one Lua script reserves atomically).
+* :class:`SpendCollector`: ``sfq_spend_total{org,pool}``, currency settled by this gateway
+  since it started (a counter). Series exist only for pools with prices and for the orgs
+  the file names (any other org, made from ``org_template``, is summed under ``_other``), and
+  only once something was spent: bounded by the policy file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from ..errors import Refused
+from .config import BudgetSpec, Policy, PriceSpec
+
+if TYPE_CHECKING:
+    from .classify import Flow
+
+
+class Estimate(Protocol):
+    """What a reservation reads of a request's estimate (``sfq.cost.Estimate``)."""
+
+    prompt_tokens: float
+    max_tokens: int
+
+__all__ = ["Hold", "MemoryLedger", "SpendBook", "SpendCollector", "period_of"]
+
+log = logging.getLogger("sfq.spend")
+#: the org label of spend by orgs the policy file does not name
+OTHER = "_other"
+#: seconds between two writes of a ledger's file (and a write on close)
+SAVE_EVERY = 1.0
+_STATE_VERSION = 1
+
+
+def period_of(per: str, wall: float) -> tuple[str, float]:
+    """``(key, end)`` of the UTC period (``day`` or ``month``) holding the wall-clock time
+    ``wall`` (seconds since the epoch): ``("2026-12-03", end)`` or ``("2026-12", end)``, ``end``
+    the epoch seconds of the next period's start."""
+    dt = datetime.fromtimestamp(wall, timezone.utc)
+    if per == "day":
+        start = dt.replace(hour=0, minute=0, second=0, microsecond=0)
+        return start.strftime("%Y-%m-%d"), (start + timedelta(days=1)).timestamp()
+    if per == "month":
+        start = dt.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+        nxt = start.replace(year=start.year + 1, month=1) if start.month == 12 else start.replace(month=start.month + 1)
+        return start.strftime("%Y-%m"), nxt.timestamp()
+    raise ValueError(f"unknown budget period {per!r} (day, month)")
+
+
+class Hold:
+    """A request's reservation: ``key`` (the period), ``amount`` (currency), ``member`` (its
+    name in a shared ledger), ``spent`` (currency its attempts used so far)."""
+
+    __slots__ = ("org", "pool", "key", "amount", "member", "spent", "budgeted", "settled")
+
+    def __init__(self, org: str, pool: str, key: str, amount: float, member: str = "", budgeted: bool = True) -> None:
+        self.org = org
+        self.pool = pool
+        self.key = key
+        self.amount = amount
+        self.member = member
+        self.spent = 0.0
+        self.budgeted = budgeted  # False: priced for the metric only (the org has no budget)
+        self.settled = False
+
+    def __repr__(self) -> str:
+        return f"Hold({self.org}/{self.pool} {self.key} reserved={self.amount:g} spent={self.spent:g})"
+
+
+class MemoryLedger:
+    """Spend and reservations per (org, period) in this process; with ``path``, the spend is
+    loaded from that file at start and written to it (see the module's docstring)."""
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.path = None if path is None else Path(path)
+        self.clock = clock
+        self._spent: dict[tuple[str, str], float] = {}
+        self._held: dict[tuple[str, str], float] = {}
+        self._dirty = False
+        self._saved_at = -math.inf
+        if self.path is not None and self.path.exists():
+            self._load(self.path)
+
+    def spent(self, org: str, key: str) -> float:
+        """What ``org`` spent in period ``key`` (settled requests)."""
+        return self._spent.get((org, key), 0.0)
+
+    def held(self, org: str, key: str) -> float:
+        """What ``org``'s running requests have reserved in period ``key``."""
+        return self._held.get((org, key), 0.0)
+
+    def reserve(self, org: str, key: str, amount: float, limit: float) -> bool:
+        """Reserve ``amount`` if spent + reserved + amount stays within ``limit`` (a reservation
+        of 0, a permit without a body, needs some budget left)."""
+        k = (org, key)
+        held = self._held.get(k, 0.0)
+        used = self._spent.get(k, 0.0) + held
+        if used + amount > limit or (amount <= 0 and used >= limit):
+            return False
+        self._held[k] = held + amount
+        return True
+
+    def settle(self, org: str, key: str, amount: float, actual: float) -> None:
+        """Replace a reservation of ``amount`` by the ``actual`` spend."""
+        k = (org, key)
+        left = self._held.get(k, 0.0) - amount
+        if left > 1e-9:
+            self._held[k] = left
+        else:
+            self._held.pop(k, None)
+        if actual > 0:
+            self._spent[k] = self._spent.get(k, 0.0) + actual
+            self._dirty = True
+            if self.path is not None and self.clock() - self._saved_at >= SAVE_EVERY:
+                self.flush()
+
+    def keep_only(self, keys: dict[str, str]) -> None:
+        """Forget every period but ``keys[org]`` (the current one) of the orgs in ``keys``
+        (an org not in ``keys`` keeps what it has until its own period is read)."""
+        for k in [k for k in self._spent if k[0] in keys and keys[k[0]] != k[1]]:
+            del self._spent[k]
+            self._dirty = True
+
+    def flush(self) -> None:
+        """Write the file now when something changed (atomically; an error is logged)."""
+        if self.path is None or not self._dirty:
+            return
+        self._saved_at = self.clock()
+        data = json.dumps({"version": _STATE_VERSION,
+                           "spent": [[o, k, v] for (o, k), v in sorted(self._spent.items())]})
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.path.parent)
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                    fh.write(data)
+                os.replace(tmp, self.path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+        except OSError:
+            log.exception("sfq: writing the spend file %s failed; the spend stays in memory", self.path)
+            return
+        self._dirty = False
+
+    def _load(self, path: Path) -> None:
+        try:
+            state = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"state.file: cannot read the spend file {str(path)!r}: {exc}") from None
+        rows = state.get("spent") if isinstance(state, dict) and state.get("version") == _STATE_VERSION else None
+        if not isinstance(rows, list):
+            raise ValueError(f"state.file: {str(path)!r} is not an sfq spend file of version {_STATE_VERSION}")
+        for row in rows:
+            ok = (isinstance(row, list) and len(row) == 3 and isinstance(row[0], str) and isinstance(row[1], str)
+                  and isinstance(row[2], (int, float)) and not isinstance(row[2], bool)
+                  and math.isfinite(row[2]) and row[2] >= 0)
+            if not ok:
+                raise ValueError(f"state.file: bad entry in the spend file {str(path)!r}: {row!r}")
+            self._spent[(row[0], row[1])] = float(row[2])
+
+
+class SpendBook:
+    """The spend rule of one policy (see the module's docstring). ``wall_clock``: epoch
+    seconds (the periods are UTC days and months); ``ledger``: where budgets' spend is kept
+    (default: in memory, or the policy's ``state.file``)."""
+
+    def __init__(self, policy: Policy, *, wall_clock: Callable[[], float] = time.time,
+                 ledger: MemoryLedger | None = None) -> None:
+        self.policy = policy
+        self.wall_clock = wall_clock
+        if ledger is None:
+            st = policy.state
+            ledger = MemoryLedger(st.file if st is not None and st.redis is None else None)
+        self.ledger = ledger
+        #: settlements go here instead of the memory ledger (a shared ledger: ``sfq.state``)
+        self.on_settle: Callable[[Hold, float], None] | None = None
+        #: (org label, pool) -> currency settled by this process
+        self.totals: dict[tuple[str, str], float] = {}
+        #: per org: the period key seen last (a new period drops the old one from the ledger)
+        self._period: dict[str, str] = {}
+
+    # ------------------------------------------------------------ the rule
+    def prices(self, pool: str) -> PriceSpec | None:
+        p = self.policy.pools.get(pool)
+        return None if p is None else p.prices
+
+    def budget(self, org: str) -> BudgetSpec | None:
+        o = self.policy.orgs.get(org)  # (template orgs have no budget)
+        return None if o is None else o.budget
+
+    def reservation(self, estimate: Estimate | None, prices: PriceSpec) -> float:
+        """Currency a request reserves: its prompt at the input price, its output cap at the
+        output price (0 for a permit without a body: it is settled from its usage)."""
+        if estimate is None:
+            return 0.0
+        return prices.cost(estimate.prompt_tokens, 0.0, float(estimate.max_tokens))
+
+    def quote(self, flow: Flow, estimate: Estimate | None) -> tuple[Hold, float, float] | None:
+        """``(hold, limit, period end)`` for a request of ``flow``, or ``None`` when its pool
+        has no prices. ``hold.budgeted`` is false (and ``limit`` infinite) when its org has
+        no budget: the spend is only counted."""
+        prices = self.prices(flow.pool)
+        if prices is None:
+            return None
+        b = self.budget(flow.org)
+        if b is None:
+            return Hold(flow.org, flow.pool, "", 0.0, budgeted=False), math.inf, math.inf
+        key, end = period_of(b.per, self.wall_clock())
+        if self._period.get(flow.org) != key:  # a new period: the last one is forgotten
+            self._period[flow.org] = key
+            if isinstance(self.ledger, MemoryLedger):
+                self.ledger.keep_only(self._period)
+        return Hold(flow.org, flow.pool, key, self.reservation(estimate, prices)), b.amount, end
+
+    def refusal(self, hold: Hold, limit: float, end: float) -> Refused:
+        """The refusal of a request whose reservation the budget cannot cover."""
+        b = self.budget(hold.org)
+        per = b.per if b is not None else "period"
+        return Refused("budget_exhausted",
+                       f"org {hold.org!r} has spent its budget of {limit:g} for this UTC {per} ({hold.key}); "
+                       f"this request may cost up to {hold.amount:.6g}",
+                       retry_after=max(1.0, end - self.wall_clock()))
+
+    def admit(self, flow: Flow, estimate: Estimate | None) -> Hold | None:
+        """Reserve the request's spend in the memory ledger: its hold (``None``: no prices),
+        or ``Refused("budget_exhausted")``."""
+        q = self.quote(flow, estimate)
+        if q is None:
+            return None
+        hold, limit, end = q
+        if hold.budgeted and not self.ledger.reserve(hold.org, hold.key, hold.amount, limit):
+            raise self.refusal(hold, limit, end)
+        return hold
+
+    def used(self, hold: Hold, prompt: float, cached: float, completion: float) -> None:
+        """One attempt used these tokens (its usage report, or what it delivered)."""
+        prices = self.prices(hold.pool)
+        if prices is not None:
+            hold.spent += prices.cost(prompt, cached, completion)
+
+    def settle(self, hold: Hold) -> None:
+        """The request ended: its reservation becomes what it spent (once: a second call is a no-op)."""
+        if hold.settled:
+            return
+        hold.settled = True
+        if hold.spent > 0:
+            label = hold.org if hold.org in self.policy.orgs else OTHER
+            k = (label, hold.pool)
+            self.totals[k] = self.totals.get(k, 0.0) + hold.spent
+        if not hold.budgeted:
+            return
+        if self.on_settle is not None:
+            self.on_settle(hold, hold.spent)
+        else:
+            self.ledger.settle(hold.org, hold.key, hold.amount, hold.spent)
+
+    def release(self, hold: Hold | None) -> None:
+        """A request refused after its reservation: give it back unspent."""
+        if hold is not None and not hold.settled:
+            hold.spent = 0.0
+            self.settle(hold)
+
+    def flush(self) -> None:
+        """Write the ledger's file now (at close)."""
+        self.ledger.flush()
+
+    def stats(self) -> dict[str, Any]:
+        """Per org with a budget: its period, amount, spent and reserved (this ledger's view)."""
+        out: dict[str, Any] = {}
+        now = self.wall_clock()
+        for o in self.policy.orgs.values():
+            if o.budget is None:
+                continue
+            key, end = period_of(o.budget.per, now)
+            out[o.name] = {"amount": o.budget.amount, "per": o.budget.per, "period": key,
+                           "spent": self.ledger.spent(o.name, key), "reserved": self.ledger.held(o.name, key),
+                           "resets_in": end - now}
+        return out
+
+
+class SpendCollector(Collector):
+    """``sfq_spend_total{org,pool}``: currency settled by this gateway since it started."""
+
+    def __init__(self, book: SpendBook) -> None:
+        self.book = book
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily("sfq_spend", "Currency spent (usage x the pool's prices)", labels=("org", "pool"))]
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        fam = CounterMetricFamily("sfq_spend", "Currency spent (usage x the pool's prices)", labels=("org", "pool"))
+        for (org, pool), v in sorted(self.book.totals.items()):
+            fam.add_metric([org, pool], v)
+        yield fam
