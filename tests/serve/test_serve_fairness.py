@@ -221,3 +221,45 @@ def test_each_request_is_counted_once_with_the_status_its_client_got(tmp_path: P
         assert gw.metric("sfq_refusals_total", org="team-b", reason="too_large") == 1
     finally:
         gw.stop()
+
+
+def test_series_stay_bounded_with_10000_orgs(tmp_path: Path, upstream: Upstream) -> None:
+    """10,000 orgs in the file and none active: no org has a series. Then 5 of them send, with
+    ``max_org_series: 3``: exactly 3 org labels and ``_other``, the totals exact, and a second
+    scrape shows the same labels (no flapping)."""
+    orgs = "\n".join(f'  org{i}: {{keys: ["sk-{i}"], classes: [batch]}}' for i in range(10_000))
+    cfg = tmp_path / "policy.yaml"
+    cfg.write_text(f"""\
+pools:
+  main:
+    models: [m]
+    backends: [{{url: "{upstream.url}", max_in_flight: 4}}]
+classes:
+  batch: {{weight: 1}}
+orgs:
+{orgs}
+metrics: {{max_org_series: 3}}
+""")
+    gw = GatewayProcess(cfg)
+    try:
+        idle = gw.get("/metrics")[1].decode()
+        assert 'org="' not in idle, [x for x in idle.splitlines() if 'org="' in x][:3]
+        assert len(idle) < 20_000  # (nothing per org: the gateway's own series only)
+        sent = {i: 1 + i for i in range(5)}  # org4 sends the most
+        for i, n in sent.items():
+            c = make_client(gw, f"sk-{i}")
+            for _ in range(n):
+                c.completions.create(model="m", prompt="counted", max_tokens=2)
+        first, second = _parse(gw.get("/metrics")[1].decode()), _parse(gw.get("/metrics")[1].decode())
+        st = _stats(gw)["pools"]["main"]["orgs"]
+    finally:
+        gw.stop()
+    for reading in (first, second):
+        labels = {dict(lab)["org"] for (name, lab) in reading if "org" in dict(lab)}
+        assert labels == {"org4", "org3", "org2", "_other"}  # the three best served, the rest summed
+        completed = {dict(lab)["org"]: v for (name, lab), v in reading.items()
+                     if name == "sfq_requests_total" and dict(lab)["outcome"] == "completed"}
+        assert completed == {"org4": 5, "org3": 4, "org2": 3, "_other": 1 + 2}  # exact
+        assert sum(v for (name, _), v in reading.items() if name == "sfq_requests_total") == sum(sent.values())
+    assert set(st) == {"org4", "org3", "org2", "_other"} and st["_other"]["requests"]["completed"] == 3
+    assert sum(o["share"] for o in st.values()) == pytest.approx(1.0)
