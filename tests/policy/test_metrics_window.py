@@ -5,6 +5,7 @@ every counter monotonic while orgs change label."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -276,6 +277,8 @@ def test_the_engine_gives_its_clock_policy_and_queues_to_the_metrics_and_a_reloa
     clock.t += 2.5
     st = m.stats()["pools"]["main"]["orgs"]["o0"]
     assert st["waiting"] == 1 and st["oldest_wait_seconds"] == pytest.approx(2.5)
+    json.dumps(m.stats(), allow_nan=False)  # plain JSON, both views
+    json.dumps(eng.stats(), allow_nan=False)
     new = parse_policy(_yaml(3) + "metrics: {window_seconds: 5}\n")
     eng2, ended = eng.reloaded(new)
     assert ended == [] and eng2.metrics is m and m.window == 5.0 and m.policy is new

@@ -134,10 +134,11 @@ def test_streams_whose_clients_hang_up_count_what_passed(tmp_path: Path, upstrea
     charged (charged as served: the prompt's minimum charge at dispatch, then each token as it
     passed)."""
     cfg = tmp_path / "policy.yaml"
-    cfg.write_text(policy_yaml(upstream.url, refused_url) + "cost: {input_weight: 0, output_weight: 1, charge: served}\n")
+    cost = "cost: {input_weight: 0, output_weight: 1, charge: served}\n"
+    cfg.write_text(policy_yaml(upstream.url, refused_url) + cost)
     gw = GatewayProcess(cfg)
     try:
-        texts = {"team-a": [], "team-b": []}  # type: dict[str, list[str]]
+        texts: dict[str, list[str]] = {"team-a": [], "team-b": []}
         for org, key, hang in (("team-a", "sk-a", False), ("team-a", "sk-a", True), ("team-a", "sk-a", True),
                                ("team-b", "sk-b", True), ("team-b", "sk-b", True)):
             text = f"part20-{org}-{len(texts[org])}" if hang else f"whole-{org}"

@@ -776,8 +776,8 @@ class _Collector(Collector):
     def _flow(fam: dict[str, Metric], lab: dict[str, str], vec: Mapping[tuple[str, str], float], waiting: int,
               in_flight: int, ts: float | None, gauges: bool = True) -> None:
         for o in OUTCOMES:
-            _counter(fam["sfq_requests"].samples, "sfq_requests", {**lab, "outcome": o}, vec.get(("sfq_requests", o), 0),
-                     ts)
+            _counter(fam["sfq_requests"].samples, "sfq_requests", {**lab, "outcome": o},
+                     vec.get(("sfq_requests", o), 0), ts)
         attempts = vec.get(("sfq_attempts", ""), 0)
         for (name, value_label), n in vec.items():  # (a series shows from its first count: 0 only after a move)
             extra = _EXTRA.get(name)
