@@ -21,7 +21,7 @@ K = ("acme", "interactive", "main")
 def _request(m: PolicyMetrics, key: tuple[str, str, str] = K) -> None:
     m.queued(key)
     m.started(key, 0.003, 30.0, False)
-    m.attempt_ended(key, served_cost=21.0)
+    m.attempt_ended(key, served_cost=21.0, charged=30.0)
     m.ended(key, "completed")
 
 
@@ -38,7 +38,7 @@ def test_series_match_the_counters() -> None:
         _request(m)
     m.queued(K)
     m.started(K, 0.2, 30.0, True)
-    m.attempt_ended(K, upstream_429=True, timeout=True)
+    m.attempt_ended(K, upstream_429=True, timeout=True, charged=30.0)
     m.ended(K, "failed", "unavailable")
     m.ended(K, "refused", "rate_limited")
     m.ended(K, "refused", "rate_limited")
@@ -77,7 +77,8 @@ class _Children:
         self.failures = Counter("sfq_failures", "Requests that failed, by reason", (*lab, "reason"), registry=r)
         self.queue_length = Gauge("sfq_queue_length", "Requests waiting (not started)", lab, registry=r)
         self.in_flight = Gauge("sfq_in_flight", "Requests running on a backend", lab, registry=r)
-        self.charged = Counter("sfq_charged_cost", "Estimated cost charged at start (cost units)", lab, registry=r)
+        self.charged = Counter("sfq_charged_cost", "Cost the engine charged for attempts that ended, every correction "
+                               "made (cost units)", lab, registry=r)
         self.served = Counter("sfq_served_cost", "Cost served: usage reports, or what passed to the client of a "
                               "request that ended early (cost units)", lab, registry=r)
         self.cancelled_work = Counter("sfq_cancelled_work_tokens",
@@ -109,15 +110,17 @@ class _Children:
         self.queue_length.labels(*k).dec()
         self.in_flight.labels(*k).inc()
         self.wait.labels(*k[1:]).observe(wait)
-        self.charged.labels(*k).inc(cost)
+        self.charged.labels(*k)  # (counted when the attempt ends)
         self.attempts.labels(*k).inc()
         if retry:
             self.retries.labels(*k).inc()
 
     def attempt_ended(self, k: Any, *, served_cost: float | None = None, upstream_429: bool = False,
-                      timeout: bool = False) -> None:
+                      timeout: bool = False, charged: float | None = None) -> None:
         self._flow(k)
         self.in_flight.labels(*k).dec()
+        if charged:
+            self.charged.labels(*k).inc(charged)
         if served_cost:
             self.served.labels(*k).inc(served_cost)
         if upstream_429:
@@ -201,6 +204,7 @@ def _events(rng: random.Random, flows: list[tuple[str, str, str]], n: int) -> li
                                    float(rng.randint(0, 300)), t > 0), {}))
             last = t == tries - 1
             ev.append(("attempt_ended", (k,), {"served_cost": rng.choice([None, 0.0, float(rng.randint(1, 300))]),
+                                              "charged": rng.choice([None, 0.0, float(rng.randint(1, 300))]),
                                               "upstream_429": not last and rng.random() < 0.5,
                                               "timeout": not last and rng.random() < 0.3}))
             if not last:

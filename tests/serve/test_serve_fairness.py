@@ -159,6 +159,7 @@ def test_streams_whose_clients_hang_up_count_what_passed(tmp_path: Path, upstrea
         delivered = {org: sum(upstream.tokens.get(t, 0) for t in ts) for org, ts in texts.items()}
         assert delivered == {"team-a": 70, "team-b": 40}
         served = {org: gw.metric("sfq_served_cost_total", org=org) for org in texts}
+        charged = {org: gw.metric("sfq_charged_cost_total", org=org) for org in texts}
         st = _stats(gw)["pools"]["main"]["orgs"]
         lines = gw.access()
     finally:
@@ -171,6 +172,9 @@ def test_streams_whose_clients_hang_up_count_what_passed(tmp_path: Path, upstrea
     assert all(x["cost_charged"] == pytest.approx(1.0 + 20.0) for x in hung)  # min charge + 20 tokens as served
     whole = [x for x in lines if x["outcome"] == "completed"]
     assert len(whole) == 1 and whole[0]["cost_charged"] == pytest.approx(30.0)  # settled to its usage
+    # the metric and the log say the same charge
+    assert charged == pytest.approx({org: sum(x["cost_charged"] for x in lines if x["org"] == org) for org in texts})
+    assert charged == pytest.approx({"team-a": 30.0 + 2 * 21.0, "team-b": 2 * 21.0})
 
 
 def test_each_request_is_counted_once_with_the_status_its_client_got(tmp_path: Path, upstream: Upstream,

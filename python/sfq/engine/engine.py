@@ -85,7 +85,7 @@ class NoMetrics:
         pass
 
     def attempt_ended(self, key: Any, *, served_cost: float | None = None, upstream_429: bool = False,
-                      timeout: bool = False) -> None:
+                      timeout: bool = False, charged: float | None = None) -> None:
         pass
 
     def left_queue(self, key: Any) -> None:
@@ -457,7 +457,7 @@ class PolicyEngine:
         if self.on_attempt_over is not None:
             self.on_attempt_over(r, actual_tokens)
         self.metrics.attempt_ended(tuple(r.flow), served_cost=served_cost,  # type: ignore[arg-type]
-                                   upstream_429=upstream_429, timeout=timeout)
+                                   upstream_429=upstream_429, timeout=timeout, charged=r.charged)
 
     # ------------------------------------------------------------ delivered service
     def delivered(self, r: Request, tokens: float) -> float:

@@ -108,7 +108,7 @@ class FlowCounters:
         self.in_flight = 0
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
         self.reasons: dict[str, int] = {}
-        self.charged_cost = 0.0  # estimated cost at start (what the scheduler charged at dispatch)
+        self.charged_cost = 0.0  # what the engine charged the flow for its attempts that ended, corrections made
         self.served_cost = 0.0  # what was delivered: usage reports, or what passed of a request ended early
         self.cancelled_work = 0.0  # tokens produced for requests cancelled while running
         self.upstream_429 = 0
@@ -410,11 +410,12 @@ class PolicyMetrics:
             fc.since = self.clock()
 
     def started(self, key: Key, wait: float, cost: float, retry: bool) -> None:
+        """An attempt started after ``wait`` seconds, charged ``cost`` at dispatch (the charge
+        is counted when the attempt ends, :meth:`attempt_ended`, every correction made)."""
         fc = self.flows.get(key) or self._get(key)
         fc.waiting -= 1
         fc.in_flight += 1
         fc.attempts += 1
-        fc.charged_cost += cost
         fc.waits += wait
         b = bisect_left(WAIT_BUCKETS, wait)
         fc.wait_buckets[b] += 1
@@ -435,9 +436,13 @@ class PolicyMetrics:
             fc.retries += 1
 
     def attempt_ended(self, key: Key, *, served_cost: float | None = None, upstream_429: bool = False,
-                      timeout: bool = False) -> None:
+                      timeout: bool = False, charged: float | None = None) -> None:
+        """An attempt ended: ``served_cost`` is what it delivered, ``charged`` what the engine
+        charged its flow for it (both cost units)."""
         fc = self.flows.get(key) or self._get(key)
         fc.in_flight -= 1
+        if charged:
+            fc.charged_cost += charged
         if served_cost:
             fc.served_cost += served_cost
             self._record(fc, self.clock())[1] += served_cost
@@ -674,7 +679,8 @@ _FAMILIES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("sfq_failures", "Requests that failed, by reason", "counter", (*_LABELS, "reason")),
     ("sfq_queue_length", "Requests waiting (not started)", "gauge", _LABELS),
     ("sfq_in_flight", "Requests running on a backend", "gauge", _LABELS),
-    ("sfq_charged_cost", "Estimated cost charged at start (cost units)", "counter", _LABELS),
+    ("sfq_charged_cost", "Cost the engine charged for attempts that ended, every correction made (cost units)",
+     "counter", _LABELS),
     ("sfq_served_cost", "Cost served: usage reports, or what passed to the client of a request that ended early "
                         "(cost units)", "counter", _LABELS),
     ("sfq_cancelled_work_tokens", "Tokens produced for requests cancelled while running (streams)", "counter",
