@@ -176,7 +176,7 @@ class FlowTally:
                 row.charged += delta
 
     def attempt_ended(self, key: Any, *, served_cost: float | None = None, upstream_429: bool = False,
-                      timeout: bool = False) -> None:
+                      timeout: bool = False, charged: float | None = None) -> None:
         row = self.rows.get(key[0])
         if row is not None:
             row.in_flight -= 1
