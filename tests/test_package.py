@@ -133,6 +133,12 @@ def test_py_typed_shipped():
     assert importlib.resources.files("sfq").joinpath("py.typed").is_file()
 
 
+def test_dashboard_page_shipped():
+    """``sfq serve``'s ``GET /dashboard`` page is package data (in the wheel, not only in the tree)."""
+    page = importlib.resources.files("sfq.serve").joinpath("dashboard.html")
+    assert page.is_file() and b"<script>" in page.read_bytes()
+
+
 def test_failed_compile_leaves_no_stale_extension(tmp_path):
     """A reused tree keeps the last build's .so in build/; a failed compile must remove it,
     or the wheel ships a module that was not built from its sources."""

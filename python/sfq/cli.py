@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser(
         "serve", help="run the fair OpenAI-compatible gateway in front of the policy file's backends",
         description="Serve POST /v1/chat/completions and /v1/completions (streaming too), GET /v1/models, "
-                    "/health and /metrics, with the policy file's fair queue between the clients and the "
+                    "/health, /metrics and /dashboard, with the policy file's fair queue between the clients and the "
                     "backends (docs/gateway.md). SIGTERM: graceful shutdown; SIGHUP: "
                     "reload the file. Access log: one JSON line per request on stdout.")
     sv.add_argument("--config", required=True, metavar="FILE", help="the policy file (docs/policy.md)")
@@ -147,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds running requests get to finish at shutdown (30)")
     sv.add_argument("--access-log", default="-", metavar="FILE",
                     help="where the access log goes: - (stdout, the default), a file, or off")
+    sv.add_argument("--no-dashboard", action="store_false", dest="dashboard",
+                    help="do not serve GET /dashboard (the page that polls /stats; 404 then)")
     db = sub.add_parser(
         "demo-backend", help="a DEMO inference engine (not a model) to try sfq serve without a GPU",
         description="An OpenAI-compatible server that makes up text (it is not a model): one model name, "
@@ -293,7 +295,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         from .serve import run
 
-        return run(args.config, host=args.host, port=args.port, grace=args.grace, access_log=args.access_log)
+        return run(args.config, host=args.host, port=args.port, grace=args.grace, access_log=args.access_log,
+                   dashboard=args.dashboard)
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse rejects it first
     return 2
 
