@@ -54,8 +54,9 @@ def test_series_match_the_counters() -> None:
     assert _value(m, "sfq_served_cost_total") == fc["served_cost"] == 63.0
     assert _value(m, "sfq_upstream_429_total") == fc["upstream_429"] == 1
     assert _value(m, "sfq_timeouts_total") == fc["timeouts"] == 1
-    assert _value(m, "sfq_queue_wait_seconds_count") == 4
-    assert _value(m, "sfq_queue_wait_seconds_bucket", le="0.005") == 3
+    per_class = {"class": K[1], "pool": K[2]}  # the wait histogram has no org label
+    assert m.registry.get_sample_value("sfq_queue_wait_seconds_count", per_class) == 4
+    assert m.registry.get_sample_value("sfq_queue_wait_seconds_bucket", {**per_class, "le": "0.005"}) == 3
     assert _value(m, "sfq_queue_length") == fc["waiting"] == 0
     assert _value(m, "sfq_in_flight") == fc["in_flight"] == 0
 
@@ -68,8 +69,8 @@ class _Children:
     def __init__(self, flows: list[tuple[str, str, str]]) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         lab = ("org", "class", "pool")
-        self.wait = Histogram("sfq_queue_wait_seconds", "Wait before start (seconds)", lab, buckets=WAIT_BUCKETS,
-                              registry=r)
+        self.wait = Histogram("sfq_queue_wait_seconds", "Wait before start (seconds), per class and pool",
+                              ("class", "pool"), buckets=WAIT_BUCKETS, registry=r)
         self.requests = Counter("sfq_requests", "Requests by outcome", (*lab, "outcome"), registry=r)
         self.refusals = Counter("sfq_refusals", "Requests refused or dropped before start, by reason",
                                 (*lab, "reason"), registry=r)
@@ -77,8 +78,8 @@ class _Children:
         self.queue_length = Gauge("sfq_queue_length", "Requests waiting (not started)", lab, registry=r)
         self.in_flight = Gauge("sfq_in_flight", "Requests running on a backend", lab, registry=r)
         self.charged = Counter("sfq_charged_cost", "Estimated cost charged at start (cost units)", lab, registry=r)
-        self.served = Counter("sfq_served_cost", "Actual cost served, from usage reports (cost units)", lab,
-                              registry=r)
+        self.served = Counter("sfq_served_cost", "Cost served: usage reports, or what passed to the client of a "
+                              "request that ended early (cost units)", lab, registry=r)
         self.cancelled_work = Counter("sfq_cancelled_work_tokens",
                                       "Tokens produced for requests cancelled while running (streams)", lab,
                                       registry=r)
@@ -107,7 +108,7 @@ class _Children:
         self._flow(k)
         self.queue_length.labels(*k).dec()
         self.in_flight.labels(*k).inc()
-        self.wait.labels(*k).observe(wait)
+        self.wait.labels(*k[1:]).observe(wait)
         self.charged.labels(*k).inc(cost)
         self.attempts.labels(*k).inc()
         if retry:
@@ -147,21 +148,27 @@ class _Children:
         self.requests.labels(*k, "joined").inc()
 
 
+#: the share window's families (tests/policy/test_metrics_window.py): not prometheus_client children
+_WINDOW = ("sfq_share", "sfq_expected_share", "sfq_oldest_wait_seconds", "sfq_fairness_jain", "sfq_org_weight")
+
+
 def _samples(registry: CollectorRegistry) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    """Every sample of the registry's exposition, parsed back; ``_created`` ones valued 0 (they
-    are clock readings)."""
+    """Every sample of the registry's exposition (but the share window's), parsed back;
+    ``_created`` ones valued 0 (they are clock readings)."""
     out: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
     for fam in text_string_to_metric_families(generate_latest(registry).decode()):
+        if fam.name in _WINDOW:
+            continue
         for s in fam.samples:
             key = (s.name, frozenset(s.labels.items()))
             assert key not in out, key
-            out[key] = 0.0 if s.name.endswith("_created") else s.value
+            out[key] = 0.0 if s.name.endswith("_created") else round(s.value, 6)  # (sums over flows: any order)
     return out
 
 
 def _families(registry: CollectorRegistry) -> list[tuple[str, str, str]]:
     return [(f.name, f.type, f.documentation)
-            for f in text_string_to_metric_families(generate_latest(registry).decode())]
+            for f in text_string_to_metric_families(generate_latest(registry).decode()) if f.name not in _WINDOW]
 
 
 def _events(rng: random.Random, flows: list[tuple[str, str, str]], n: int) -> list[tuple[str, tuple[Any, ...], dict[str, Any]]]:
@@ -240,7 +247,7 @@ def test_the_exposition_equals_what_prometheus_children_made() -> None:
                    "sfq_queue_wait_seconds_bucket"):
         assert series in names, series
     assert any(dict(labels).get("outcome") == "joined" for n, labels in got if n == "sfq_requests_total")
-    assert ("sfq_queue_wait_seconds_bucket", frozenset({*zip(("org", "class", "pool"), K), ("le", "+Inf")})) in got
+    assert ("sfq_queue_wait_seconds_bucket", frozenset({*zip(("class", "pool"), K[1:]), ("le", "+Inf")})) in got
     quiet_series = {n for n, labels in got if ("org", "delta") in labels}
     assert "sfq_charged_cost_total" in quiet_series and "sfq_served_cost_total" not in quiet_series
 

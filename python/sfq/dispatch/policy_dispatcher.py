@@ -687,6 +687,11 @@ class PolicyDispatcher:
             return await self._joined(flow, body, timeout, idempotency_key, on_admit, cost)
         return await self._submit(flow, body, timeout, None, on_admit, cost)
 
+    def running_key(self, org: str, idempotency_key: str) -> bool:
+        """Whether a request of ``org`` under ``idempotency_key`` is running: one submitted now
+        with that key joins it (its outcome is that request's, not one of its own)."""
+        return self._idem.get(org, idempotency_key) is not None
+
     async def _joined(self, flow: Flow, body: Mapping[str, Any], timeout: float | None, key: str,
                       on_admit: Callable[[Request], None] | None, cost: float | None = None) -> Reply:
         """A request under an ``Idempotency-Key``: the first runs it in a task of its own, so

@@ -175,11 +175,15 @@ class PolicyEngine:
             o.name: TokenBucket(o.requests_per_minute, now) for o in policy.orgs.values()
             if o.requests_per_minute is not None}
         self.retry = RetryPlanner(policy.retry, rng)
-        if metrics is None:
-            metrics = PolicyMetrics(registry, policy.flows())
-        elif isinstance(metrics, PolicyMetrics):  # a reload: the series go on; the new file's flows show from the start
-            for k in policy.flows():
-                metrics._get(k)
+        ms = policy.metrics
+        if metrics is None:  # an org shows from its first request (10,000 orgs idle: no series)
+            metrics = PolicyMetrics(registry, clock=clock, window_seconds=ms.window_seconds,
+                                    max_org_series=ms.max_org_series)
+        elif isinstance(metrics, PolicyMetrics):  # a reload: the series go on, under the new file's settings
+            metrics.configure(ms.window_seconds, ms.max_org_series)
+        if isinstance(metrics, PolicyMetrics):
+            metrics.policy = policy
+            metrics.oldest = self.oldest_waiting
         self.metrics = metrics
         self.live: dict[int, Request] = {}
         self._allowed: set[Flow] = set()  # flows the policy allows, as submit() met them
@@ -440,9 +444,16 @@ class PolicyEngine:
         if self.on_end is not None:
             self.on_end(r)
 
+    def _passed_cost(self, r: Request) -> float | None:
+        """What a running attempt that ends early (cancelled, failed) served: its prompt and the
+        output tokens that passed to its client (:meth:`delivered`), priced as a usage report
+        would be; ``None`` when nothing passed."""
+        return self._actual(r, None, None)[1] if r.delivered > 0 else None
+
     def _attempt_over(self, r: Request, *, actual_tokens: float | None = None, served_cost: float | None = None,
                       retry_after: float | None = None, upstream_429: bool = False, timeout: bool = False) -> None:
         self.queues[r.flow.pool].finish(r, actual_tokens=actual_tokens, retry_after=retry_after)
+        r.charged_total += r.charged  # (the attempt's charge, every correction made)
         if self.on_attempt_over is not None:
             self.on_attempt_over(r, actual_tokens)
         self.metrics.attempt_ended(tuple(r.flow), served_cost=served_cost,  # type: ignore[arg-type]
@@ -673,7 +684,8 @@ class PolicyEngine:
         if ra is not None and ra > self.max_pause:
             ra = self.max_pause
         timeout = deadline_hit or isinstance(error, BackendTimeout)
-        self._attempt_over(r, retry_after=ra if is429 else None, upstream_429=is429, timeout=timeout)
+        self._attempt_over(r, retry_after=ra if is429 else None, upstream_429=is429, timeout=timeout,
+                           served_cost=self._passed_cost(r))
         if r.retrying:
             r.retrying = False
             self.retry.retry_ended(r.flow)
@@ -724,7 +736,7 @@ class PolicyEngine:
             self.queues[r.flow.pool].cancel(r)
             self.metrics.left_queue(tuple(r.flow))  # type: ignore[arg-type]
         elif r.state == RUNNING:
-            self._attempt_over(r)
+            self._attempt_over(r, served_cost=self._passed_cost(r))
             if work_tokens:
                 self.metrics.cancelled_work_tokens(tuple(r.flow), work_tokens)  # type: ignore[arg-type]
         self._end(r, "cancelled_before_start" if r.tries == 0 else "cancelled_during_execution")
@@ -853,6 +865,25 @@ class PolicyEngine:
         return new, ended
 
     # ------------------------------------------------------------ views
+    def oldest_waiting(self) -> dict[tuple[str, str], float]:
+        """``{(pool, org): clock time its oldest waiting request was queued}`` for every org with
+        a request waiting (time proportional to the flows with a queue)."""
+        out: dict[tuple[str, str], float] = {}
+        for name, q in self.queues.items():
+            for d in q.strict.values():
+                for r in d:
+                    if r.state == WAITING:
+                        k = (name, r.flow.org)
+                        if r.queued_at < out.get(k, _INF):
+                            out[k] = r.queued_at
+            for f, fq in q.flows.items():
+                if fq.n:
+                    t = fq.oldest_arrival()
+                    k = (name, f.org)
+                    if t < out.get(k, _INF):
+                        out[k] = t
+        return out
+
     def stats(self) -> dict[str, Any]:
         """A cheap snapshot: per flow (``"org/class/pool"``) counters, per pool and backend
         occupancy, limits in use. Time and memory grow with the number of flows and backends

@@ -76,7 +76,7 @@ class Request:
     __slots__ = ("id", "flow", "cost", "tokens", "need", "arrival", "queued_at", "deadline", "drop_at", "cpt",
                  "drop_reason", "item", "state", "backend", "started_at", "tries", "idempotency_key",
                  "outcome", "reason", "small", "retrying", "est", "epoch", "streaming", "charged", "delivered",
-                 "work_flow", "working", "in_core", "avoid", "start_tag", "fixed")
+                 "work_flow", "working", "in_core", "avoid", "start_tag", "fixed", "charged_total")
 
     def __init__(self, flow: Flow, cost: float, tokens: float, arrival: float, *, deadline: float | None = None,
                  item: Any = None, need: float = 0.0, idempotency_key: str | None = None,
@@ -105,6 +105,7 @@ class Request:
         self.epoch = epoch  # the estimator's calibration epoch ``est`` was made in
         self.streaming = streaming  # a stream: in ``served`` mode its output is charged as delivered
         self.charged = 0.0  # cost units charged to the flow's meter for the current attempt
+        self.charged_total = 0.0  # cost units charged for its attempts that ended (every correction made)
         self.delivered = 0.0  # output tokens the current attempt passed to its client
         self.cpt = 0.0  # characters per output token its text counts at (0: not read yet)
         self.work_flow: Hashable = None  # the flow its work in flight is reported as (None: the pool's)
@@ -829,7 +830,8 @@ class PolicyQueue:
         st.append(now)
         while st[0] <= now - 60.0:  # the last minute's starts only
             st.popleft()
-        if not core:
+        if not core:  # (a strict class, or a start outside the core: no meter is charged)
+            r.charged = 0.0
             r.in_core = False
             r.work_flow = None
             r.working = True

@@ -198,6 +198,17 @@ class ServerSpec:
 
 
 @dataclass(frozen=True)
+class MetricsSpec:
+    """What the gateway's fair-share figures and series cover (``metrics:``, docs/gateway.md):
+    ``window_seconds``, the window of ``sfq_share``, ``sfq_expected_share``,
+    ``sfq_fairness_jain`` and ``/stats``; ``max_org_series``, the most orgs with their own
+    ``org`` label (the rest are summed under ``org="_other"``)."""
+
+    window_seconds: float = 60.0
+    max_org_series: int = 1000
+
+
+@dataclass(frozen=True)
 class Policy:
     """A validated policy: build it with :func:`load_policy` or :func:`parse_policy`.
 
@@ -218,6 +229,8 @@ class Policy:
     #: the gateway's own edge limits (not the policy's): left out of ``repr``, so gateways
     #: sharing one queue may set them differently
     server: ServerSpec = field(default_factory=ServerSpec, repr=False)
+    #: the metrics' window and series bound (the gateway's own, like ``server``: left out of ``repr``)
+    metrics: MetricsSpec = field(default_factory=MetricsSpec, repr=False)
 
     # ------------------------------------------------------------ derived facts
     def pool_of(self, model: str) -> PoolSpec | None:
@@ -433,7 +446,7 @@ def policy_from_mapping(data: object, *, source: str = "<mapping>") -> Policy:
     """Validate a policy given as plain data (what ``yaml.safe_load`` returns). Every entry
     (pool, class, org) and section is checked, so one call names every bad field: a single
     error is raised as itself, several as one :class:`PolicyErrors`."""
-    sections = ("pools", "classes", "orgs", "org_template", "cost", "retry", "state", "server")
+    sections = ("pools", "classes", "orgs", "org_template", "cost", "retry", "state", "server", "metrics")
     top = data if data is not None else {}
     if not isinstance(top, dict):
         raise PolicyError("", f"must be a mapping, got {_desc(top)}")
@@ -531,9 +544,14 @@ def policy_from_mapping(data: object, *, source: str = "<mapping>") -> Policy:
         server = _server(top.get("server"), "server", named_pools) if "server" in top else ServerSpec()
     except PolicyError as exc:
         errs.add(exc)
+    metrics = MetricsSpec()
+    try:
+        metrics = _metrics(top.get("metrics"), "metrics") if "metrics" in top else MetricsSpec()
+    except PolicyError as exc:
+        errs.add(exc)
     errs.raise_any()
     return Policy(MappingProxyType(pools), MappingProxyType(classes), MappingProxyType(orgs), cost, retry, state,
-                  source, org_template=template, server=server)
+                  source, org_template=template, server=server, metrics=metrics)
 
 
 def _class(name: str, v: object, path: str) -> ClassSpec:
@@ -729,3 +747,13 @@ def _server(v: object, path: str, pools: Mapping[str, PoolSpec]) -> ServerSpec:
             if _opt(sd, "max_body_bytes") is not None:
                 per_pool[name] = _integer(sd["max_body_bytes"], f"{path}.pools.{name}.max_body_bytes", 1024)
     return ServerSpec(**{**{k: getattr(dflt, k) for k in keys}, **kw}, pool_max_body_bytes=MappingProxyType(per_pool))
+
+
+def _metrics(v: object, path: str) -> MetricsSpec:
+    d = _section(v, path, ("window_seconds", "max_org_series"))
+    dflt = MetricsSpec()
+    window = (_number(d["window_seconds"], f"{path}.window_seconds", minimum=1.0, strict_min=False)
+              if _opt(d, "window_seconds") is not None else dflt.window_seconds)
+    most = (_integer(d["max_org_series"], f"{path}.max_org_series")
+            if _opt(d, "max_org_series") is not None else dflt.max_org_series)
+    return MetricsSpec(window, most)

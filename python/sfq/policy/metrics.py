@@ -1,4 +1,4 @@
-"""Outcome accounting and metrics per (org, class, pool).
+"""Outcome accounting, fair-share figures and metrics per (org, class, pool).
 
 Every request the policy sees ends as exactly one outcome (``OUTCOMES``); a refusal carries
 its reason (``REASONS``). The numbers are plain counters per flow (:class:`FlowCounters`):
@@ -6,15 +6,47 @@ an event adds to a few attributes and takes no lock. ``stats()`` reads them, and
 Prometheus scrape: :class:`PolicyMetrics` registers a collector in a
 ``prometheus_client.CollectorRegistry`` an embedder can mount
 (``generate_latest(metrics.registry)``) that turns them into the series below when it is
-collected, in time proportional to the number of flows (which the policy file bounds).
+collected.
+
+**The share window.** Each flow keeps, for the last ``window_seconds``, the cost it was
+served per second (a sparse ring: one record per second that had an event) and the spans of
+time it was *backlogged* (a request waiting or running). Both are updated in O(1) per event;
+the figures are made only when read (a scrape, ``/stats``):
+
+* ``share``: the org's part of its pool's served cost over the window;
+* ``expected_share``: what the weights promise it. A flow is backlogged in a second when it
+  had a request waiting or running at any moment of that second. In each second the
+  backlogged weighted flows of a pool are promised ``weight / (sum of their weights)`` of that
+  second's weighted service (a flow's weight is its org's weight times its class's, as the
+  engine charges it); the promise over the window is those promises weighted by each second's
+  served cost (by time when nothing was served), so that a pool that served each second
+  exactly as promised shows ``share == expected_share``. A strict class is served before the
+  weighted ones: its flows are expected what they got, and the weighted flows share the rest;
+* ``jain``: Jain's index of ``share / expected_share`` over the orgs with an expected share.
+
+Served cost is counted when an attempt ends (a completed request's usage, or for one that
+ends early -- cancelled, failed mid-stream -- what passed to its client).
+
+**Bounded series.** An org that has sent nothing has no series. At most ``max_org_series``
+orgs get their own ``org`` label; the others are summed under ``org="_other"``. The orgs are
+chosen by their served cost over the window: free places are filled at every read, and the
+whole choice is made again at most once per window, a newcomer taking an org's place only when
+it was served more than twice as much (hysteresis). A counter counts each event in exactly one
+series: an org's own series counts what happened while it had its label, ``_other`` what
+happened to the orgs it held while it held them. Every series is monotonic (an org that comes
+back continues from where its series stopped), and ``sum(increase(...))`` over all ``org``
+labels is exact; a demoted org's series ends (Prometheus marks it stale). The wait histogram
+is per class and pool (no ``org`` label).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client import metrics as _prom_metrics
@@ -23,7 +55,11 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
-__all__ = ["OUTCOMES", "REASONS", "PolicyMetrics", "FlowCounters", "WAIT_BUCKETS"]
+if TYPE_CHECKING:
+    from .config import Policy
+
+__all__ = ["OUTCOMES", "REASONS", "PolicyMetrics", "FlowCounters", "WAIT_BUCKETS", "OTHER_ORG", "busy_mask",
+           "expected_shares", "jain", "wait_quantile"]
 
 OUTCOMES = ("completed", "failed", "cancelled_before_start", "cancelled_during_execution", "refused")
 #: why a request was refused (before start) or why it failed (``failed`` outcomes carry one too)
@@ -40,20 +76,30 @@ REASONS = ("unauthenticated", "class_not_allowed", "unknown_model", "bad_request
 #: seconds: the buckets of the wait-before-start histogram
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
                 900.0, 3600.0, 7200.0)
+#: the ``org`` label of the orgs beyond ``max_org_series`` (and of refused made-up orgs)
+OTHER_ORG = "_other"
+#: a newcomer takes a labelled org's place when it was served more than this many times as much
+HYSTERESIS = 2.0
 _LABELS = ("org", "class", "pool")
 #: the histogram's ``le`` labels, +Inf last
 _go_float: Callable[[float], str] = floatToGoString  # (prometheus_client's own spelling of a bound)
 _LE = tuple(_go_float(b) for b in WAIT_BUCKETS) + ("+Inf",)
+_NB = len(WAIT_BUCKETS) + 1
+_ZERO: dict[tuple[str, str], float] = {}
 
 
 class FlowCounters:
     """Plain counters of one (org, class, pool). ``refused_by``: the refusals among ``reasons``
     (the rest are failures); ``wait_buckets``: waits before start per bucket of
     ``WAIT_BUCKETS`` (not cumulative; the last one is over the largest bound); ``created``: when
-    the flow was first seen (``time.time()``)."""
+    the flow was first seen (``time.time()``). The share window: ``since`` (clock time the
+    flow became backlogged, ``None`` while it has nothing waiting or running), ``spans``
+    (its backlogged spans ``[start, end]`` still in the window) and ``recent`` (one record
+    ``[second, served cost, wait counts per bucket or None]`` per second with an event)."""
 
     __slots__ = ("waiting", "in_flight", "outcomes", "reasons", "charged_cost", "served_cost", "cancelled_work",
-                 "upstream_429", "timeouts", "attempts", "retries", "waits", "refused_by", "wait_buckets", "created")
+                 "upstream_429", "timeouts", "attempts", "retries", "waits", "refused_by", "wait_buckets", "created",
+                 "joins", "since", "spans", "recent")
 
     def __init__(self) -> None:
         self.created = time.time()
@@ -61,8 +107,8 @@ class FlowCounters:
         self.in_flight = 0
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
         self.reasons: dict[str, int] = {}
-        self.charged_cost = 0.0  # estimated cost at start (what the scheduler charged)
-        self.served_cost = 0.0  # actual cost from usage reports
+        self.charged_cost = 0.0  # estimated cost at start (what the scheduler charged at dispatch)
+        self.served_cost = 0.0  # what was delivered: usage reports, or what passed of a request ended early
         self.cancelled_work = 0.0  # tokens produced for requests cancelled while running
         self.upstream_429 = 0
         self.timeouts = 0
@@ -70,7 +116,11 @@ class FlowCounters:
         self.retries = 0
         self.waits = 0.0  # sum of waits before start, seconds
         self.refused_by: dict[str, int] = {}
-        self.wait_buckets = [0] * (len(WAIT_BUCKETS) + 1)
+        self.wait_buckets = [0] * _NB
+        self.joins = 0  # requests that joined a running one of the same Idempotency-Key
+        self.since: float | None = None
+        self.spans: deque[list[float]] = deque()
+        self.recent: deque[list[Any]] = deque()
 
     def as_dict(self) -> dict[str, Any]:
         return {"waiting": self.waiting, "in_flight": self.in_flight, **self.outcomes,
@@ -80,27 +130,215 @@ class FlowCounters:
                 "retry_share": self.retries / self.attempts if self.attempts else 0.0,
                 "mean_wait": self.waits / self.attempts if self.attempts else None}
 
+    def vector(self) -> dict[tuple[str, str], float]:
+        """The flow's counters as one mapping ``(family, label value) -> count`` (the
+        ``outcome`` or ``reason`` label; ``""`` for the families without one)."""
+        v: dict[tuple[str, str], float] = {("sfq_requests", o): n for o, n in self.outcomes.items()}
+        if self.joins:
+            v["sfq_requests", "joined"] = self.joins
+        for reason, n in self.reasons.items():
+            refused = self.refused_by.get(reason, 0)
+            if refused:
+                v["sfq_refusals", reason] = refused
+            if n - refused:
+                v["sfq_failures", reason] = n - refused
+        for name, value in (("sfq_charged_cost", self.charged_cost), ("sfq_served_cost", self.served_cost),
+                            ("sfq_cancelled_work_tokens", self.cancelled_work),
+                            ("sfq_upstream_429", self.upstream_429), ("sfq_timeouts", self.timeouts),
+                            ("sfq_attempts", self.attempts), ("sfq_retries", self.retries)):
+            if value:
+                v[name, ""] = value
+        return v
+
 
 Key = tuple[str, str, str]
 
 
-class PolicyMetrics:
-    """Counters per (org, class, pool), and their Prometheus series in ``registry`` (created
-    when not given: pass one to expose the policy's series next to the embedder's own). A
-    flow's queue length, in-flight count and requests by outcome show, as 0, from the moment
-    the flow is known (``flows``, or its first event); its other series from their first
-    count."""
+# ------------------------------------------------------------------ the window's math (pure)
+def busy_mask(spans: Iterable[Sequence[float]], since: float | None, now: float, lo: int, top: int) -> int:
+    """The seconds ``lo..top`` (whole clock seconds) in which a flow was backlogged, as bits
+    (bit ``i``: second ``lo + i``): those that meet one of its ``spans`` ``[start, end]`` or
+    the open span from ``since`` (``None``: none) to ``now``."""
+    mask = 0
+    for a, b in (*spans, *(() if since is None else ((since, now),))):
+        i, j = max(int(math.floor(a)), lo), min(int(math.floor(b)), top)
+        if i <= j:
+            mask |= ((1 << (j - i + 1)) - 1) << (i - lo)
+    return mask
 
-    def __init__(self, registry: CollectorRegistry | None = None, flows: Iterable[Key] = ()) -> None:
+
+def _bits(mask: int) -> Iterator[int]:
+    i = 0
+    while mask:
+        if mask & 1:
+            yield i
+        mask >>= 1
+        i += 1
+
+
+def expected_shares(flows: Sequence[tuple[float, bool, int, float]], served_by_second: Sequence[float]
+                    ) -> list[float]:
+    """What the weights promise each flow of one pool over a window (the module docstring's
+    rule). ``flows``: ``(weight, strict, busy mask, served cost in the window)``;
+    ``served_by_second``: the pool's weighted (not strict) flows' served cost in each second
+    of the window (bit ``i`` of a mask is ``served_by_second[i]``). A strict flow is expected
+    what it got; a weighted flow backlogged in no second is expected 0. The promises add up to
+    1 when anything was backlogged."""
+    total = sum(f[3] for f in flows)
+    n = len(served_by_second)
+    wsum = [0.0] * n
+    by_mask: dict[int, float] = {}
+    for w, strict, mask, _ in flows:
+        if mask and not strict:
+            by_mask[mask] = by_mask.get(mask, 0.0) + w
+    for mask, w in by_mask.items():
+        for i in _bits(mask):
+            wsum[i] += w
+    g: dict[int, float] = {}
+    if total > 0:
+        for mask in by_mask:
+            g[mask] = sum(served_by_second[i] / wsum[i] for i in _bits(mask)) / total
+        return [served / total if strict else w * g[mask] if mask else 0.0 for w, strict, mask, served in flows]
+    busy = sum(1 for x in wsum if x > 0)
+    for mask in by_mask:
+        g[mask] = sum(1.0 / wsum[i] for i in _bits(mask)) / busy
+    return [0.0 if strict or not mask else w * g[mask] for w, strict, mask, _ in flows]
+
+
+def jain(values: Iterable[float]) -> float | None:
+    """Jain's index ``(sum x)^2 / (n sum x^2)`` (1: all equal; ``1/n``: one has everything);
+    ``None`` for no values, 1 when they are all 0."""
+    xs = list(values)
+    if not xs:
+        return None
+    sq = sum(x * x for x in xs)
+    return 1.0 if sq == 0 else sum(xs) ** 2 / (len(xs) * sq)
+
+
+def wait_quantile(counts: Sequence[int], q: float) -> float | None:
+    """The ``q`` quantile (0..1) of waits counted per bucket of ``WAIT_BUCKETS`` (``counts``:
+    not cumulative, the last over the largest bound), interpolated within its bucket as
+    Prometheus' ``histogram_quantile`` does; ``None`` for no waits. A quantile in the last
+    bucket is the largest bound."""
+    n = sum(counts)
+    if not n:
+        return None
+    rank = q * n
+    acc = 0
+    for i, c in enumerate(counts):
+        if c and acc + c >= rank:
+            if i >= len(WAIT_BUCKETS):
+                return WAIT_BUCKETS[-1]
+            lo = WAIT_BUCKETS[i - 1] if i else 0.0
+            return lo + (WAIT_BUCKETS[i] - lo) * max(0.0, rank - acc) / c
+        acc += c
+    return WAIT_BUCKETS[-1]
+
+
+class _Org:
+    """One org's figures in one pool over the window (made at read time)."""
+
+    __slots__ = ("served", "expected", "waiting", "in_flight", "oldest", "waits", "outcomes", "weight")
+
+    def __init__(self) -> None:
+        self.served = 0.0
+        self.expected = 0.0
+        self.waiting = 0
+        self.in_flight = 0
+        self.oldest: float | None = None  # the queued_at (clock) of its oldest waiting request
+        self.waits = [0] * _NB
+        self.outcomes: dict[str, int] = dict.fromkeys((*OUTCOMES, "joined"), 0)
+        self.weight: float | None = None
+
+    def add(self, o: _Org) -> None:
+        self.served += o.served
+        self.expected += o.expected
+        self.waiting += o.waiting
+        self.in_flight += o.in_flight
+        if o.oldest is not None and (self.oldest is None or o.oldest < self.oldest):
+            self.oldest = o.oldest
+        self.waits = [a + b for a, b in zip(self.waits, o.waits)]
+        for k, n in o.outcomes.items():
+            self.outcomes[k] += n
+
+
+class Fairness:
+    """The window's figures at one read: per pool, per org (:class:`_Org`), the labelled orgs."""
+
+    def __init__(self, time: float, window: float, pools: dict[str, dict[str, _Org]], served: dict[str, float],
+                 labelled: set[str], now: float) -> None:
+        self.time = time
+        self.window = window
+        self.pools = pools
+        self.served = served
+        self.labelled = labelled
+        self.now = now
+
+    def grouped(self, pool: str) -> dict[str, _Org]:
+        """The pool's orgs as exposed: each labelled org, the rest summed under ``_other``."""
+        out: dict[str, _Org] = {}
+        other: _Org | None = None
+        for org, o in self.pools.get(pool, {}).items():
+            if org in self.labelled:
+                out[org] = o
+            else:
+                if other is None:
+                    other = _Org()
+                other.add(o)
+        if other is not None:
+            out[OTHER_ORG] = other
+        return out
+
+    def jain(self, pool: str) -> float | None:
+        orgs = self.pools.get(pool, {})
+        total = self.served.get(pool, 0.0)
+        return jain((o.served / total if total > 0 else 0.0) / o.expected for o in orgs.values() if o.expected > 0)
+
+
+class PolicyMetrics:
+    """Counters per (org, class, pool), the share window, and their Prometheus series in
+    ``registry`` (created when not given: pass one to expose the policy's series next to the
+    embedder's own). A flow shows from its first event (or from the start for the ``flows``
+    given here). ``clock``: seconds (the engine's); ``window_seconds`` and
+    ``max_org_series``: the policy file's ``metrics:`` section (:meth:`configure`)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, flows: Iterable[Key] = (), *,
+                 clock: Callable[[], float] = time.monotonic, window_seconds: float = 60.0,
+                 max_org_series: int = 1000) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.flows: dict[Key, FlowCounters] = {}
-        #: requests that joined a running one of the same ``Idempotency-Key`` (the gateway's count)
-        self.joins: dict[Key, int] = {}
-        self._joins_created: dict[Key, float] = {}
+        self.clock = clock
+        self.window = 60.0
+        self._w = 60
+        self.max_org_series = 1000
+        self.configure(window_seconds, max_org_series)
+        #: the policy in force (the engine sets it): flows' weights and strict classes
+        self.policy: Policy | None = None
+        #: the engine's view of the queues: ``{(pool, org): queued_at of its oldest waiting request}``
+        self.oldest: Callable[[], Mapping[tuple[str, str], float]] | None = None
+        # the bounded series: which orgs have their own label, and what each series has counted
+        self._labelled: set[str] = set()
+        self._assigned: set[str] = set()  # orgs given a label (their own or _other) at least once
+        self._chosen_at = -math.inf
+        self._mark: dict[Key, dict[tuple[str, str], float]] = {}  # a demoted org's flows: counts when demoted
+        self._hidden: dict[Key, dict[tuple[str, str], float]] = {}  # counted under _other while it was there
+        self._other_base: dict[tuple[str, str], dict[tuple[str, str], float]] = {}  # (class, pool): left _other
+        self._other_created: dict[tuple[str, str], float] = {}
         for k in flows:
             self._get(k)
         self.collector = _Collector(self)
         self.registry.register(self.collector)
+
+    def configure(self, window_seconds: float, max_org_series: int) -> None:
+        """Set the share window (seconds, >= 1) and the most orgs with their own label (>= 1)."""
+        if isinstance(window_seconds, bool) or not isinstance(window_seconds, (int, float)) or not (
+                math.isfinite(window_seconds) and window_seconds >= 1):
+            raise ValueError(f"window_seconds must be a number of seconds >= 1, got {window_seconds!r}")
+        if isinstance(max_org_series, bool) or not isinstance(max_org_series, int) or max_org_series < 1:
+            raise ValueError(f"max_org_series must be an integer >= 1, got {max_org_series!r}")
+        self.window = float(window_seconds)
+        self._w = int(math.ceil(self.window))
+        self.max_org_series = max_org_series
 
     def _get(self, key: Key) -> FlowCounters:
         fc = self.flows.get(key)
@@ -109,9 +347,39 @@ class PolicyMetrics:
         return fc
 
     # ------------------------------------------------------------ events
+    def _record(self, fc: FlowCounters, now: float) -> list[Any]:
+        sec = int(now)
+        rec = fc.recent
+        if rec and rec[-1][0] == sec:
+            return rec[-1]
+        r = [sec, 0.0, None]
+        rec.append(r)
+        old = sec - self._w
+        while rec[0][0] <= old:
+            rec.popleft()
+        return r
+
+    def _idle(self, fc: FlowCounters) -> None:
+        """The flow has nothing waiting or running any more: close its backlogged span."""
+        start = fc.since
+        if start is None:
+            return
+        fc.since = None
+        now = self.clock()
+        sp = fc.spans
+        if sp and int(start) <= int(sp[-1][1]) + 1:  # (no second between them: one span)
+            sp[-1][1] = now
+        else:
+            sp.append([start, now])
+            old = now - self._w - 1
+            while sp[0][1] < old:
+                sp.popleft()
+
     def queued(self, key: Key, n: int = 1) -> None:
         fc = self.flows.get(key) or self._get(key)
         fc.waiting += n
+        if fc.since is None:
+            fc.since = self.clock()
 
     def started(self, key: Key, wait: float, cost: float, retry: bool) -> None:
         fc = self.flows.get(key) or self._get(key)
@@ -120,7 +388,16 @@ class PolicyMetrics:
         fc.attempts += 1
         fc.charged_cost += cost
         fc.waits += wait
-        fc.wait_buckets[bisect_left(WAIT_BUCKETS, wait)] += 1
+        b = bisect_left(WAIT_BUCKETS, wait)
+        fc.wait_buckets[b] += 1
+        now = self.clock()
+        if fc.since is None:
+            fc.since = now
+        r = self._record(fc, now)
+        w = r[2]
+        if w is None:
+            w = r[2] = [0] * _NB
+        w[b] += 1
         if retry:
             fc.retries += 1
 
@@ -130,14 +407,19 @@ class PolicyMetrics:
         fc.in_flight -= 1
         if served_cost:
             fc.served_cost += served_cost
+            self._record(fc, self.clock())[1] += served_cost
         if upstream_429:
             fc.upstream_429 += 1
         if timeout:
             fc.timeouts += 1
+        if fc.waiting + fc.in_flight <= 0:
+            self._idle(fc)
 
     def left_queue(self, key: Key) -> None:
         fc = self.flows.get(key) or self._get(key)
         fc.waiting -= 1
+        if fc.waiting + fc.in_flight <= 0:
+            self._idle(fc)
 
     def timeout(self, key: Key) -> None:
         fc = self.flows.get(key) or self._get(key)
@@ -163,92 +445,311 @@ class PolicyMetrics:
         """A request joined a running one with the same ``Idempotency-Key``: counted in
         ``sfq_requests_total{outcome="joined"}`` (not an outcome of the policy's: the request
         it joined has that)."""
-        n = self.joins.get(key)
-        if n is None:
-            self._joins_created[key] = time.time()
-            n = 0
-        self.joins[key] = n + 1
+        fc = self.flows.get(key) or self._get(key)
+        fc.joins += 1
 
     def snapshot(self) -> dict[Key, dict[str, Any]]:
         return {k: fc.as_dict() for k, fc in self.flows.items()}
 
+    # ------------------------------------------------------------ the window, at read time
+    def _weight(self, org: str, cls: str) -> tuple[float, bool]:
+        p = self.policy
+        if p is None or cls not in p.classes:
+            return 1.0, False
+        try:
+            return p.flow_weight(org, cls), p.classes[cls].strict
+        except KeyError:  # an org a reload removed: its flows keep their last figures, weight 1
+            return 1.0, p.classes[cls].strict
 
-#: (name, help, type, label names beyond org/class/pool); the order the series are exposed in
+    def org_weight(self, org: str) -> float | None:
+        p = self.policy
+        o = p.org(org, keep=False) if p is not None else None
+        return None if o is None else o.weight
+
+    def fairness(self) -> Fairness:
+        """The window's figures now (O(flows + window) per pool), and the orgs with their own
+        label (chosen again when due)."""
+        now = self.clock()
+        w = self._w
+        top = int(now)
+        lo = top - w + 1
+        per_pool: dict[str, list[tuple[str, float, bool, int, float, FlowCounters]]] = {}
+        served_by_sec: dict[str, list[float]] = {}
+        waits: dict[Key, list[int]] = {}
+        score: dict[str, float] = {}
+        for key, fc in self.flows.items():
+            org, cls, pool = key
+            if not org or not pool or not cls:
+                continue  # refused before its org, class or pool was known: in no pool's figures
+            mask = busy_mask(fc.spans, fc.since, now, lo, top)
+            served = 0.0
+            wq: list[int] | None = None
+            weight, strict = self._weight(org, cls)
+            secs = served_by_sec.get(pool)
+            if secs is None:
+                secs = served_by_sec[pool] = [0.0] * w
+            for sec, cost, wc in fc.recent:
+                if sec < lo:
+                    continue
+                if cost:
+                    served += cost
+                    if not strict:
+                        secs[sec - lo] += cost
+                if wc is not None:
+                    wq = list(wc) if wq is None else [a + b for a, b in zip(wq, wc)]
+            if wq is not None:
+                waits[key] = wq
+            if mask or served or fc.waiting or fc.in_flight:
+                score[org] = score.get(org, 0.0) + served + (1e-9 if mask else 0.0)
+            per_pool.setdefault(pool, []).append((org, weight, strict, mask, served, fc))
+        oldest = dict(self.oldest()) if self.oldest is not None else {}
+        pools: dict[str, dict[str, _Org]] = {}
+        pool_served: dict[str, float] = {}
+        for pool, rows in per_pool.items():
+            exp = expected_shares([(r[1], r[2], r[3], r[4]) for r in rows], served_by_sec[pool])
+            orgs: dict[str, _Org] = {}
+            total = 0.0
+            for (org, _, cls_strict, _, served, fc), e in zip(rows, exp):
+                o = orgs.get(org)
+                if o is None:
+                    o = orgs[org] = _Org()
+                    o.weight = self.org_weight(org)
+                    o.oldest = oldest.get((pool, org))
+                o.served += served
+                total += served
+                o.expected += e
+                o.waiting += fc.waiting
+                o.in_flight += fc.in_flight
+                for k, n in fc.outcomes.items():
+                    o.outcomes[k] += n
+                o.outcomes["joined"] += fc.joins
+            pools[pool] = orgs
+            pool_served[pool] = total
+        for (org, _, pool), wq in waits.items():
+            o = pools[pool][org]
+            o.waits = [a + b for a, b in zip(o.waits, wq)]
+        labelled = self._choose(now, score)
+        return Fairness(time.time(), self.window, pools, pool_served, labelled, now)
+
+    def _choose(self, now: float, score: Mapping[str, float]) -> set[str]:
+        """The orgs with their own label: free places go to the best served orgs not placed yet
+        at every read; all places are chosen again at most once per window, a newcomer taking a
+        place only when served more than ``HYSTERESIS`` times what the weakest holder was."""
+        known = {k[0] for k in self.flows if k[0] and k[0] != OTHER_ORG}
+        new = known - self._assigned
+        cap = self.max_org_series
+        if now - self._chosen_at >= self.window and self._assigned:
+            self._chosen_at = now
+            held = self._labelled
+            ranked = sorted(known, key=lambda o: (-(score.get(o, 0.0) * (HYSTERESIS if o in held else 1.0)),
+                                                  o not in held, o))
+            want = set(ranked[:cap])
+            moving = (held - want) | (want - held - new)
+            by_org: dict[str, list[Key]] = {}
+            if moving:
+                for k in self.flows:
+                    if k[0] in moving:
+                        by_org.setdefault(k[0], []).append(k)
+            for org in held - want:
+                self._demote(org, by_org.get(org, []))
+            for org in want - held:
+                if org in new:  # never shown yet: its own series from its first event
+                    self._labelled.add(org)
+                else:
+                    self._promote(org, by_org.get(org, []))
+            self._assigned |= new
+            return self._labelled
+        if self._chosen_at == -math.inf and new:
+            self._chosen_at = now
+        if new:
+            free = cap - len(self._labelled)
+            for org in sorted(new, key=lambda o: (-score.get(o, 0.0), o)):
+                if free > 0:
+                    self._labelled.add(org)  # its series count from its first event
+                    free -= 1
+            self._assigned |= new
+        return self._labelled
+
+    def _demote(self, org: str, keys: list[Key]) -> None:
+        self._labelled.discard(org)
+        for k in keys:
+            self._mark[k] = self.flows[k].vector()
+
+    def _promote(self, org: str, keys: list[Key]) -> None:
+        """``org`` leaves ``_other`` for its own label: what it counted under ``_other`` stays
+        there (``_other_base``) and is never counted again under its own label (``_hidden``)."""
+        self._labelled.add(org)
+        for k in keys:
+            mark = self._mark.pop(k, _ZERO)
+            there = _minus(self.flows[k].vector(), mark)
+            _add_into(self._hidden.setdefault(k, {}), there)
+            _add_into(self._other_base.setdefault((k[1], k[2]), {}), there)
+
+    # ------------------------------------------------------------ /stats
+    def stats(self, pool: str | None = None) -> dict[str, Any]:
+        """The fair-share figures as JSON (``GET /stats``, docs/API.md): per pool, its orgs
+        (labelled ones, the rest under ``_other``), over the last ``window_seconds``."""
+        f = self.fairness()
+        out: dict[str, Any] = {}
+        names = list(self.policy.pools) if self.policy is not None else sorted(f.pools)
+        for name in names:
+            if pool is not None and name != pool:
+                continue
+            total = f.served.get(name, 0.0)
+            orgs = {}
+            waiting = in_flight = 0
+            for org, o in f.grouped(name).items():
+                waiting += o.waiting
+                in_flight += o.in_flight
+                orgs[org] = {
+                    "weight": o.weight if org != OTHER_ORG else None,
+                    "share": o.served / total if total > 0 else 0.0,
+                    "expected_share": o.expected, "served_cost": o.served,
+                    "waiting": o.waiting, "in_flight": o.in_flight,
+                    "oldest_wait_seconds": None if o.oldest is None else max(0.0, f.now - o.oldest),
+                    "wait_p50": wait_quantile(o.waits, 0.5), "wait_p99": wait_quantile(o.waits, 0.99),
+                    "requests": dict(o.outcomes)}
+            out[name] = {"jain": f.jain(name), "waiting": waiting, "in_flight": in_flight, "served_cost": total,
+                         "orgs": orgs}
+        return {"time": f.time, "window_seconds": self.window, "pools": out}
+
+
+def _minus(a: Mapping[tuple[str, str], float], b: Mapping[tuple[str, str], float]) -> dict[tuple[str, str], float]:
+    return {k: v - b.get(k, 0) for k, v in a.items()}
+
+
+def _add_into(a: dict[tuple[str, str], float], b: Mapping[tuple[str, str], float]) -> None:
+    for k, v in b.items():
+        a[k] = a.get(k, 0) + v
+
+
+#: (name, help, type, label names); the order the series are exposed in
 _FAMILIES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
-    ("sfq_queue_wait_seconds", "Wait before start (seconds)", "histogram", ()),
-    ("sfq_requests", "Requests by outcome", "counter", ("outcome",)),
-    ("sfq_refusals", "Requests refused or dropped before start, by reason", "counter", ("reason",)),
-    ("sfq_failures", "Requests that failed, by reason", "counter", ("reason",)),
-    ("sfq_queue_length", "Requests waiting (not started)", "gauge", ()),
-    ("sfq_in_flight", "Requests running on a backend", "gauge", ()),
-    ("sfq_charged_cost", "Estimated cost charged at start (cost units)", "counter", ()),
-    ("sfq_served_cost", "Actual cost served, from usage reports (cost units)", "counter", ()),
-    ("sfq_cancelled_work_tokens", "Tokens produced for requests cancelled while running (streams)", "counter", ()),
-    ("sfq_upstream_429", "Upstream 429 answers", "counter", ()),
-    ("sfq_timeouts", "Queue-age or deadline expiries and backend timeouts", "counter", ()),
-    ("sfq_attempts", "Attempts started (first tries and retries)", "counter", ()),
-    ("sfq_retries", "Retries started", "counter", ()),
+    ("sfq_queue_wait_seconds", "Wait before start (seconds), per class and pool", "histogram", ("class", "pool")),
+    ("sfq_requests", "Requests by outcome", "counter", (*_LABELS, "outcome")),
+    ("sfq_refusals", "Requests refused or dropped before start, by reason", "counter", (*_LABELS, "reason")),
+    ("sfq_failures", "Requests that failed, by reason", "counter", (*_LABELS, "reason")),
+    ("sfq_queue_length", "Requests waiting (not started)", "gauge", _LABELS),
+    ("sfq_in_flight", "Requests running on a backend", "gauge", _LABELS),
+    ("sfq_charged_cost", "Estimated cost charged at start (cost units)", "counter", _LABELS),
+    ("sfq_served_cost", "Cost served: usage reports, or what passed to the client of a request that ended early "
+                        "(cost units)", "counter", _LABELS),
+    ("sfq_cancelled_work_tokens", "Tokens produced for requests cancelled while running (streams)", "counter",
+     _LABELS),
+    ("sfq_upstream_429", "Upstream 429 answers", "counter", _LABELS),
+    ("sfq_timeouts", "Queue-age or deadline expiries and backend timeouts", "counter", _LABELS),
+    ("sfq_attempts", "Attempts started (first tries and retries)", "counter", _LABELS),
+    ("sfq_retries", "Retries started", "counter", _LABELS),
+    ("sfq_share", "The org's share of the pool's served cost over the window", "gauge", ("pool", "org")),
+    ("sfq_expected_share", "The share the weights promise the org among the pool's orgs backlogged in the window",
+     "gauge", ("pool", "org")),
+    ("sfq_oldest_wait_seconds", "Age of the org's oldest waiting request", "gauge", ("pool", "org")),
+    ("sfq_fairness_jain", "Jain's index of served / expected share over the pool's orgs backlogged in the window",
+     "gauge", ("pool",)),
+    ("sfq_org_weight", "The org's weight (policy file)", "gauge", ("org",)),
 )
 _FAMILY = {"histogram": HistogramMetricFamily, "counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
+#: the counter families made from :meth:`FlowCounters.vector`, and their extra label
+_EXTRA = {"sfq_requests": "outcome", "sfq_refusals": "reason", "sfq_failures": "reason"}
 
 
 class _Collector(Collector):
     """The policy's series, made from the plain counters when the registry is collected (a
-    scrape): what ``prometheus_client``'s own labelled metrics would say had every event
-    incremented them. A series' ``_created`` is when its flow was first seen (it counted 0
-    from then)."""
+    scrape). A labelled org's series' ``_created`` is when its flow was first seen; ``_other``'s
+    when it first held an org."""
 
     def __init__(self, m: PolicyMetrics) -> None:
         self.m = m
 
     def describe(self) -> Iterator[Metric]:
-        for name, doc, typ, extra in _FAMILIES:
-            yield _FAMILY[typ](name, doc, labels=(*_LABELS, *extra))
+        for name, doc, typ, labels in _FAMILIES:
+            yield _FAMILY[typ](name, doc, labels=labels)
 
     def collect(self) -> Iterator[Metric]:
         m = self.m
-        fam = {name: _FAMILY[typ](name, doc, labels=(*_LABELS, *extra)) for name, doc, typ, extra in _FAMILIES}
+        f = m.fairness()
+        labelled = f.labelled
+        fam = {name: _FAMILY[typ](name, doc, labels=labels) for name, doc, typ, labels in _FAMILIES}
         created = _prom_metrics._use_created  # (prometheus_client.disable_created_metrics() turns it off)
-        wait, requests, refusals, failures = (fam["sfq_queue_wait_seconds"].samples, fam["sfq_requests"].samples,
-                                              fam["sfq_refusals"].samples, fam["sfq_failures"].samples)
+        hist: dict[tuple[str, str], tuple[list[int], float, float]] = {}
+        other: dict[tuple[str, str], list[Any]] = {}  # (class, pool): [counters, waiting, in flight]
         for key, fc in list(m.flows.items()):
             org, cls, pool = key
-            lab = {"org": org, "class": cls, "pool": pool}
-            ts = fc.created
-            for o, n in fc.outcomes.items():
-                _counter(requests, "sfq_requests", {**lab, "outcome": o}, n, ts if created else None)
-            for reason, n in list(fc.reasons.items()):
-                refused = fc.refused_by.get(reason, 0)
-                if refused:
-                    _counter(refusals, "sfq_refusals", {**lab, "reason": reason}, refused, ts if created else None)
-                if n - refused:
-                    _counter(failures, "sfq_failures", {**lab, "reason": reason}, n - refused,
-                             ts if created else None)
-            fam["sfq_queue_length"].samples.append(Sample("sfq_queue_length", lab, float(fc.waiting)))
-            fam["sfq_in_flight"].samples.append(Sample("sfq_in_flight", lab, float(fc.in_flight)))
             if fc.attempts:
-                acc = 0.0
-                for le, n in zip(_LE, fc.wait_buckets):
-                    acc += n
-                    wait.append(Sample("sfq_queue_wait_seconds_bucket", {**lab, "le": le}, acc))
-                wait.append(Sample("sfq_queue_wait_seconds_count", lab, acc))
-                wait.append(Sample("sfq_queue_wait_seconds_sum", lab, float(fc.waits)))
-                if created:
-                    wait.append(Sample("sfq_queue_wait_seconds_created", lab, ts))
-            for name, value, shown in (("sfq_charged_cost", fc.charged_cost, fc.attempts),
-                                       ("sfq_served_cost", fc.served_cost, fc.served_cost),
-                                       ("sfq_cancelled_work_tokens", fc.cancelled_work, fc.cancelled_work),
-                                       ("sfq_upstream_429", fc.upstream_429, fc.upstream_429),
-                                       ("sfq_timeouts", fc.timeouts, fc.timeouts),
-                                       ("sfq_attempts", fc.attempts, fc.attempts),
-                                       ("sfq_retries", fc.retries, fc.retries)):
-                if shown:
-                    _counter(fam[name].samples, name, lab, value, ts if created else None)
-        for key, n in list(m.joins.items()):
-            org, cls, pool = key
-            _counter(requests, "sfq_requests", {"org": org, "class": cls, "pool": pool, "outcome": "joined"}, n,
-                     m._joins_created.get(key, 0.0) if created else None)
+                h = hist.get((cls, pool))
+                hist[cls, pool] = (fc.wait_buckets[:], fc.waits, fc.created) if h is None else (
+                    [a + b for a, b in zip(h[0], fc.wait_buckets)], h[1] + fc.waits, min(h[2], fc.created))
+            if org in labelled or org == "":
+                vec = fc.vector()
+                hidden = m._hidden.get(key)
+                if hidden:
+                    vec = _minus(vec, hidden)
+                self._flow(fam, {"org": org, "class": cls, "pool": pool}, vec, fc.waiting, fc.in_flight,
+                           fc.created if created else None)
+                continue
+            o = other.get((cls, pool))
+            if o is None:
+                base = m._other_base.get((cls, pool))
+                o = other[cls, pool] = [dict(base) if base else {}, 0, 0]
+            _add_into(o[0], _minus(fc.vector(), m._mark.get(key, _ZERO)))
+            o[1] += fc.waiting
+            o[2] += fc.in_flight
+        for (cls, pool), base in m._other_base.items():  # _other's counts stay when it holds no org now
+            if (cls, pool) not in other:
+                other[cls, pool] = [dict(base), 0, 0]
+        for (cls, pool), (vec, waiting, in_flight) in other.items():
+            ts = m._other_created.setdefault((cls, pool), time.time())
+            self._flow(fam, {"org": OTHER_ORG, "class": cls, "pool": pool}, vec, waiting, in_flight,
+                       ts if created else None)
+        wait = fam["sfq_queue_wait_seconds"].samples
+        for (cls, pool), (buckets, total, ts) in hist.items():
+            lab = {"class": cls, "pool": pool}
+            acc = 0.0
+            for le, n in zip(_LE, buckets):
+                acc += n
+                wait.append(Sample("sfq_queue_wait_seconds_bucket", {**lab, "le": le}, acc))
+            wait.append(Sample("sfq_queue_wait_seconds_count", lab, acc))
+            wait.append(Sample("sfq_queue_wait_seconds_sum", lab, float(total)))
+            if created:
+                wait.append(Sample("sfq_queue_wait_seconds_created", lab, ts))
+        share, expected, oldest = (fam["sfq_share"].samples, fam["sfq_expected_share"].samples,
+                                   fam["sfq_oldest_wait_seconds"].samples)
+        weights: dict[str, float] = {}
+        for pool in f.pools:
+            total = f.served.get(pool, 0.0)
+            for org, o in f.grouped(pool).items():
+                lab = {"pool": pool, "org": org}
+                share.append(Sample("sfq_share", lab, o.served / total if total > 0 else 0.0))
+                expected.append(Sample("sfq_expected_share", lab, o.expected))
+                if o.oldest is not None:
+                    oldest.append(Sample("sfq_oldest_wait_seconds", lab, max(0.0, f.now - o.oldest)))
+                if org != OTHER_ORG and o.weight is not None:
+                    weights[org] = o.weight
+            j = f.jain(pool)
+            if j is not None:
+                fam["sfq_fairness_jain"].samples.append(Sample("sfq_fairness_jain", {"pool": pool}, j))
+        fam["sfq_org_weight"].samples.extend(Sample("sfq_org_weight", {"org": org}, w) for org, w in weights.items())
         yield from fam.values()
+
+    @staticmethod
+    def _flow(fam: dict[str, Metric], lab: dict[str, str], vec: Mapping[tuple[str, str], float], waiting: int,
+              in_flight: int, ts: float | None) -> None:
+        for o in OUTCOMES:
+            _counter(fam["sfq_requests"].samples, "sfq_requests", {**lab, "outcome": o}, vec.get(("sfq_requests", o), 0),
+                     ts)
+        attempts = vec.get(("sfq_attempts", ""), 0)
+        for (name, value_label), n in vec.items():
+            extra = _EXTRA.get(name)
+            if extra is not None:
+                if name == "sfq_requests" and value_label in OUTCOMES or not n:
+                    continue
+                _counter(fam[name].samples, name, {**lab, extra: value_label}, n, ts)
+            elif n or (name == "sfq_charged_cost" and attempts):
+                _counter(fam[name].samples, name, lab, n, ts)
+        if attempts and ("sfq_charged_cost", "") not in vec:
+            _counter(fam["sfq_charged_cost"].samples, "sfq_charged_cost", lab, 0.0, ts)
+        fam["sfq_queue_length"].samples.append(Sample("sfq_queue_length", lab, float(waiting)))
+        fam["sfq_in_flight"].samples.append(Sample("sfq_in_flight", lab, float(in_flight)))
 
 
 def _counter(samples: list[Sample], name: str, labels: dict[str, str], value: float, created: float | None) -> None:

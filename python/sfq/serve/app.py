@@ -14,8 +14,9 @@ retries, deadlines, ordering) lives in :mod:`sfq.policy`, so an embedder who nev
   a slow client slows the read from the backend instead of filling memory; a stream whose
   client stops reading is ended at its deadline (``X-SFQ-Timeout``), its slot freed.
 * ``GET /v1/models``, ``GET /health`` (503 while a pool has no backend in rotation;
-  ``?pool=NAME`` for one pool), ``GET /metrics``, ``GET /dashboard`` (a page that polls
-  ``/stats``: :mod:`sfq.serve.dashboard`; not routed with ``dashboard=False``).
+  ``?pool=NAME`` for one pool), ``GET /metrics``, ``GET /stats`` (the fair-share figures as JSON),
+  ``GET /dashboard`` (a page that polls ``/stats``: :mod:`sfq.serve.dashboard`; not routed with
+  ``dashboard=False``).
 * A client that goes away cancels its handler (the server runs with
   ``handler_cancellation=True``): before dispatch its request leaves the queue and never
   reaches a backend; after, the backend call is aborted.
@@ -112,7 +113,7 @@ class _Entry:
     """What the access-log line of one request says, and what the gateway has recorded of it."""
 
     __slots__ = ("t0", "path", "rid", "model", "stream", "flow", "r", "status", "outcome", "reason", "usage",
-                 "events", "counted", "writing", "stalled", "timer", "error_status")
+                 "events", "counted", "writing", "stalled", "timer", "error_status", "joining")
 
     def __init__(self, t0: float, path: str, rid: str) -> None:
         self.t0 = t0
@@ -132,6 +133,7 @@ class _Entry:
         self.stalled = False  # its stream's client stopped reading past the deadline
         self.timer: asyncio.TimerHandle | None = None
         self.error_status: int | None = None
+        self.joining = False  # it joins a running request of the same Idempotency-Key
 
     def admitted(self, r: Request) -> None:
         self.r = r
@@ -195,6 +197,7 @@ class Gateway:
         r.add_get("/v1/models", self._models, expect_handler=expect)
         r.add_get("/health", self._health, expect_handler=expect)
         r.add_get("/metrics", self._metrics, expect_handler=expect)
+        r.add_get("/stats", self._stats, expect_handler=expect)
         if dashboard:
             _dashboard.page()  # read now: a package without its page fails at start-up, not on a request
             r.add_get("/dashboard", self._dashboard, expect_handler=expect)
@@ -272,7 +275,7 @@ class Gateway:
     async def _not_found(self, request: web.Request) -> web.Response:
         return self._error(HTTPError(404, "not_found_error", "unknown_route",
                                      f"no route {request.method} {request.path[:100]} (routes: POST {_CHAT}, "
-                                     f"POST {_COMPLETIONS}, GET /v1/models, GET /health, GET /metrics)"),
+                                     f"POST {_COMPLETIONS}, GET /v1/models, GET /health, GET /metrics, GET /stats)"),
                            new_request_id())
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -347,6 +350,22 @@ class Gateway:
     async def _dashboard(self, request: web.Request) -> web.Response:
         return web.Response(body=_dashboard.page(), headers={"Server": SERVER, **_dashboard.headers()})
 
+    async def _stats(self, request: web.Request) -> web.Response:
+        """The fair-share figures as JSON (docs/API.md, ``GET /stats``); ``?pool=NAME`` for one
+        pool. No key needed; no key or request content in it."""
+        rid = new_request_id()
+        m = self.pd.engine.metrics
+        only = request.query.get("pool")
+        names = list(self.pd.policy.pools)
+        if only is not None and only not in names:
+            return self._error(HTTPError(404, "not_found_error", "unknown_pool",
+                                         f"no pool {only[:100]!r} (pools: {', '.join(names)})"), rid)
+        if not isinstance(m, PolicyMetrics):  # (a dispatcher that keeps no metrics)
+            body: dict[str, Any] = {"time": time.time(), "window_seconds": None, "pools": {}}
+        else:
+            body = m.stats(only)
+        return _json(200, body, self._headers(rid))
+
     # ------------------------------------------------------------ model requests
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
@@ -356,7 +375,8 @@ class Gateway:
         except asyncio.CancelledError:
             if e.stalled:  # the stall check's own cancellation, after the stream was ended (see _stream)
                 raise
-            e.status = 499  # the client went away (nginx's code for it)
+            if e.status in (0, 200):  # the client went away (nginx's code for it), not after an answer it got
+                e.status = 499
             if not e.counted:  # it left before its request was complete, or before the policy took it
                 self._count(e, e.flow or _UNKNOWN, "cancelled_before_start")
             raise
@@ -466,9 +486,10 @@ class Gateway:
         e.stream = body.get("stream") is True
         if e.stream:
             return await self._stream(request, e, auths[0], cls, body, timeout)
+        idem = h.get("Idempotency-Key") or None
+        e.joining = idem is not None and self.pd.running_key(flow.org, idem)  # (no await until submit_flow's)
         try:
-            reply = await self.pd.submit_flow(flow, body, timeout=timeout,
-                                              idempotency_key=h.get("Idempotency-Key") or None,
+            reply = await self.pd.submit_flow(flow, body, timeout=timeout, idempotency_key=idem,
                                               on_admit=e.admitted)
         except SFQError as exc:
             return self._failed(e, exc)
@@ -552,10 +573,10 @@ class Gateway:
         """The policy (or a backend) refused or failed the request: its answer, and the
         backend's own words to the log."""
         if not e.counted:
-            if isinstance(exc, Refused):
-                e.counted = True  # the policy recorded it
-            else:  # a joined request's first one failed (it never ran on its own)
+            if e.joining:  # the running request it joined failed (it never ran on its own)
                 self._joined(e)
+            else:  # refused or failed before it was admitted: the policy recorded it
+                e.counted = True
         err = http_error_of(exc)
         self._log_failure(e, exc, err)
         return self._refuse(e, err)
@@ -750,7 +771,7 @@ class Gateway:
             outcome = r.outcome or ("running" if e.status == 499 else None)
             reason = r.reason or (reason if outcome != "completed" else None)
             tries = r.tries
-            charged = r.cost * r.tries
+            charged = r.charged_total  # what the engine charged, every correction made
             backend = r.backend
             if r.started_at is not None:
                 wait = round(r.started_at - r.arrival, 6)
