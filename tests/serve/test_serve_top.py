@@ -100,7 +100,7 @@ def test_once_prints_the_gateways_figures(loaded: Gateway) -> None:
         assert row[:5] == [f"{o['weight']:g}", f"{100 * o['share']:.1f}%", f"{100 * o['expected_share']:.1f}%",
                            "0", "0"], (org, row, o)
     # the heavy org, listed first, got about twice the light one's service, as its weight promises
-    assert out.stdout.index("heavy ") < out.stdout.index("light ")
+    assert out.stdout.index("\nheavy ") < out.stdout.index("\nlight ")
     assert abs(pool["orgs"]["heavy"]["share"] - 2 / 3) < 0.1, pool
     assert "sk-heavy-secret" not in out.stdout and "sk-light-secret" not in out.stdout
 
