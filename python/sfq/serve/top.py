@@ -134,7 +134,8 @@ def render(stats: Mapping[str, Any], pool: str | None = None, *, url: str = "", 
         o = orgs[name] or {}
         share, expected = _num(o.get("share")), _num(o.get("expected_share"))
         behind = share is not None and expected is not None and expected > 0 and share < 0.8 * expected
-        table.add_row(Text(name), f"{_num(o.get('weight')) or 0:g}", Text(_pct(share), style="red" if behind else ""),
+        weight = _num(o.get("weight"))  # (None for _other, the orgs summed beyond max_org_series)
+        table.add_row(Text(name), "-" if weight is None else f"{weight:g}", Text(_pct(share), style="red" if behind else ""),
                       _pct(expected), _int(o.get("waiting")), _int(o.get("in_flight")),
                       _secs(o.get("oldest_wait_seconds")), _secs(o.get("wait_p99")))
     parts.append(table)
