@@ -43,7 +43,13 @@ Run from the repository root (``apt-get install nginx libnginx-mod-http-echo wrk
 
 ``--sfq NAME=DIR`` (repeatable) runs ``sfq serve`` from the checkout ``DIR`` (what goes on
 ``PYTHONPATH``) as a proxy called ``sfq-NAME``, interleaved with the others: a before/after
-comparison on the same machine in the same minutes. Results go to
+comparison on the same machine in the same minutes. ``--scraped sfq-NAME`` (repeatable) has a
+thread on the load generators' core ``GET /metrics`` from that proxy every ``--scrape-every``
+seconds (1) while it is measured, as Prometheus would: the scrape's CPU counts in its CPU per
+request (run the same checkout twice, once scraped, for the side-by-side)::
+
+    python benchmarks/bench_proxy.py --proxies sfq --blocks rate,stream --sfq base=../wt-base/python \
+        --sfq metrics=python --sfq scraped=python --scraped sfq-scraped Results go to
 ``benchmarks/results/proxy.json`` and ``benchmarks/results/proxy.md`` (the table), and the
 table to stdout. Under pytest (CI's benchmark smoke run) ``test_bench_proxy_smoke`` runs the
 quick version once and skips when nginx or wrk is missing; nothing is timed.
@@ -379,6 +385,35 @@ def measured(proc: Proc | None, core: int | None) -> Iterator[dict[str, float]]:
     out["other_on_core"] = (core_busy(core) - b0 - out["cpu_s"]) / out["wall_s"]
 
 
+@contextmanager
+def scraping(url: str | None, every: float) -> Iterator[dict[str, float]]:
+    """``GET url/metrics`` every ``every`` seconds in a thread meanwhile (nothing when ``url``
+    is ``None``); says how many scrapes and how many bytes the last one was."""
+    import threading
+
+    out: dict[str, float] = {}
+    if url is None:
+        yield out
+        return
+    stop = threading.Event()
+
+    def loop() -> None:
+        n = 0
+        while not stop.wait(every):
+            with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+                out["scrape_bytes"] = len(r.read())
+            n += 1
+            out["scrapes"] = n
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    try:
+        yield out
+    finally:
+        stop.set()
+        t.join(60)
+
+
 def check(proxy: Proxy) -> None:
     """One plain request and one stream through ``proxy``: the reply and all 50 events come back."""
     def post(url: str, body: str) -> bytes:
@@ -464,14 +499,18 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         for r in range(a.rounds):
             rd: dict[str, Any] = {"plain": {}, "stream": {}, "latency": {}}
             for p in proxies if "rate" in a.blocks else ():
-                with measured(p.plain_proc, proxy_cpu) as m:
+                with scraping(p.plain_url if p.name in a.scraped else None, a.scrape_every) as scrapes, \
+                        measured(p.plain_proc, proxy_cpu) as m:
                     w = wrk(p.plain_url, plain_lua, conns=a.conns, seconds=a.seconds, cpu=load_cpu)
+                w.update(scrapes)
                 w.update(m)
                 w["cpu_ms_per_request"] = m["cpu_s"] / max(1, w["requests"]) * 1e3
                 rd["plain"][p.name] = w
             for p in proxies if "stream" in a.blocks else ():
-                with measured(p.stream_proc, proxy_cpu) as m:
+                with scraping(p.stream_url if p.name in a.scraped else None, a.scrape_every) as scrapes, \
+                        measured(p.stream_proc, proxy_cpu) as m:
                     w = wrk(p.stream_url, stream_lua, conns=a.stream_conns, seconds=a.seconds, cpu=load_cpu)
+                w.update(scrapes)
                 w.update(m)
                 w["events"] = w["requests"] * EVENTS
                 w["cpu_us_per_chunk"] = m["cpu_s"] / max(1, w["events"]) * 1e6
@@ -616,6 +655,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--blocks", default="rate,stream,latency", help="comma-separated: rate, stream, latency")
     ap.add_argument("--sfq", action="append", type=_sfq_spec, metavar="NAME=DIR",
                     help="run sfq serve from checkout DIR as proxy sfq-NAME (repeatable; default: this one)")
+    ap.add_argument("--scraped", action="append", default=[], metavar="PROXY",
+                    help="scrape this proxy's /metrics while it is measured (repeatable; e.g. sfq-scraped)")
+    ap.add_argument("--scrape-every", type=float, default=1.0, help="seconds between two scrapes (1)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 1 round of 1 s (numbers not for quoting)")
     ap.add_argument("--out", default=str(HERE / "results" / "proxy.json"), help="the JSON (and .md next to it)")
     a = ap.parse_args(argv)
@@ -624,6 +666,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--blocks: choose from rate, stream, latency, got {sorted(a.blocks)}")
     if a.quick:
         a.rounds, a.seconds, a.latency_seconds, a.rate = 1, 1.0, 1.0, 200.0
+    if not a.scrape_every > 0:
+        ap.error(f"--scrape-every must be > 0 seconds, got {a.scrape_every!r}")
     if a.rounds < 1 or not a.seconds > 0 or not a.latency_seconds > 0 or not a.rate > 0 or a.conns < 1 \
             or a.stream_conns < 1 or a.event_gap_ms < 0:
         ap.error("--rounds, --conns and --stream-conns must be >= 1; --seconds, --latency-seconds and --rate > 0; "

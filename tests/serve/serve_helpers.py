@@ -5,8 +5,9 @@ The upstream's behaviour is chosen per request by its prompt (or last message): 
 waits until the test releases it, ``err500``/``err400``/``err503``/``err429`` answer that
 status (``err429-N``: with ``Retry-After: N``), ``echo401`` answers 401 with the request's
 headers in its body (as some providers do), ``cut`` sends two stream events then drops the
-connection, ``drip`` streams one event per 50 ms, ``big`` streams 64 KiB events (``sent``
-counts the bytes written), ``huge`` streams one event and then a 200 MiB line; anything else
+connection, ``drip`` streams one event per 50 ms, ``partN`` streams N events and then holds
+(until released; ``tokens`` counts the events of text written, one token each), ``big`` streams
+64 KiB events (``sent`` counts the bytes written), ``huge`` streams one event and then a 200 MiB line; anything else
 answers (``max_tokens`` tokens of ``x``). It records every request's body and headers, which
 held requests were abandoned by the gateway (``aborted``), and which finished.
 """
@@ -61,6 +62,7 @@ class Upstream:
         self.finished: list[str] = []
         self.holding: list[str] = []
         self.sent: dict[str, int] = {}  # bytes of stream events written so far, by text
+        self.tokens: dict[str, int] = {}  # stream events of text (one token each) written so far, by text
         self.url = ""
         self._loop = asyncio.new_event_loop()
         self._gate: asyncio.Event | None = None
@@ -150,7 +152,12 @@ class Upstream:
                     await resp.write(b"\n\ndata: [DONE]\n\n")
                     self.finished.append(text)
                     return resp
+                part = int(text[4:].split("-", 1)[0]) if text.startswith("part") else None
                 for i in range(n):
+                    if i == part:
+                        self.holding.append(text)
+                        assert self._gate is not None
+                        await self._gate.wait()
                     if text.startswith("drip"):
                         await asyncio.sleep(0.05)
                     if text.startswith("cut") and i == 2:
@@ -165,6 +172,7 @@ class Upstream:
                     data = b"data: " + json.dumps(ev).encode() + b"\n\n"
                     await resp.write(data)
                     self.sent[text] = self.sent.get(text, 0) + len(data)
+                    self.tokens[text] = self.tokens.get(text, 0) + 1
                 if (body.get("stream_options") or {}).get("include_usage"):
                     ev = {"id": "up", "object": "chat.completion.chunk", "created": 0, "model": body.get("model"),
                           "choices": [], "usage": usage}

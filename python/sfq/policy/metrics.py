@@ -35,8 +35,9 @@ it was served more than twice as much (hysteresis). A counter counts each event 
 series: an org's own series counts what happened while it had its label, ``_other`` what
 happened to the orgs it held while it held them. Every series is monotonic (an org that comes
 back continues from where its series stopped), and ``sum(increase(...))`` over all ``org``
-labels is exact; a demoted org's series ends (Prometheus marks it stale). The wait histogram
-is per class and pool (no ``org`` label).
+labels is exact; a demoted org's counters show once more, at the read that demotes it, with
+their last counts, then end (Prometheus marks them stale). The wait histogram is per class and
+pool (no ``org`` label).
 """
 
 from __future__ import annotations
@@ -266,12 +267,13 @@ class Fairness:
     """The window's figures at one read: per pool, per org (:class:`_Org`), the labelled orgs."""
 
     def __init__(self, time: float, window: float, pools: dict[str, dict[str, _Org]], served: dict[str, float],
-                 labelled: set[str], now: float) -> None:
+                 labelled: set[str], demoted: set[str], now: float) -> None:
         self.time = time
         self.window = window
         self.pools = pools
         self.served = served
         self.labelled = labelled
+        self.demoted = demoted  # orgs this read took the label from (their counters show once more)
         self.now = now
 
     def grouped(self, pool: str) -> dict[str, _Org]:
@@ -528,10 +530,11 @@ class PolicyMetrics:
         for (org, _, pool), wq in waits.items():
             o = pools[pool][org]
             o.waits = [a + b for a, b in zip(o.waits, wq)]
-        labelled = self._choose(now, score)
-        return Fairness(time.time(), self.window, pools, pool_served, labelled, now)
+        demoted: set[str] = set()
+        labelled = self._choose(now, score, demoted)
+        return Fairness(time.time(), self.window, pools, pool_served, labelled, demoted, now)
 
-    def _choose(self, now: float, score: Mapping[str, float]) -> set[str]:
+    def _choose(self, now: float, score: Mapping[str, float], demoted: set[str]) -> set[str]:
         """The orgs with their own label: free places go to the best served orgs not placed yet
         at every read; all places are chosen again at most once per window, a newcomer taking a
         place only when served more than ``HYSTERESIS`` times what the weakest holder was."""
@@ -552,6 +555,7 @@ class PolicyMetrics:
                         by_org.setdefault(k[0], []).append(k)
             for org in held - want:
                 self._demote(org, by_org.get(org, []))
+                demoted.add(org)
             for org in want - held:
                 if org in new:  # never shown yet: its own series from its first event
                     self._labelled.add(org)
@@ -679,14 +683,16 @@ class _Collector(Collector):
                 h = hist.get((cls, pool))
                 hist[cls, pool] = (fc.wait_buckets[:], fc.waits, fc.created) if h is None else (
                     [a + b for a, b in zip(h[0], fc.wait_buckets)], h[1] + fc.waits, min(h[2], fc.created))
-            if org in labelled or org == "":
+            own = org in labelled or org == ""
+            if own or org in f.demoted:  # (a demoted org's counters show once more, with their last counts)
                 vec = fc.vector()
                 hidden = m._hidden.get(key)
                 if hidden:
                     vec = _minus(vec, hidden)
                 self._flow(fam, {"org": org, "class": cls, "pool": pool}, vec, fc.waiting, fc.in_flight,
-                           fc.created if created else None)
-                continue
+                           fc.created if created else None, gauges=own)
+                if own:
+                    continue
             o = other.get((cls, pool))
             if o is None:
                 base = m._other_base.get((cls, pool))
@@ -733,23 +739,24 @@ class _Collector(Collector):
 
     @staticmethod
     def _flow(fam: dict[str, Metric], lab: dict[str, str], vec: Mapping[tuple[str, str], float], waiting: int,
-              in_flight: int, ts: float | None) -> None:
+              in_flight: int, ts: float | None, gauges: bool = True) -> None:
         for o in OUTCOMES:
             _counter(fam["sfq_requests"].samples, "sfq_requests", {**lab, "outcome": o}, vec.get(("sfq_requests", o), 0),
                      ts)
         attempts = vec.get(("sfq_attempts", ""), 0)
-        for (name, value_label), n in vec.items():
+        for (name, value_label), n in vec.items():  # (a series shows from its first count: 0 only after a move)
             extra = _EXTRA.get(name)
             if extra is not None:
-                if name == "sfq_requests" and value_label in OUTCOMES or not n:
+                if name == "sfq_requests" and value_label in OUTCOMES:
                     continue
                 _counter(fam[name].samples, name, {**lab, extra: value_label}, n, ts)
-            elif n or (name == "sfq_charged_cost" and attempts):
+            else:
                 _counter(fam[name].samples, name, lab, n, ts)
         if attempts and ("sfq_charged_cost", "") not in vec:
             _counter(fam["sfq_charged_cost"].samples, "sfq_charged_cost", lab, 0.0, ts)
-        fam["sfq_queue_length"].samples.append(Sample("sfq_queue_length", lab, float(waiting)))
-        fam["sfq_in_flight"].samples.append(Sample("sfq_in_flight", lab, float(in_flight)))
+        if gauges:
+            fam["sfq_queue_length"].samples.append(Sample("sfq_queue_length", lab, float(waiting)))
+            fam["sfq_in_flight"].samples.append(Sample("sfq_in_flight", lab, float(in_flight)))
 
 
 def _counter(samples: list[Sample], name: str, labels: dict[str, str], value: float, created: float | None) -> None:

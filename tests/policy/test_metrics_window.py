@@ -1,0 +1,244 @@
+"""The share window's math (pure functions) and the bounded series of ``PolicyMetrics``, on an
+injected clock: backlogged seconds, expected shares among backlogged flows, Jain's index, wait
+quantiles; at most ``max_org_series`` org labels, the rest under ``_other``, totals exact and
+every counter monotonic while orgs change label."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from sfq.policy import parse_policy
+from sfq.policy.metrics import OTHER_ORG, PolicyMetrics, busy_mask, expected_shares, jain, wait_quantile
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+# ------------------------------------------------------------------ pure functions
+def test_busy_mask_marks_every_second_a_span_meets() -> None:
+    # window: seconds 100..109 (bit i = second 100 + i)
+    assert busy_mask([], None, 109.5, 100, 109) == 0
+    assert busy_mask([(101.2, 101.9)], None, 109.5, 100, 109) == 0b10
+    assert busy_mask([(101.9, 103.1)], None, 109.5, 100, 109) == 0b1110
+    assert busy_mask([(90.0, 100.5)], None, 109.5, 100, 109) == 0b1  # clipped to the window
+    assert busy_mask([], 108.2, 109.5, 100, 109) == 0b11 << 8  # still backlogged: up to now
+    assert busy_mask([(80.0, 90.0)], None, 109.5, 100, 109) == 0  # before the window
+
+
+def test_expected_shares_follow_weights_among_the_backlogged() -> None:
+    everywhere = 0b1111
+    # weights 1 and 2, both backlogged throughout: a third and two thirds
+    e = expected_shares([(1.0, False, everywhere, 10.0), (2.0, False, everywhere, 30.0)], [10.0] * 4)
+    assert e == pytest.approx([1 / 3, 2 / 3])
+    # a third flow never backlogged is promised nothing and changes nothing
+    e = expected_shares([(1.0, False, everywhere, 10.0), (2.0, False, everywhere, 30.0), (5.0, False, 0, 0.0)],
+                        [10.0] * 4)
+    assert e == pytest.approx([1 / 3, 2 / 3, 0.0])
+    # B backlogged in the last two seconds only: A alone is promised all of the first two
+    e = expected_shares([(1.0, False, 0b1111, 20.0), (1.0, False, 0b1100, 20.0)], [10.0] * 4)
+    assert e == pytest.approx([(10 + 10 + 5 + 5) / 40, (5 + 5) / 40])
+    # each second weighs by what was served in it
+    e = expected_shares([(1.0, False, 0b11, 1.0), (1.0, False, 0b10, 1.0)], [0.0, 2.0])
+    assert e == pytest.approx([0.5, 0.5])
+    # one flow alone: everything
+    assert expected_shares([(3.0, False, 0b1, 5.0)], [5.0]) == pytest.approx([1.0])
+
+
+def test_a_strict_class_is_expected_what_it_got_and_the_weighted_share_the_rest() -> None:
+    e = expected_shares([(1.0, True, 0b11, 20.0), (1.0, False, 0b11, 40.0), (3.0, False, 0b11, 40.0)], [40.0, 40.0])
+    assert e == pytest.approx([0.2, 0.2, 0.6])
+    assert sum(e) == pytest.approx(1.0)
+
+
+def test_with_nothing_served_the_promise_is_by_time() -> None:
+    e = expected_shares([(1.0, False, 0b11, 0.0), (1.0, False, 0b10, 0.0)], [0.0, 0.0])
+    assert e == pytest.approx([0.75, 0.25])
+    assert expected_shares([(1.0, False, 0, 0.0)], [0.0, 0.0]) == [0.0]
+
+
+def test_jain() -> None:
+    assert jain([]) is None
+    assert jain([1.0, 1.0, 1.0]) == pytest.approx(1.0)
+    assert jain([1.0, 0.0]) == pytest.approx(0.5)
+    assert jain([0.0, 0.0]) == 1.0
+
+
+def test_wait_quantile_interpolates_within_the_bucket() -> None:
+    counts = [0] * 20
+    assert wait_quantile(counts, 0.5) is None
+    counts[1] = 10  # ten waits in (0.001, 0.005]
+    assert wait_quantile(counts, 0.5) == pytest.approx(0.003)
+    assert wait_quantile(counts, 1.0) == pytest.approx(0.005)
+    counts[-1] = 1  # one over the largest bound
+    assert wait_quantile(counts, 0.99) == 7200.0
+
+
+# ------------------------------------------------------------------ the window in PolicyMetrics
+def _policy(n_orgs: int = 3) -> Any:
+    orgs = "\n".join(f"  o{i}: {{keys: [k{i}], classes: [batch], weight: {1 + (i == 1)}}}" for i in range(n_orgs))
+    return parse_policy(f"""\
+pools:
+  main: {{models: [m], backends: [{{url: "http://127.0.0.1:1"}}]}}
+classes:
+  batch: {{weight: 1}}
+orgs:
+{orgs}
+""")
+
+
+def _serve(m: PolicyMetrics, clock: Clock, org: str, cost: float, seconds: float = 1.0) -> None:
+    """One request of ``org``: queued, started, served ``cost`` after ``seconds``."""
+    k = (org, "batch", "main")
+    m.queued(k)
+    m.started(k, 0.01, cost, False)
+    clock.t += seconds
+    m.attempt_ended(k, served_cost=cost)
+    m.ended(k, "completed")
+
+
+def test_shares_and_expectations_over_the_window() -> None:
+    clock = Clock()
+    m = PolicyMetrics(clock=clock, window_seconds=10)
+    m.policy = _policy()
+    a, b = ("o0", "batch", "main"), ("o1", "batch", "main")  # weights 1 and 2
+    m.queued(a, 5)
+    m.queued(b, 5)
+    for _ in range(4):  # both backlogged: b is served twice what a is
+        for k, cost in ((a, 10.0), (b, 20.0)):
+            m.started(k, 0.5, cost, False)
+            m.attempt_ended(k, served_cost=cost)
+        clock.t += 1.0
+    st = m.stats()["pools"]["main"]
+    assert set(st["orgs"]) == {"o0", "o1"}
+    assert st["orgs"]["o0"]["share"] == pytest.approx(1 / 3) and st["orgs"]["o1"]["share"] == pytest.approx(2 / 3)
+    assert st["orgs"]["o0"]["expected_share"] == pytest.approx(1 / 3)
+    assert st["jain"] == pytest.approx(1.0)
+    assert st["orgs"]["o1"]["waiting"] == 1 and st["orgs"]["o1"]["wait_p50"] == pytest.approx(0.5, abs=0.25)
+    # 20 s later nothing is in the window: no share, but the totals stay
+    for k in (a, b):
+        m.left_queue(k)
+    clock.t += 20.0
+    st = m.stats()["pools"]["main"]
+    assert st["served_cost"] == 0.0 and st["jain"] is None
+    assert st["orgs"]["o0"]["expected_share"] == 0.0 and st["orgs"]["o0"]["wait_p50"] is None
+
+
+def test_window_seconds_and_max_org_series_are_checked() -> None:
+    with pytest.raises(ValueError, match="window_seconds .* got 0.5"):
+        PolicyMetrics(window_seconds=0.5)
+    with pytest.raises(ValueError, match="max_org_series .* got 0"):
+        PolicyMetrics(max_org_series=0)
+    m = PolicyMetrics()
+    with pytest.raises(ValueError, match="got True"):
+        m.configure(True, 5)  # type: ignore[arg-type]
+    assert (m.window, m.max_org_series) == (60.0, 1000)  # unchanged
+
+
+# ------------------------------------------------------------------ bounded series
+def _samples(m: PolicyMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(generate_latest(m.registry).decode()) for s in fam.samples}
+
+
+def _orgs(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for (n, labels), v in samples.items():
+        if n == name:
+            org = dict(labels)["org"]
+            out[org] = out.get(org, 0.0) + v
+    return out
+
+
+def test_orgs_that_sent_nothing_have_no_series() -> None:
+    m = PolicyMetrics(clock=Clock())
+    m.policy = _policy(10_000)
+    text = generate_latest(m.registry).decode()
+    assert 'org="' not in text
+    assert m.stats()["pools"]["main"]["orgs"] == {}
+
+
+def test_at_most_n_org_labels_the_rest_summed_totals_exact_and_stable() -> None:
+    clock = Clock()
+    m = PolicyMetrics(clock=clock, window_seconds=10, max_org_series=3)
+    m.policy = _policy(8)
+    for i in range(8):  # o0 served most, o7 least
+        for _ in range(8 - i):
+            _serve(m, clock, f"o{i}", 10.0, 0.1)
+    first = _samples(m)
+    completed = _orgs({k: v for k, v in first.items() if ("outcome", "completed") in k[1]}, "sfq_requests_total")
+    assert set(completed) == {"o0", "o1", "o2", OTHER_ORG}  # the best served three, and the rest summed
+    assert sum(completed.values()) == sum(8 - i for i in range(8))  # exact
+    assert completed[OTHER_ORG] == sum(8 - i for i in range(3, 8))
+    assert _orgs(first, "sfq_served_cost_total")[OTHER_ORG] == 10.0 * sum(8 - i for i in range(3, 8))
+    share = _orgs(first, "sfq_share")
+    assert set(share) == {"o0", "o1", "o2", OTHER_ORG} and sum(share.values()) == pytest.approx(1.0)
+    assert set(_orgs(first, "sfq_queue_length")) == {"o0", "o1", "o2", OTHER_ORG}
+    assert set(_orgs(first, "sfq_org_weight")) == {"o0", "o1", "o2"}
+    assert not any(("org", "o0") in k[1] for k in first if k[0].startswith("sfq_queue_wait_seconds"))
+    st = m.stats()["pools"]["main"]["orgs"]
+    assert set(st) == {"o0", "o1", "o2", OTHER_ORG} and st[OTHER_ORG]["weight"] is None
+    assert st[OTHER_ORG]["requests"]["completed"] == completed[OTHER_ORG]
+    # a second scrape at once, o7 now served the most: nothing moves (no flapping)
+    for _ in range(30):
+        _serve(m, clock, "o7", 10.0, 0.01)
+    second = _samples(m)
+    assert {o for o in _orgs(second, "sfq_requests_total")} == {"o0", "o1", "o2", OTHER_ORG}
+    assert sum(_orgs(second, "sfq_attempts_total").values()) == sum(8 - i for i in range(8)) + 30
+    _monotonic(first, second)
+
+
+def test_an_org_that_changes_label_keeps_every_counter_monotonic() -> None:
+    """Once per window the choice is made again: o9, now served far more than o2, takes its
+    place. o2's series stops where it was; its later requests count under _other; every event is
+    counted in exactly one series, and no series ever goes down."""
+    clock = Clock()
+    m = PolicyMetrics(clock=clock, window_seconds=10, max_org_series=3)
+    m.policy = _policy(10)
+    for org in ("o0", "o1", "o2", "o9"):
+        _serve(m, clock, org, 10.0, 0.1)
+    first = _samples(m)
+    assert set(_orgs(first, "sfq_attempts_total")) == {"o0", "o1", "o2", OTHER_ORG}
+    clock.t += 11.0  # past the window: the next read chooses again
+    for org, n in (("o0", 5), ("o1", 5), ("o2", 1), ("o9", 20)):
+        for _ in range(n):
+            _serve(m, clock, org, 10.0, 0.01)
+    second = _samples(m)
+    attempts = _orgs(second, "sfq_attempts_total")
+    assert set(attempts) == {"o0", "o1", "o2", "o9", OTHER_ORG}  # o9 in, o2 out: its counters show a last time
+    assert attempts["o2"] == 2 and "o2" not in _orgs(second, "sfq_queue_length")
+    assert attempts["o9"] == 0  # it counted under _other until now: that stays there
+    assert attempts[OTHER_ORG] == 1 + 20
+    assert _orgs(second, "sfq_requests_total")[OTHER_ORG] == 21  # completed, under _other
+    _serve(m, clock, "o2", 10.0, 0.01)
+    _serve(m, clock, "o9", 10.0, 0.01)
+    third = _samples(m)
+    _monotonic(second, third)
+    attempts = _orgs(third, "sfq_attempts_total")
+    assert "o2" not in attempts  # its series ended
+    assert attempts["o9"] == 1 and attempts[OTHER_ORG] == 22  # o2's new request under _other
+    # every event in exactly one series: the increases add up to what happened
+    assert sum(attempts.values()) + 2 - sum(_orgs(second, "sfq_attempts_total").values()) == 2  # (o2's 2 ended)
+    # o2 back on its own label later: its series goes on from where it stopped
+    clock.t += 11.0
+    for _ in range(50):
+        _serve(m, clock, "o2", 10.0, 0.01)
+    fourth = _samples(m)
+    assert _orgs(fourth, "sfq_attempts_total")["o2"] == 2  # where it stopped (its 51 since: under _other)
+    _monotonic(third, {k: v for k, v in fourth.items() if dict(k[1]).get("org") != "o2"})
+
+
+def _monotonic(before: dict[tuple[str, tuple[tuple[str, str], ...]], float],
+               after: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> None:
+    """No counter present in both readings went down."""
+    for key, v in before.items():
+        if key[0].endswith("_total") and key in after:
+            assert after[key] >= v - 1e-9, (key, v, after[key])
