@@ -204,7 +204,11 @@ def _live(url: str, stats: dict[str, Any], pool: str | None, interval: float) ->
         next_poll = time.monotonic() + interval
         while True:
             left = next_poll - time.monotonic()
-            key = _read_key(left) if interactive else (time.sleep(max(0.0, left)) or None)
+            key = None
+            if interactive:
+                key = _read_key(left)
+            else:
+                time.sleep(max(0.0, left))
             names = pool_names(stats)
             if key:
                 if key[0] in "qQ":
