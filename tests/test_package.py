@@ -135,6 +135,8 @@ def test_py_typed_shipped():
 
 def test_dashboard_page_shipped():
     """``sfq serve``'s ``GET /dashboard`` page is package data (in the wheel, not only in the tree)."""
+    import importlib.resources
+
     page = importlib.resources.files("sfq.serve").joinpath("dashboard.html")
     assert page.is_file() and b"<script>" in page.read_bytes()
 
