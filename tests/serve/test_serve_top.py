@@ -1,5 +1,6 @@
 """``sfq top``: its frame from a ``/stats`` document, one frame of a real ``sfq serve`` after a
-real load (``--once``), the live view in a terminal (``q`` quits), and the errors: a gateway
+real load (``--once``), the live view in a terminal (digits and Tab switch pools, ``q``
+quits), and the errors: a gateway
 that cannot be reached, a server answering something else than ``/stats``' JSON (exit 2, the
 URL named).
 
@@ -73,11 +74,14 @@ def test_a_frame_puts_each_orgs_share_next_to_its_promise() -> None:
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    """A gateway after two orgs flooded it for 3 s (their load over, its figures holding still)."""
+    """A gateway after two orgs flooded its pool ``main`` for 3 s (their load over, its figures
+    holding still); its pool ``second`` (the same engine, model ``m2``) was not used."""
     fleet = Fleet((1.0,), slots=4, unit=0.002).start()
     try:
         cfg = tmp_path_factory.mktemp("top") / "policy.yaml"
-        cfg.write_text(policy_text([e.url for e in fleet.engines], ORGS))
+        url = fleet.engines[0].url
+        cfg.write_text(policy_text([url], ORGS).replace(
+            "pools:\n", f'pools:\n  second:\n    models: [m2]\n    backends:\n      - {{url: "{url}", name: second-e0}}\n', 1))
         gw = Gateway(cfg)
         try:
             res = start_workload(gw.url, ORGS, 3.0, fleet.log).result(LIMIT + 3.0)
@@ -108,28 +112,38 @@ def test_once_prints_the_gateways_figures(loaded: Gateway) -> None:
 def test_pool_that_does_not_exist_is_refused(loaded: Gateway) -> None:
     out = _top("--once", "--url", loaded.url, "--pool", "nope")
     assert out.returncode == 2
-    assert f"{loaded.url}/stats has no pool 'nope' (pools: main)" in out.stderr
+    assert f"{loaded.url}/stats has no pool 'nope' (pools: main, second)" in out.stderr
 
 
-def test_live_view_in_a_terminal_quits_on_q(loaded: Gateway) -> None:
+def test_live_view_in_a_terminal_switches_pools_and_quits_on_q(loaded: Gateway) -> None:
     main, sub = pty.openpty()
     proc = subprocess.Popen([sys.executable, "-m", "sfq", "top", "--url", loaded.url, "--interval", "0.2"],
                             stdin=sub, stdout=sub, stderr=sub, env={**os.environ, "COLUMNS": "160", "TERM": "xterm"})
     os.close(sub)
     seen = bytearray()
 
-    def read() -> bytes:
+    def since(start: int) -> bytes:
         while select.select([main], [], [], 0.05)[0]:
             try:
                 seen.extend(os.read(main, 65536))
             except OSError:
                 break
-        return bytes(seen)
+        return bytes(seen[start:])
+
+    def press(key: bytes, then: bytes) -> None:
+        start = len(since(0))
+        os.write(main, key)
+        wait_until(lambda: then in since(start), f"sfq top to draw {then!r} after {key!r}")
 
     try:
-        wait_until(lambda: b"heavy" in read() and b"light" in read(), "sfq top to draw both orgs")
+        wait_until(lambda: b"pool main" in since(0) and b"heavy" in since(0) and b"light" in since(0),
+                   "sfq top to draw pool main and both orgs")
+        press(b"2", b"pool second")
+        press(b"\t", b"pool main")
+        press(b"n", b"pool second")
+        press(b"1", b"pool main")
         os.write(main, b"q")
-        assert proc.wait(LIMIT) == 0, read().decode(errors="replace")[-2000:]
+        assert proc.wait(LIMIT) == 0, since(0).decode(errors="replace")[-2000:]
     finally:
         if proc.poll() is None:
             proc.kill()

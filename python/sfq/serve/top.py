@@ -114,7 +114,7 @@ def render(stats: Mapping[str, Any], pool: str | None = None, *, url: str = "", 
     if error:
         parts.append(Text(error, style="bold red"))
     if pool is None:
-        parts.append(Text("no pools yet (a pool appears once a request reached it)"))
+        parts.append(Text("the gateway has no pools"))
         return Group(*parts)
     p = stats["pools"][pool] or {}
     jain = _num(p.get("jain"))
