@@ -158,7 +158,7 @@ def table(res: dict[str, Any]) -> str:
             stats = "-" if x["stats_bytes"] is None else f"{x['stats_bytes'] / 1e6:.3f} MB ({x['stats_ms']:.0f} ms)"
             rows.append(f"| {name} | {res['orgs']:,} {'configured, none active' if when == 'idle' else 'active'} | "
                         f"{x['metrics_bytes'] / 1e6:.3f} MB ({x['metrics_lines']:,}) | {x['scrape_ms']:.0f} ms | "
-                        f"{x['org_labels']:,}{' + _other' if x['other'] else ''} | {stats} | {x['rss_mb']:.0f} MB |")
+                        f"{x['org_labels'] - x['other']:,}{' + _other' if x['other'] else ''} | {stats} | {x['rss_mb']:.0f} MB |")
     return "\n".join(rows)
 
 

@@ -161,8 +161,12 @@ def busy_mask(spans: Iterable[Sequence[float]], since: float | None, now: float,
     (bit ``i``: second ``lo + i``): those that meet one of its ``spans`` ``[start, end]`` or
     the open span from ``since`` (``None``: none) to ``now``."""
     mask = 0
-    for a, b in (*spans, *(() if since is None else ((since, now),))):
-        i, j = max(int(math.floor(a)), lo), min(int(math.floor(b)), top)
+    for a, b in spans:
+        i, j = max(int(a // 1), lo), min(int(b // 1), top)
+        if i <= j:
+            mask |= ((1 << (j - i + 1)) - 1) << (i - lo)
+    if since is not None:
+        i, j = max(int(since // 1), lo), min(int(now // 1), top)
         if i <= j:
             mask |= ((1 << (j - i + 1)) - 1) << (i - lo)
     return mask
@@ -239,7 +243,7 @@ def wait_quantile(counts: Sequence[int], q: float) -> float | None:
 class _Org:
     """One org's figures in one pool over the window (made at read time)."""
 
-    __slots__ = ("served", "expected", "waiting", "in_flight", "oldest", "waits", "outcomes", "weight")
+    __slots__ = ("served", "expected", "waiting", "in_flight", "oldest", "waits", "flows", "weight")
 
     def __init__(self) -> None:
         self.served = 0.0
@@ -247,8 +251,8 @@ class _Org:
         self.waiting = 0
         self.in_flight = 0
         self.oldest: float | None = None  # the queued_at (clock) of its oldest waiting request
-        self.waits = [0] * _NB
-        self.outcomes: dict[str, int] = dict.fromkeys((*OUTCOMES, "joined"), 0)
+        self.waits: list[int] | None = None  # waits in the window per bucket (None: none)
+        self.flows: list[FlowCounters] = []
         self.weight: float | None = None
 
     def add(self, o: _Org) -> None:
@@ -258,9 +262,27 @@ class _Org:
         self.in_flight += o.in_flight
         if o.oldest is not None and (self.oldest is None or o.oldest < self.oldest):
             self.oldest = o.oldest
-        self.waits = [a + b for a, b in zip(self.waits, o.waits)]
-        for k, n in o.outcomes.items():
-            self.outcomes[k] += n
+        self.add_waits(o.waits)
+        self.flows += o.flows
+
+    def add_waits(self, w: list[int] | None) -> None:
+        if w is not None:
+            mine = self.waits
+            if mine is None:
+                self.waits = list(w)
+            else:
+                for i, n in enumerate(w):
+                    if n:
+                        mine[i] += n
+
+    def outcomes(self) -> dict[str, int]:
+        """Its requests by outcome since the start (and ``joined``)."""
+        out = dict.fromkeys((*OUTCOMES, "joined"), 0)
+        for fc in self.flows:
+            for k, n in fc.outcomes.items():
+                out[k] += n
+            out["joined"] += fc.joins
+        return out
 
 
 class Fairness:
@@ -326,6 +348,8 @@ class PolicyMetrics:
         self._hidden: dict[Key, dict[tuple[str, str], float]] = {}  # counted under _other while it was there
         self._other_base: dict[tuple[str, str], dict[tuple[str, str], float]] = {}  # (class, pool): left _other
         self._other_created: dict[tuple[str, str], float] = {}
+        #: the wait histogram per (class, pool): [waits per bucket, sum, created]
+        self._hist: dict[tuple[str, str], list[Any]] = {}
         for k in flows:
             self._get(k)
         self.collector = _Collector(self)
@@ -392,6 +416,11 @@ class PolicyMetrics:
         fc.waits += wait
         b = bisect_left(WAIT_BUCKETS, wait)
         fc.wait_buckets[b] += 1
+        h = self._hist.get((key[1], key[2]))
+        if h is None:
+            h = self._hist[key[1], key[2]] = [[0] * _NB, 0.0, time.time()]
+        h[0][b] += 1
+        h[1] += wait
         now = self.clock()
         if fc.since is None:
             fc.since = now
@@ -522,14 +551,11 @@ class PolicyMetrics:
                 o.expected += e
                 o.waiting += fc.waiting
                 o.in_flight += fc.in_flight
-                for k, n in fc.outcomes.items():
-                    o.outcomes[k] += n
-                o.outcomes["joined"] += fc.joins
+                o.flows.append(fc)
             pools[pool] = orgs
             pool_served[pool] = total
         for (org, _, pool), wq in waits.items():
-            o = pools[pool][org]
-            o.waits = [a + b for a, b in zip(o.waits, wq)]
+            pools[pool][org].add_waits(wq)
         demoted: set[str] = set()
         labelled = self._choose(now, score, demoted)
         return Fairness(time.time(), self.window, pools, pool_served, labelled, demoted, now)
@@ -611,8 +637,9 @@ class PolicyMetrics:
                     "expected_share": o.expected, "served_cost": o.served,
                     "waiting": o.waiting, "in_flight": o.in_flight,
                     "oldest_wait_seconds": None if o.oldest is None else max(0.0, f.now - o.oldest),
-                    "wait_p50": wait_quantile(o.waits, 0.5), "wait_p99": wait_quantile(o.waits, 0.99),
-                    "requests": dict(o.outcomes)}
+                    "wait_p50": None if o.waits is None else wait_quantile(o.waits, 0.5),
+                    "wait_p99": None if o.waits is None else wait_quantile(o.waits, 0.99),
+                    "requests": o.outcomes()}
             out[name] = {"jain": f.jain(name), "waiting": waiting, "in_flight": in_flight, "served_cost": total,
                          "orgs": orgs}
         return {"time": f.time, "window_seconds": self.window, "pools": out}
@@ -675,14 +702,9 @@ class _Collector(Collector):
         labelled = f.labelled
         fam = {name: _FAMILY[typ](name, doc, labels=labels) for name, doc, typ, labels in _FAMILIES}
         created = _prom_metrics._use_created  # (prometheus_client.disable_created_metrics() turns it off)
-        hist: dict[tuple[str, str], tuple[list[int], float, float]] = {}
-        other: dict[tuple[str, str], list[Any]] = {}  # (class, pool): [counters, waiting, in flight]
+        others: dict[tuple[str, str], list[Any]] = {}  # (class, pool): [counters, waiting, in flight]
         for key, fc in list(m.flows.items()):
             org, cls, pool = key
-            if fc.attempts:
-                h = hist.get((cls, pool))
-                hist[cls, pool] = (fc.wait_buckets[:], fc.waits, fc.created) if h is None else (
-                    [a + b for a, b in zip(h[0], fc.wait_buckets)], h[1] + fc.waits, min(h[2], fc.created))
             own = org in labelled or org == ""
             if own or org in f.demoted:  # (a demoted org's counters show once more, with their last counts)
                 vec = fc.vector()
@@ -693,28 +715,29 @@ class _Collector(Collector):
                            fc.created if created else None, gauges=own)
                 if own:
                     continue
-            o = other.get((cls, pool))
-            if o is None:
+            acc = others.get((cls, pool))
+            if acc is None:
                 base = m._other_base.get((cls, pool))
-                o = other[cls, pool] = [dict(base) if base else {}, 0, 0]
-            _add_into(o[0], _minus(fc.vector(), m._mark.get(key, _ZERO)))
-            o[1] += fc.waiting
-            o[2] += fc.in_flight
+                acc = others[cls, pool] = [dict(base) if base else {}, 0, 0]
+            mark = m._mark.get(key)
+            _add_into(acc[0], fc.vector() if mark is None else _minus(fc.vector(), mark))
+            acc[1] += fc.waiting
+            acc[2] += fc.in_flight
         for (cls, pool), base in m._other_base.items():  # _other's counts stay when it holds no org now
-            if (cls, pool) not in other:
-                other[cls, pool] = [dict(base), 0, 0]
-        for (cls, pool), (vec, waiting, in_flight) in other.items():
+            if (cls, pool) not in others:
+                others[cls, pool] = [dict(base), 0, 0]
+        for (cls, pool), (vec, waiting, in_flight) in others.items():
             ts = m._other_created.setdefault((cls, pool), time.time())
             self._flow(fam, {"org": OTHER_ORG, "class": cls, "pool": pool}, vec, waiting, in_flight,
                        ts if created else None)
         wait = fam["sfq_queue_wait_seconds"].samples
-        for (cls, pool), (buckets, total, ts) in hist.items():
+        for (cls, pool), (buckets, total, ts) in list(m._hist.items()):
             lab = {"class": cls, "pool": pool}
-            acc = 0.0
+            cum = 0.0
             for le, n in zip(_LE, buckets):
-                acc += n
-                wait.append(Sample("sfq_queue_wait_seconds_bucket", {**lab, "le": le}, acc))
-            wait.append(Sample("sfq_queue_wait_seconds_count", lab, acc))
+                cum += n
+                wait.append(Sample("sfq_queue_wait_seconds_bucket", {**lab, "le": le}, cum))
+            wait.append(Sample("sfq_queue_wait_seconds_count", lab, cum))
             wait.append(Sample("sfq_queue_wait_seconds_sum", lab, float(total)))
             if created:
                 wait.append(Sample("sfq_queue_wait_seconds_created", lab, ts))
