@@ -138,10 +138,11 @@ def test_live_view_in_a_terminal_switches_pools_and_quits_on_q(loaded: Gateway) 
     try:
         wait_until(lambda: b"pool main" in since(0) and b"heavy" in since(0) and b"light" in since(0),
                    "sfq top to draw pool main and both orgs")
-        press(b"2", b"pool second")
+        press(b"\t", b"pool second")  # from the pool shown by default, the next one
         press(b"\t", b"pool main")
-        press(b"n", b"pool second")
+        press(b"2", b"pool second")
         press(b"1", b"pool main")
+        press(b"n", b"pool second")
         os.write(main, b"q")
         assert proc.wait(LIMIT) == 0, since(0).decode(errors="replace")[-2000:]
     finally:

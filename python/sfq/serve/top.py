@@ -214,7 +214,8 @@ def _live(url: str, stats: dict[str, Any], pool: str | None, interval: float) ->
                 if key[0] in "qQ":
                     return 0
                 if key[0] in "\tn" and names:
-                    pool = names[(names.index(pool) + 1) % len(names)] if pool in names else names[0]
+                    shown = names.index(pool) if pool in names else 0  # (render shows the first for none)
+                    pool = names[(shown + 1) % len(names)]
                 elif key[0].isdigit() and 0 < int(key[0]) <= len(names):
                     pool = names[int(key[0]) - 1]
             if time.monotonic() >= next_poll:
