@@ -110,6 +110,19 @@ def test_missing_sim_extra_names_it(blocked, argv):
     assert out.stdout == ""
 
 
+def test_sfq_top_without_rich_names_its_extra():
+    code = (
+        "import sys\n"
+        "sys.modules['rich'] = None  # as if not installed\n"
+        "from sfq.cli import main\n"
+        "sys.exit(main(['top', '--once', '--url', 'http://127.0.0.1:9']))\n"
+    )
+    out = _python(code)
+    assert out.returncode == 2
+    assert "sfq top needs 'rich'" in out.stderr and "pip install 'sfq-scheduler[top]'" in out.stderr
+    assert out.stdout == ""
+
+
 def test_missing_extra_in_the_library_is_an_import_error():
     code = (
         "import sys\n"
