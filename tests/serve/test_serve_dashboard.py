@@ -136,7 +136,7 @@ def test_the_page_shows_both_orgs_and_follows_their_shares(tmp_path: Path, fleet
         errors(browser)  # (what an earlier test left in the log)
         browser.get(gw.url + "/dashboard?interval=0.25&minutes=0.25")
         alpha = start_workload(gw.url, orgs[:1], 11.0, fleet.log)
-        beta = start_workload(gw.url, orgs[1:], 4.0, fleet.log)
+        beta = start_workload(gw.url, orgs[1:], 5.0, fleet.log)
         # both flooding: both shown, each near half of the pool
         both = wait_until(lambda: (s := shares(browser)).keys() == {"alpha", "beta"}
                           and all(v is not None and 0.3 < v < 0.7 for v in s.values()) and s,
