@@ -84,15 +84,7 @@ def test_wait_quantile_interpolates_within_the_bucket() -> None:
 
 # ------------------------------------------------------------------ the window in PolicyMetrics
 def _policy(n_orgs: int = 3) -> Any:
-    orgs = "\n".join(f"  o{i}: {{keys: [k{i}], classes: [batch], weight: {1 + (i == 1)}}}" for i in range(n_orgs))
-    return parse_policy(f"""\
-pools:
-  main: {{models: [m], backends: [{{url: "http://127.0.0.1:1"}}]}}
-classes:
-  batch: {{weight: 1}}
-orgs:
-{orgs}
-""")
+    return parse_policy(_yaml(n_orgs))
 
 
 def _serve(m: PolicyMetrics, clock: Clock, org: str, cost: float, seconds: float = 1.0) -> None:
@@ -242,3 +234,61 @@ def _monotonic(before: dict[tuple[str, tuple[tuple[str, str], ...]], float],
     for key, v in before.items():
         if key[0].endswith("_total") and key in after:
             assert after[key] >= v - 1e-9, (key, v, after[key])
+
+
+def test_the_metrics_section_is_validated_naming_the_field() -> None:
+    from sfq.errors import PolicyError
+
+    base = """\
+pools:
+  main: {models: [m], backends: [{url: "http://127.0.0.1:1"}]}
+classes:
+  batch: {weight: 1}
+orgs:
+  o: {keys: [k], classes: [batch]}
+"""
+    p = parse_policy(base + "metrics: {window_seconds: 30, max_org_series: 50}\n")
+    assert (p.metrics.window_seconds, p.metrics.max_org_series) == (30.0, 50)
+    assert (parse_policy(base).metrics.window_seconds, parse_policy(base).metrics.max_org_series) == (60.0, 1000)
+    for bad, message in (("{window_seconds: 0}", "metrics.window_seconds: must be a number >= 1, got 0"),
+                         ("{window_seconds: .nan}", "metrics.window_seconds: must be a number >= 1, got nan"),
+                         ("{max_org_series: 0}", "metrics.max_org_series: must be an integer >= 1, got 0"),
+                         ("{max_org_series: 2.5}", "metrics.max_org_series: must be an integer >= 1, got 2.5"),
+                         ("{windows: 5}", "metrics.windows: unknown key"),
+                         ("[60]", "metrics: must be a mapping")):
+        with pytest.raises(PolicyError) as e:
+            parse_policy(base + f"metrics: {bad}\n")
+        assert message in str(e.value), (bad, str(e.value))
+
+
+def test_the_engine_gives_its_clock_policy_and_queues_to_the_metrics_and_a_reload_resets_the_settings() -> None:
+    """Through the engine (both cores): no series before a request; the oldest waiting request's
+    age from the engine's own queues; a reload puts the new file's settings in force and the
+    counts go on."""
+    from sfq.engine import PolicyEngine
+
+    clock = Clock()
+    p = _policy(3)
+    eng = PolicyEngine(p, clock=clock)
+    m = eng.metrics
+    assert isinstance(m, PolicyMetrics) and m.flows == {} and m.policy is p
+    eng.submit(eng.classify("k0", None, "m"), cost=5.0)
+    clock.t += 2.5
+    st = m.stats()["pools"]["main"]["orgs"]["o0"]
+    assert st["waiting"] == 1 and st["oldest_wait_seconds"] == pytest.approx(2.5)
+    new = parse_policy(_yaml(3) + "metrics: {window_seconds: 5}\n")
+    eng2, ended = eng.reloaded(new)
+    assert ended == [] and eng2.metrics is m and m.window == 5.0 and m.policy is new
+    assert m.stats()["pools"]["main"]["orgs"]["o0"]["oldest_wait_seconds"] == pytest.approx(2.5)
+
+
+def _yaml(n_orgs: int) -> str:
+    orgs = "\n".join(f"  o{i}: {{keys: [k{i}], classes: [batch], weight: {1 + (i == 1)}}}" for i in range(n_orgs))
+    return f"""\
+pools:
+  main: {{models: [m], backends: [{{url: "http://127.0.0.1:1"}}]}}
+classes:
+  batch: {{weight: 1}}
+orgs:
+{orgs}
+"""

@@ -108,8 +108,8 @@ def _entry() -> Any:
     e.flow = ("acme", "interactive", "main")
     e.model, e.status, e.stream, e.events, e.error_status = "m", 200, True, 7, 502
     e.usage = {"prompt_tokens": 3, "completion_tokens": 2 ** 70}  # over 64 bits: orjson's fallback
-    e.r = SimpleNamespace(flow=e.flow, outcome="completed", reason=None, tries=2, cost=1.5, backend="b",
-                          started_at=100.25, arrival=100.0)
+    e.r = SimpleNamespace(flow=e.flow, outcome="completed", reason=None, tries=2, cost=1.5, charged_total=3.0,
+                          backend="b", started_at=100.25, arrival=100.0)
     return e
 
 

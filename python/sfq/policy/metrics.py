@@ -340,6 +340,8 @@ class PolicyMetrics:
         self.policy: Policy | None = None
         #: the engine's view of the queues: ``{(pool, org): queued_at of its oldest waiting request}``
         self.oldest: Callable[[], Mapping[tuple[str, str], float]] | None = None
+        self._weights: dict[tuple[str, str], tuple[float, bool]] = {}
+        self._weights_of: Policy | None = None
         # the bounded series: which orgs have their own label, and what each series has counted
         self._labelled: set[str] = set()
         self._assigned: set[str] = set()  # orgs given a label (their own or _other) at least once
@@ -484,13 +486,23 @@ class PolicyMetrics:
 
     # ------------------------------------------------------------ the window, at read time
     def _weight(self, org: str, cls: str) -> tuple[float, bool]:
+        """The flow's weight and whether its class is strict (remembered per policy)."""
         p = self.policy
+        if self._weights_of is not p:
+            self._weights_of = p
+            self._weights = {}
+        got = self._weights.get((org, cls))
+        if got is not None:
+            return got
         if p is None or cls not in p.classes:
-            return 1.0, False
-        try:
-            return p.flow_weight(org, cls), p.classes[cls].strict
-        except KeyError:  # an org a reload removed: its flows keep their last figures, weight 1
-            return 1.0, p.classes[cls].strict
+            got = (1.0, False)
+        else:
+            try:
+                got = (p.flow_weight(org, cls), p.classes[cls].strict)
+            except KeyError:  # an org a reload removed: its flows keep their last figures, weight 1
+                got = (1.0, p.classes[cls].strict)
+        self._weights[org, cls] = got
+        return got
 
     def org_weight(self, org: str) -> float | None:
         p = self.policy
