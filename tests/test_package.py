@@ -110,6 +110,19 @@ def test_missing_sim_extra_names_it(blocked, argv):
     assert out.stdout == ""
 
 
+def test_sfq_top_without_rich_names_its_extra():
+    code = (
+        "import sys\n"
+        "sys.modules['rich'] = None  # as if not installed\n"
+        "from sfq.cli import main\n"
+        "sys.exit(main(['top', '--once', '--url', 'http://127.0.0.1:9']))\n"
+    )
+    out = _python(code)
+    assert out.returncode == 2
+    assert "sfq top needs 'rich'" in out.stderr and "pip install 'sfq-scheduler[top]'" in out.stderr
+    assert out.stdout == ""
+
+
 def test_missing_extra_in_the_library_is_an_import_error():
     code = (
         "import sys\n"
@@ -131,6 +144,14 @@ def test_py_typed_shipped():
     import importlib.resources
 
     assert importlib.resources.files("sfq").joinpath("py.typed").is_file()
+
+
+def test_dashboard_page_shipped():
+    """``sfq serve``'s ``GET /dashboard`` page is package data (in the wheel, not only in the tree)."""
+    import importlib.resources
+
+    page = importlib.resources.files("sfq.serve").joinpath("dashboard.html")
+    assert page.is_file() and b"<script>" in page.read_bytes()
 
 
 def test_failed_compile_leaves_no_stale_extension(tmp_path):

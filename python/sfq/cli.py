@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser(
         "serve", help="run the fair OpenAI-compatible gateway in front of the policy file's backends",
         description="Serve POST /v1/chat/completions and /v1/completions (streaming too), GET /v1/models, "
-                    "/health and /metrics, with the policy file's fair queue between the clients and the "
+                    "/health, /metrics and /dashboard, with the policy file's fair queue between the clients and the "
                     "backends (docs/gateway.md). SIGTERM: graceful shutdown; SIGHUP: "
                     "reload the file. Access log: one JSON line per request on stdout.")
     sv.add_argument("--config", required=True, metavar="FILE", help="the policy file (docs/policy.md)")
@@ -147,6 +147,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds running requests get to finish at shutdown (30)")
     sv.add_argument("--access-log", default="-", metavar="FILE",
                     help="where the access log goes: - (stdout, the default), a file, or off")
+    sv.add_argument("--no-dashboard", action="store_false", dest="dashboard",
+                    help="do not serve GET /dashboard (the page that polls /stats; 404 then)")
+    top = sub.add_parser(
+        "top", help="watch a running gateway's fairness in the terminal (its GET /stats)",
+        description="A live view of a running sfq serve, read from its GET /stats: per pool, each org's share "
+                    "of the served cost against the share its weight promises, requests waiting and in flight, "
+                    "the oldest and the p99 wait, and the pool's Jain index (docs/gateway.md, 'Seeing "
+                    "fairness'). Keys: 1-9 or Tab pick a pool, q quits. Exit status 2 when the gateway cannot "
+                    "be reached or does not answer /stats' JSON.")
+    top.add_argument("--url", default="http://127.0.0.1:8080", help="the gateway (http://127.0.0.1:8080)")
+    top.add_argument("--interval", type=_positive_float, default=2.0, help="seconds between polls (2)")
+    top.add_argument("--pool", metavar="NAME", help="the pool shown first (default: the first by name)")
+    top.add_argument("--once", action="store_true", help="print one frame and exit")
     db = sub.add_parser(
         "demo-backend", help="a DEMO inference engine (not a model) to try sfq serve without a GPU",
         description="An OpenAI-compatible server that makes up text (it is not a model): one model name, "
@@ -290,10 +303,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_demo(DemoConfig(model=args.model, slots=args.slots, tokens_per_second=args.tokens_per_second,
                                    default_max_tokens=args.max_tokens), host=args.host, port=args.port)
+    if args.command == "top":
+        from ._optional import MissingExtra, require
+
+        try:
+            require("rich.live", "top", "sfq top")
+        except MissingExtra as exc:
+            print(f"sfq top: error: {exc}", file=sys.stderr)
+            return 2
+        from .serve.top import run as run_top
+
+        return run_top(args.url, interval=args.interval, once=args.once, pool=args.pool)
     if args.command == "serve":
         from .serve import run
 
-        return run(args.config, host=args.host, port=args.port, grace=args.grace, access_log=args.access_log)
+        return run(args.config, host=args.host, port=args.port, grace=args.grace, access_log=args.access_log,
+                   dashboard=args.dashboard)
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse rejects it first
     return 2
 

@@ -24,7 +24,8 @@ served from the engine's prefix cache, reported as ``usage.prompt_tokens_details
 on each (default 1: a cache saves nothing) and counts its service so. An org's ``cached``
 (:class:`OrgLoad`) tags its prompts.
 
-**The workload** (:class:`OrgLoad`): each org is a set of clients. ``closed``: ``clients``
+**The workload** (:class:`OrgLoad`, :func:`run_workload`; :func:`start_workload` runs it in a
+thread while a test watches the gateway): each org is a set of clients. ``closed``: ``clients``
 loops, each sends its next request when the last one ends; ``keep_one``: one request always
 waiting at the gateway (the next is sent when the last one's first event arrives);
 ``open``: a request every ``interval`` seconds (an interactive org, measured for its time to
@@ -49,6 +50,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -365,6 +367,19 @@ async def run_workload(base_url: str | Sequence[str], orgs: Sequence[OrgLoad], s
     return res
 
 
+def start_workload(base_url: str | Sequence[str], orgs: Sequence[OrgLoad], seconds: float,
+                   log: list[tuple[float, str, float]], model: str = "m") -> Future[RunResult]:
+    """:func:`run_workload` on an event loop in a thread of its own, started now: the caller
+    watches the gateway (``/stats``, ``/metrics``, a browser) while it runs, and reads the
+    result with ``.result(timeout)`` (bounded). Several may run at once, e.g. orgs that stop at
+    different times."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="workload")
+    try:
+        return pool.submit(asyncio.run, run_workload(base_url, orgs, seconds, log, model))
+    finally:
+        pool.shutdown(wait=False)
+
+
 # ---------------------------------------------------------------------- measures
 def service(log: Sequence[tuple[float, str, float]], orgs: Sequence[str], t0: float = -math.inf,
             t1: float = math.inf) -> dict[str, float]:
@@ -439,10 +454,10 @@ def drift(log: Sequence[tuple[float, str, float]], orgs: Sequence[str], t0: floa
 
 def policy_text(urls: Sequence[str], orgs: Sequence[OrgLoad], *, slots: int = 4, charge: str = "served",
                 redis: str | None = None, prefix: str = "sfq-fleet:", lease: float = 10.0,
-                cached_input_weight: float | None = None) -> str:
+                cached_input_weight: float | None = None, extra: str = "") -> str:
     """The gateway's policy: one pool over the fleet, each org's weight (``OrgLoad.weight``),
     the charge mode given (and ``cached_input_weight`` when given); with ``redis``, the section
-    that shares the state through it."""
+    that shares the state through it; ``extra``: more top-level sections, as YAML text."""
     cw = "" if cached_input_weight is None else f", cached_input_weight: {cached_input_weight:g}"
     backends = "\n".join(f'      - {{url: "{u}", max_in_flight: {slots}}}' for u in urls)
     org_lines = "\n".join(f'  {o.name}: {{keys: ["{o.key}"], classes: [batch, interactive]'
@@ -460,7 +475,7 @@ classes:
 orgs:
 {org_lines}
 cost: {{input_weight: 1, output_weight: 2, charge: {charge}{cw}}}
-{state}"""
+{state}{extra}"""
 
 
 def over_declared_orgs() -> list[OrgLoad]:

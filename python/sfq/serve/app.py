@@ -14,7 +14,9 @@ retries, deadlines, ordering) lives in :mod:`sfq.policy`, so an embedder who nev
   a slow client slows the read from the backend instead of filling memory; a stream whose
   client stops reading is ended at its deadline (``X-SFQ-Timeout``), its slot freed.
 * ``GET /v1/models``, ``GET /health`` (503 while a pool has no backend in rotation;
-  ``?pool=NAME`` for one pool), ``GET /metrics``, ``GET /stats`` (the fair-share figures as JSON).
+  ``?pool=NAME`` for one pool), ``GET /metrics``, ``GET /stats`` (the fair-share figures as JSON),
+  ``GET /dashboard`` (a page that polls ``/stats``: :mod:`sfq.serve.dashboard`; not routed with
+  ``dashboard=False``).
 * A client that goes away cancels its handler (the server runs with
   ``handler_cancellation=True``): before dispatch its request leaves the queue and never
   reaches a backend; after, the backend call is aborted.
@@ -48,6 +50,7 @@ from ..engine import Request
 from ..policy.metrics import PolicyMetrics
 from ..errors import BackendError, BackendHTTPError, PolicyError, Refused, SFQError
 from ..policy import Flow, Policy, load_policy
+from . import dashboard as _dashboard
 from .accesslog import direct
 from .edge import SERVER, Edge, fd_budget, new_request_id
 from .errors import HTTPError, error_body, http_error_of, sse_error
@@ -153,10 +156,14 @@ class Gateway:
     client_max_size:
         the largest request body accepted, bytes (larger: 413); default: the ``server:``
         section's ``max_body_bytes`` (a pool's own limit still applies to its requests).
+    dashboard:
+        serve ``GET /dashboard`` (no key, like ``/metrics``); ``False``: 404 there
+        (``sfq serve --no-dashboard``).
     """
 
     def __init__(self, policy: Policy | str | Path, *, grace: float = 30.0, backends: Mapping[str, Any] | None = None,
-                 dispatcher_options: Mapping[str, Any] | None = None, client_max_size: int | None = None) -> None:
+                 dispatcher_options: Mapping[str, Any] | None = None, client_max_size: int | None = None,
+                 dashboard: bool = True) -> None:
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not (math.isfinite(grace) and grace >= 0):
             raise ValueError(f"grace must be a finite number of seconds >= 0, got {grace!r}")
         if client_max_size is not None and (isinstance(client_max_size, bool) or not isinstance(client_max_size, int)
@@ -191,6 +198,9 @@ class Gateway:
         r.add_get("/health", self._health, expect_handler=expect)
         r.add_get("/metrics", self._metrics, expect_handler=expect)
         r.add_get("/stats", self._stats, expect_handler=expect)
+        if dashboard:
+            _dashboard.page()  # read now: a package without its page fails at start-up, not on a request
+            r.add_get("/dashboard", self._dashboard, expect_handler=expect)
         r.add_route("*", "/{tail:.*}", self._not_found, expect_handler=expect)
         self.app.on_startup.append(self._on_startup)
 
@@ -336,6 +346,9 @@ class Gateway:
         resp = web.Response(body=generate_latest(registry), headers={"Server": SERVER})
         resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return resp
+
+    async def _dashboard(self, request: web.Request) -> web.Response:
+        return web.Response(body=_dashboard.page(), headers={"Server": SERVER, **_dashboard.headers()})
 
     async def _stats(self, request: web.Request) -> web.Response:
         """The fair-share figures as JSON (docs/API.md, ``GET /stats``); ``?pool=NAME`` for one

@@ -88,11 +88,12 @@ def _flush_access_log(timeout: float = CLOSE_TIMEOUT) -> None:
 
 async def serve(config: str | Path, *, host: str = "127.0.0.1", port: int = 8080, grace: float = 30.0,
                 ready: asyncio.Future[tuple[str, int]] | None = None,
-                stop: asyncio.Event | None = None) -> None:
+                stop: asyncio.Event | None = None, dashboard: bool = True) -> None:
     """Run the gateway until SIGTERM/SIGINT (or ``stop`` is set), then shut down gracefully.
-    ``ready`` gets the bound ``(host, port)`` (``port=0`` picks a free one)."""
+    ``ready`` gets the bound ``(host, port)`` (``port=0`` picks a free one); ``dashboard=False``
+    leaves ``GET /dashboard`` unrouted (404)."""
     raise_fd_limit()
-    gw = Gateway(config, grace=grace)
+    gw = Gateway(config, grace=grace, dashboard=dashboard)
     loop = asyncio.get_running_loop()
     stop = stop if stop is not None else asyncio.Event()
     handled: list[signal.Signals] = []
@@ -164,14 +165,14 @@ def _run(coro: Coroutine[Any, Any, None]) -> None:
 
 
 def run(config: str | Path, *, host: str = "127.0.0.1", port: int = 8080, grace: float = 30.0,
-        access_log: str = "-") -> int:
+        access_log: str = "-", dashboard: bool = True) -> int:
     """``sfq serve``'s entry point: the exit status (0 after a graceful shutdown, 1 when the
     policy file is bad or cannot be read, 2 when the address cannot be bound)."""
     from ..errors import PolicyError
 
     configure_logging(access_log)
     try:
-        _run(_serve_process(config, host=host, port=port, grace=grace))
+        _run(_serve_process(config, host=host, port=port, grace=grace, dashboard=dashboard))
     except PolicyError as exc:
         print(f"sfq serve: {config}: {exc}", file=sys.stderr)
         return 1
