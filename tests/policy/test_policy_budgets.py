@@ -226,6 +226,23 @@ def test_the_book_is_bounded_to_the_orgs_of_the_file() -> None:
     assert list(book.totals) == [("_other", "p")]  # fifty template orgs: one series
 
 
+def test_named_orgs_past_max_org_series_share_one_spend_series() -> None:
+    """At most ``metrics.max_org_series`` orgs of the file get their own ``sfq_spend_total``
+    label, those with a budget first; the rest are summed under ``_other`` (totals exact)."""
+    orgs = "".join(f"  o{i}: {{classes: [batch]}}\n" for i in range(6))
+    pol = parse_policy("pools: {p: {models: [m], backends: [{url: 'http://127.0.0.1:9'}], "
+                       "prices: {input: 1, output: 1}}}\nclasses: {batch: {}}\n"
+                       "metrics: {max_org_series: 3}\norgs:\n" + orgs
+                       + "  rich: {classes: [batch], budget: {amount: 1000, per: day}}\n")
+    book = SpendBook(pol, wall_clock=Wall(NEW_YEARS_EVE))
+    for org in [f"o{i}" for i in range(6)] + ["rich"]:
+        hold = book.admit(Flow(org, "batch", "p"), None)
+        assert hold is not None
+        book.used(hold, 1_000_000, 0, 0)  # 1.0 each
+        book.settle(hold)
+    assert book.totals == {("rich", "p"): 1.0, ("o0", "p"): 1.0, ("o1", "p"): 1.0, ("_other", "p"): 4.0}
+
+
 # ---------------------------------------------------------------- cached tokens
 def _usage(cached: int | None) -> dict[str, object]:
     u: dict[str, object] = {"prompt_tokens": 100, "completion_tokens": 10}

@@ -547,13 +547,15 @@ class PolicyEngine:
         cpt = r.cpt = self.estimator.chars_per_token_of(r.est.model if r.est is not None else "")
         return cpt
 
-    def _actual(self, r: Request, usage: Mapping[str, Any] | None,
-                text_chars: int | None) -> tuple[float | None, float | None]:
+    def _actual(self, r: Request, usage: Mapping[str, Any] | None, text_chars: int | None, *,
+                spend: bool = False) -> tuple[float | None, float | None]:
+        """:meth:`_used` as ``(tokens, cost units)``; ``spend``: the attempt's spend is these
+        tokens (its budget's hold is told; once per attempt, by the call that settles it)."""
         used = self._used(r, usage, text_chars)
         if used is None:
             return None, None
         p, cached, c = used
-        if r.hold is not None:
+        if spend and r.hold is not None:
             self.spend.used(r.hold, p, cached, c)
         est = self.estimator
         if cached:  # cached prompt tokens count cached_input_weight each, in the charge and the bucket
@@ -624,7 +626,7 @@ class PolicyEngine:
         if output_text_chars is not None and (isinstance(output_text_chars, bool) or not isinstance(
                 output_text_chars, int) or output_text_chars < 0):
             raise ValueError(f"output_text_chars must be an integer >= 0, got {output_text_chars!r}")
-        tokens, served = self._actual(r, usage, output_text_chars)
+        tokens, served = self._actual(r, usage, output_text_chars, spend=True)
         if served is not None:
             self.queues[r.flow.pool].settle(r, served)
         if r.est is not None and usage is not None and isinstance(usage, Mapping):

@@ -210,6 +210,8 @@ class SpendBook:
         self.totals: dict[tuple[str, str], float] = {}
         #: per org: the period key seen last (a new period drops the old one from the ledger)
         self._period: dict[str, str] = {}
+        self._labels: frozenset[str] = frozenset()  # the orgs with their own spend series
+        self._labels_of: Policy | None = None  # the policy they were chosen from
 
     # ------------------------------------------------------------ the rule
     def prices(self, pool: str) -> PriceSpec | None:
@@ -276,8 +278,7 @@ class SpendBook:
             return
         hold.settled = True
         if hold.spent > 0:
-            label = hold.org if hold.org in self.policy.orgs else OTHER
-            k = (label, hold.pool)
+            k = (self._label(hold.org), hold.pool)
             self.totals[k] = self.totals.get(k, 0.0) + hold.spent
         if not hold.budgeted:
             return
@@ -285,6 +286,18 @@ class SpendBook:
             self.on_settle(hold, hold.spent)
         else:
             self.ledger.settle(hold.org, hold.key, hold.amount, hold.spent)
+
+    def _label(self, org: str) -> str:
+        """``org``'s label in ``sfq_spend_total``: its own for the first ``metrics.max_org_series``
+        orgs of the file, those with a budget first (file order: stable, so every counter stays
+        monotonic); ``OTHER`` for the rest and for orgs the file does not name."""
+        p = self.policy
+        if self._labels_of is not p:
+            named = [n for n, o in p.orgs.items() if o.budget is not None]
+            named += [n for n, o in p.orgs.items() if o.budget is None]
+            self._labels = frozenset(named[:p.metrics.max_org_series])
+            self._labels_of = p
+        return org if org in self._labels else OTHER
 
     def release(self, hold: Hold | None) -> None:
         """A request refused after its reservation: give it back unspent."""
@@ -311,7 +324,8 @@ class SpendBook:
 
 
 class SpendCollector(Collector):
-    """``sfq_spend_total{org,pool}``: currency settled by this gateway since it started."""
+    """``sfq_spend_total{org,pool}``: currency settled by this gateway since it started (at
+    most ``metrics.max_org_series`` org labels, the rest under ``org="_other"``)."""
 
     def __init__(self, book: SpendBook) -> None:
         self.book = book
