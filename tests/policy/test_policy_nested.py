@@ -357,3 +357,18 @@ def test_max_users_refuses_a_new_user_with_its_reason(core: Callable[[], Any]) -
     assert e.metrics.flows[("acme", "batch", "p")].refused_by == {"too_many_users": 1}
     _drain(e, 7)
     e.submit(Flow("acme", "batch", "p", "product", "u5"), cost=1.0)  # the others are done: room again
+
+
+def test_check_config_shows_teams(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from sfq.cli import main
+
+    f = tmp_path / "acme.yaml"
+    f.write_text(ACME)
+    assert main(["check-config", str(f), "--plain"]) == 0
+    out = capsys.readouterr().out
+    assert "acme  2 teams" in out and "2 teams, users in 1 orgs)" in out
+    assert "no keys" not in out  # its keys are its teams'
+    assert main(["check-config", str(f), "--plain", "--flows"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("acme  ")]
+    assert ["acme", "research", "1", "25.0%", "equal,", "max_users", "1000"] in rows
+    assert ["acme", "product", "3", "75.0%", "equal,", "max_users", "5"] in rows
