@@ -330,7 +330,8 @@ class PolicyEngine:
             self.metrics.ended(self._refusal_key(key), "refused", "rate_limited")
             raise Refused("rate_limited", f"org {flow.org!r} is over its requests_per_minute "
                                           f"({bucket.capacity:g})", retry_after=bucket.wait(1, now))
-        if len(flow) > 3 and flow.user is not None and not self._user_room(flow):
+        user = flow.user if len(flow) > 3 else None  # nested shares: a user counts towards max_users
+        if user is not None and not self._user_room(flow):
             self.submitted += 1
             self.metrics.ended(self._refusal_key(key), "refused", "too_many_users")
             where = f"team {flow.team!r} of org {flow.org!r}" if flow.team is not None else f"org {flow.org!r}"
@@ -346,9 +347,9 @@ class PolicyEngine:
         q.queue_new(r, now)  # (checked above: the flow, its need, its cost, its class's room)
         self.submitted += 1
         self.live[r.id] = r
-        if len(flow) > 3 and flow.user is not None:
+        if user is not None:
             live = self.users.setdefault((flow.org, flow.team), {})
-            live[flow.user] = live.get(flow.user, 0) + 1
+            live[user] = live.get(user, 0) + 1
         self.metrics.queued(key)  # type: ignore[arg-type]
         self.retry.first_attempt(flow, now)
         return r

@@ -12,7 +12,8 @@ does not name gets the file's ``org_template`` when it has one.
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from operator import itemgetter
+from typing import TYPE_CHECKING, Any
 
 from ..errors import Refused
 from .config import OrgSpec, Policy
@@ -21,6 +22,13 @@ __all__ = ["Classifier", "Flow", "MAX_USER_BYTES", "check_user", "unknown_org"]
 
 #: the longest ``X-SFQ-User`` (bytes, UTF-8)
 MAX_USER_BYTES = 128
+
+
+try:
+    from _collections import _tuplegetter as _field  # (CPython's, as collections.namedtuple's fields)
+except ImportError:  # pragma: no cover - another interpreter
+    def _field(i: int, doc: str) -> Any:
+        return property(itemgetter(i), doc=doc)
 
 
 class Flow(tuple):  # type: ignore[type-arg]
@@ -49,17 +57,19 @@ class Flow(tuple):  # type: ignore[type-arg]
     def __getnewargs__(self) -> tuple[Any, ...]:
         return tuple(self)
 
-    @property
-    def org(self) -> str:
-        return self[0]  # type: ignore[no-any-return]
+    if TYPE_CHECKING:
+        @property
+        def org(self) -> str: ...
 
-    @property
-    def cls(self) -> str:
-        return self[1]  # type: ignore[no-any-return]
+        @property
+        def cls(self) -> str: ...
 
-    @property
-    def pool(self) -> str:
-        return self[2]  # type: ignore[no-any-return]
+        @property
+        def pool(self) -> str: ...
+    else:  # the C descriptors namedtuple uses: reading a field costs what it did when Flow was one
+        org = _field(0, "who owns the request")
+        cls = _field(1, "the workload class")
+        pool = _field(2, "the pool it waits for")
 
     @property
     def team(self) -> str | None:
