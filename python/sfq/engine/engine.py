@@ -350,7 +350,7 @@ class PolicyEngine:
         if user is not None:
             live = self.users.setdefault((flow.org, flow.team), {})
             live[user] = live.get(user, 0) + 1
-        self.metrics.queued(key)  # type: ignore[arg-type]
+        self.metrics.queued(key)
         self.retry.first_attempt(flow, now)
         return r
 
@@ -371,11 +371,11 @@ class PolicyEngine:
         live = self.users.get(g)
         if live is None or flow.user not in live:
             return
-        n = live[flow.user] - 1  # type: ignore[index]
+        n = live[flow.user] - 1
         if n:
-            live[flow.user] = n  # type: ignore[index]
+            live[flow.user] = n
         else:
-            del live[flow.user]  # type: ignore[arg-type]
+            del live[flow.user]
             if not live:
                 del self.users[g]
 
@@ -448,7 +448,7 @@ class PolicyEngine:
         assert r.started_at is not None
         if self.defer_start:  # counted when the shared state grants it (granted())
             return
-        self.metrics.started(r.flow[:3], r.started_at - r.queued_at, r.cost, r.retrying)  # type: ignore[arg-type]
+        self.metrics.started(r.flow[:3], r.started_at - r.queued_at, r.cost, r.retrying)
 
     def granted(self, r: Request) -> None:
         """The shared state granted the start the engine decided for ``r`` (``defer_start``):
@@ -456,12 +456,12 @@ class PolicyEngine:
         if r.state != RUNNING:
             raise ValueError(f"granted({r!r}): the request is not running")
         r.started_at = self.clock()
-        self.metrics.started(r.flow[:3], r.started_at - r.queued_at, r.cost, r.retrying)  # type: ignore[arg-type]
+        self.metrics.started(r.flow[:3], r.started_at - r.queued_at, r.cost, r.retrying)
 
     def _dropped(self, r: Request) -> None:
         key = r.flow[:3]
-        self.metrics.left_queue(key)  # type: ignore[arg-type]
-        self.metrics.timeout(key)  # type: ignore[arg-type]
+        self.metrics.left_queue(key)
+        self.metrics.timeout(key)
         self._end(r, "refused" if r.tries == 0 else "failed", r.reason)
 
     def wake_at(self) -> float | None:
@@ -481,7 +481,7 @@ class PolicyEngine:
         r.state = ENDED
         if self.live.pop(r.id, None) is not None and len(r.flow) > 3 and r.flow.user is not None:
             self._user_ended(r.flow)
-        self.metrics.ended(r.flow[:3], outcome, reason)  # type: ignore[arg-type]
+        self.metrics.ended(r.flow[:3], outcome, reason)
         if self.on_end is not None:
             self.on_end(r)
 
@@ -490,7 +490,7 @@ class PolicyEngine:
         self.queues[r.flow.pool].finish(r, actual_tokens=actual_tokens, retry_after=retry_after)
         if self.on_attempt_over is not None:
             self.on_attempt_over(r, actual_tokens)
-        self.metrics.attempt_ended(r.flow[:3], served_cost=served_cost,  # type: ignore[arg-type]
+        self.metrics.attempt_ended(r.flow[:3], served_cost=served_cost,
                                    upstream_429=upstream_429, timeout=timeout)
 
     # ------------------------------------------------------------ delivered service
@@ -756,7 +756,7 @@ class PolicyEngine:
             self._end(r, "failed", "unavailable")
             return
         q.push(r)
-        self.metrics.queued(r.flow[:3])  # type: ignore[arg-type]
+        self.metrics.queued(r.flow[:3])
 
     def cancel(self, r: Request, *, work_tokens: float | None = None) -> None:
         """The caller gave up. Waiting (or between retries): removed, uncharged, outcome
@@ -767,11 +767,11 @@ class PolicyEngine:
             return
         if r.state == WAITING:
             self.queues[r.flow.pool].cancel(r)
-            self.metrics.left_queue(r.flow[:3])  # type: ignore[arg-type]
+            self.metrics.left_queue(r.flow[:3])
         elif r.state == RUNNING:
             self._attempt_over(r)
             if work_tokens:
-                self.metrics.cancelled_work_tokens(r.flow[:3], work_tokens)  # type: ignore[arg-type]
+                self.metrics.cancelled_work_tokens(r.flow[:3], work_tokens)
         self._end(r, "cancelled_before_start" if r.tries == 0 else "cancelled_during_execution")
 
     def evict(self, r: Request) -> None:
@@ -780,7 +780,7 @@ class PolicyEngine:
         gateway): it ends as refused (``queue_full``), uncharged, and is handed to the driver
         with the next :meth:`poll`'s :attr:`dropped`."""
         self.queues[r.flow.pool].evict(r)
-        self.metrics.left_queue(r.flow[:3])  # type: ignore[arg-type]
+        self.metrics.left_queue(r.flow[:3])
         self._end(r, "refused", "queue_full")
         self._evicted.append(r)
 
@@ -806,9 +806,9 @@ class PolicyEngine:
                 self.on_attempt_over(r, None)
             r.tries -= 1
             key = r.flow[:3]
-            self.metrics.left_queue(key)  # type: ignore[arg-type]
+            self.metrics.left_queue(key)
             if reason in ("queue_timeout", "deadline"):
-                self.metrics.timeout(key)  # type: ignore[arg-type]
+                self.metrics.timeout(key)
         self._end(r, outcome, reason)
 
     def close(self) -> list[Request]:
@@ -818,7 +818,7 @@ class PolicyEngine:
         for r in list(self.live.values()):
             if r.state == WAITING:
                 self.queues[r.flow.pool].cancel(r)
-                self.metrics.left_queue(r.flow[:3])  # type: ignore[arg-type]
+                self.metrics.left_queue(r.flow[:3])
             elif r.state != BACKOFF:
                 continue
             self._end(r, "refused" if r.tries == 0 else "failed", "closed")
@@ -888,7 +888,7 @@ class PolicyEngine:
             elif r.state == WAITING and not allowed:
                 key = r.flow[:3]
                 r.state = ENDED
-                new.metrics.left_queue(key)  # type: ignore[arg-type]
+                new.metrics.left_queue(key)
                 new._end(r, "refused" if r.tries == 0 else "failed",
                          "unauthenticated" if policy.org(r.flow.org) is None else "class_not_allowed")
                 ended.append(r)

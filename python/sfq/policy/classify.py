@@ -24,11 +24,12 @@ __all__ = ["Classifier", "Flow", "MAX_USER_BYTES", "check_user", "unknown_org"]
 MAX_USER_BYTES = 128
 
 
-try:
-    from _collections import _tuplegetter as _field  # (CPython's, as collections.namedtuple's fields)
-except ImportError:  # pragma: no cover - another interpreter
-    def _field(i: int, doc: str) -> Any:
-        return property(itemgetter(i), doc=doc)
+if not TYPE_CHECKING:
+    try:
+        from _collections import _tuplegetter as _field  # (CPython's, as collections.namedtuple's fields)
+    except ImportError:  # pragma: no cover - another interpreter
+        def _field(i, doc):
+            return property(itemgetter(i), doc=doc)
 
 
 class Flow(tuple):  # type: ignore[type-arg]
@@ -74,12 +75,12 @@ class Flow(tuple):  # type: ignore[type-arg]
     @property
     def team(self) -> str | None:
         """The org's team (``None``: the org has no teams)."""
-        return self[3] if len(self) > 3 else None  # type: ignore[no-any-return]
+        return self[3] if len(self) > 3 else None
 
     @property
     def user(self) -> str | None:
         """The user inside the team (or the org) when the org's ``users`` is set, else ``None``."""
-        return self[4] if len(self) > 3 else None  # type: ignore[no-any-return]
+        return self[4] if len(self) > 3 else None
 
     @property
     def flat(self) -> Flow:

@@ -284,7 +284,7 @@ class Policy:
             return False
         if len(flow) == 3:
             return not o.nested
-        team, user = flow[3], flow[4]  # type: ignore[misc]
+        team, user = flow[3], flow[4]
         return ((team in o.teams) if o.teams else team is None) and (user is not None) == o.users
 
     def flow_weight(self, org: str, cls: str) -> float:
