@@ -372,3 +372,32 @@ def test_check_config_shows_teams(tmp_path: Any, capsys: pytest.CaptureFixture[s
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("acme  ")]
     assert ["acme", "research", "1", "25.0%", "equal,", "max_users", "1000"] in rows
     assert ["acme", "product", "3", "75.0%", "equal,", "max_users", "5"] in rows
+
+
+# ------------------------------------------------------------------ the embedder's API
+async def test_an_embedder_submits_nested_flows_and_keys_name_teams() -> None:
+    """``sfq.PolicyDispatcher`` takes the same identity as the gateway: ``sfq.Flow(org, cls,
+    pool, team=, user=)`` checked by the policy, or a team's key; counters stay per (org,
+    class, pool)."""
+    import random as _random
+
+    from fake_openai import FakeOpenAI
+
+    from sfq.dispatch import PolicyDispatcher
+
+    up = FakeOpenAI()
+    await up.start()
+    try:
+        text = ACME.replace('"http://127.0.0.1:9"', f'"{up.url}"')
+        async with PolicyDispatcher(parse_policy(text), rng=_random.Random(1)) as pd:
+            body = {"model": "m", "prompt": "hello", "max_tokens": 2}
+            await pd.submit_flow(Flow("acme", "batch", "p", team="research", user="ana"), body)
+            await pd.submit("sk-acme-product", body)  # the key names the team; the user: the key's
+            with pytest.raises(Refused) as ei:
+                await pd.submit_flow(Flow("acme", "batch", "p", team="ops", user="ana"), body)
+            assert ei.value.reason == "unknown_org"
+            row = pd.stats()["flows"]["acme/batch/p"]
+            assert row["completed"] == 2
+            assert not pd.engine.users  # both done: no live user left
+    finally:
+        await up.stop()
