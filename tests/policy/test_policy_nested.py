@@ -401,3 +401,19 @@ async def test_an_embedder_submits_nested_flows_and_keys_name_teams() -> None:
             assert not pd.engine.users  # both done: no live user left
     finally:
         await up.stop()
+
+
+def test_memory_follows_live_users(core: Callable[[], Any]) -> None:
+    """500 users come and go, one request each: afterwards the pool, the tree and the engine
+    hold nothing of any of them (a stream of invented users does not grow the gateway)."""
+    pol = parse_policy(_tree_policy([(1, [(1, 1)])]))
+    e = PolicyEngine(pol, clock=Clock(), scheduler=core)
+    q = e.queues["p"]
+    before = set(q.flows)
+    for i in range(500):
+        e.submit(Flow("o0", "batch", "p", "t0", f"user-{i}"), cost=10.0)
+        _drain(e, 1)
+    assert set(q.flows) == before and not e.users
+    assert not [f for f in q.sched._paths if len(f) > 3]
+    team = q.sched._nodes[(Flow("o0", "batch", "p"), "t0")]
+    assert team.sched.known_flows <= 1  # the core forgot every user v has passed

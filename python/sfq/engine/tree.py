@@ -70,9 +70,10 @@ class TreeScheduler:
                 parent.sched.set_weight(key, weight)
         return n
 
-    def path(self, f: Flow) -> tuple[tuple[_Node, Hashable], ...]:
+    def path(self, f: Flow, keep: bool = True) -> tuple[tuple[_Node, Hashable], ...]:
         """``((node, key), ...)``: where leaf ``f`` competes, then where each of its ancestors
-        does, up to the root."""
+        does, up to the root. ``keep=False``: not remembered (a leaf whose queue the pool
+        dropped, reporting its work's end or its settlement)."""
         p = self._paths.get(f)
         if p is not None:
             return p
@@ -92,7 +93,8 @@ class TreeScheduler:
                 else:
                     mid = self._node((flat, f.team), top, f.team, team.weight)
                     p = ((mid, f.user), (top, f.team), (self.root, flat))
-        self._paths[f] = p
+        if keep:
+            self._paths[f] = p
         return p
 
     def release(self, f: Flow) -> None:
@@ -204,27 +206,27 @@ class TreeScheduler:
         self._sync(n)
 
     def suspended(self, flow: Flow) -> bool:
-        n, key = self.path(flow)[0]
+        n, key = self.path(flow, keep=False)[0]
         return bool(n.sched.suspended(key))
 
     def adjust(self, flow: Flow, delta: float) -> None:
         """Correct the charge of ``flow`` by ``delta`` cost units at every level of its path,
         each divided by the weight at that level."""
-        for n, key in self.path(flow):
+        for n, key in self.path(flow, keep=False):
             n.sched.adjust(key, delta)
 
     def work_started(self, flow: Flow | None = None) -> None:
         if flow is None:
             self.root.sched.work_started()
             return
-        for n, key in self.path(flow):
+        for n, key in self.path(flow, keep=False):
             n.sched.work_started(key)
 
     def work_done(self, flow: Flow | None = None) -> None:
         if flow is None:
             self.root.sched.work_done()
             return
-        for n, key in self.path(flow):
+        for n, key in self.path(flow, keep=False):
             n.sched.work_done(key)
 
     def meter(self, flow: Flow) -> float:
@@ -232,7 +234,7 @@ class TreeScheduler:
         return float(self.root.sched.meter(flow if len(flow) == 3 else flow.flat))
 
     def running(self, flow: Flow) -> int:
-        n, key = self.path(flow)[0]
+        n, key = self.path(flow, keep=False)[0]
         return int(n.sched.running(key))
 
     def weight(self, flow: Flow) -> float:
