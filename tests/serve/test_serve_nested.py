@@ -152,3 +152,14 @@ def test_too_many_live_users_is_a_429_with_its_reason(gateway: GatewayProcess, u
     # once they are done, a new user is let in
     make_client(gateway, "sk-x-t1").completions.create(model="m", prompt="after", max_tokens=1,
                                                        extra_headers={"X-SFQ-User": "newcomer"})
+
+
+def test_a_stream_of_a_team_user_goes_through(gateway: GatewayProcess, upstream: Upstream) -> None:
+    """A streamed request of a user of a team: admitted in its nested flow, relayed whole."""
+    client = make_client(gateway, "sk-x-t2")
+    before = gateway.metric("sfq_requests_total", org="X", outcome="completed")
+    chunks = list(client.completions.create(model="m", prompt="stream of a team user", max_tokens=3, stream=True,
+                                            extra_headers={"X-SFQ-User": "streamer"}))
+    assert chunks and any(c.choices for c in chunks)
+    assert gateway.metric("sfq_requests_total", org="X", outcome="completed") == before + 1
+    assert "stream of a team user" in upstream.texts()
