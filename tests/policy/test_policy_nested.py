@@ -417,3 +417,24 @@ def test_memory_follows_live_users(core: Callable[[], Any]) -> None:
     assert not [f for f in q.sched._paths if len(f) > 3]
     team = q.sched._nodes[(Flow("o0", "batch", "p"), "t0")]
     assert team.sched.known_flows <= 1  # the core forgot every user v has passed
+
+
+def test_class_weights_and_strict_classes_keep_their_meaning(core: Callable[[], Any]) -> None:
+    """The class sits with the org at the root: acme (weight 2) gets 2 x 3 for interactive and
+    2 x 1 for batch, as in a flat file, whichever team sends them; teams split each class's
+    part (here one team per class, so each takes all of it); a strict class goes first."""
+    text = ACME.replace("  interactive: {weight: 3}\n",
+                        "  interactive: {weight: 3}\n  system: {strict: true, max_in_flight: 1, max_queue_length: 5}\n")
+    text = text.replace("classes: [batch, interactive]\n    users", "classes: [batch, interactive, system]\n    users")
+    e = PolicyEngine(parse_policy(text), clock=Clock(), scheduler=core)
+    research = Flow("acme", "interactive", "p", "research", "a")
+    product = Flow("acme", "batch", "p", "product", "b")
+    globex = Flow("globex", "batch", "p")
+    for f in (research, product, globex):
+        for _ in range(700):
+            e.submit(f, cost=1.0)
+    urgent = e.submit(Flow("acme", "system", "p", "product", "b"), cost=1.0)
+    got = _drain(e, 901)
+    assert got[0] is urgent
+    n = {f: sum(1 for r in got[1:] if r.flow == f) for f in (research, product, globex)}
+    assert abs(n[research] - 600) <= 2 and abs(n[product] - 200) <= 2 and abs(n[globex] - 100) <= 2, n
