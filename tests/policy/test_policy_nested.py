@@ -438,3 +438,17 @@ def test_class_weights_and_strict_classes_keep_their_meaning(core: Callable[[], 
     assert got[0] is urgent
     n = {f: sum(1 for r in got[1:] if r.flow == f) for f in (research, product, globex)}
     assert abs(n[research] - 600) <= 2 and abs(n[product] - 200) <= 2 and abs(n[globex] - 100) <= 2, n
+
+
+def test_a_shared_state_with_nested_shares_is_refused() -> None:
+    """The shared ledger does not carry the tree: a dispatcher given one with a nested policy
+    (the file without its own ``state`` section) refuses at construction."""
+    from sfq.dispatch import PolicyDispatcher
+    from sfq.state import InMemoryState
+
+    class Shared(InMemoryState):
+        shared = True  # (stands for RedisState: the check reads only this)
+
+    with pytest.raises(PolicyError) as ei:
+        PolicyDispatcher(parse_policy(ACME), state=Shared())
+    assert ei.value.path == "orgs.acme.teams" and "not carried by the shared ledger" in str(ei.value)

@@ -25,13 +25,24 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
-from .._scheduler_py import Dispatch
 from ..policy.classify import Flow
 from ..policy.config import Policy
 
 __all__ = ["TreeScheduler"]
+
+
+class Dispatched(NamedTuple):
+    """A dispatch of the tree, as the core's ``Dispatch`` reads: the leaf's ``flow``, ``item``
+    and ``cost``, the tree's ``ticket``, the ``start`` and ``finish`` tags at the root."""
+
+    flow: Hashable
+    item: Any
+    cost: float
+    ticket: int
+    start: float
+    finish: float
 
 
 class _Node:
@@ -158,7 +169,7 @@ class TreeScheduler:
             d = d.item.sched.peek()
         return d
 
-    def dispatch(self) -> Dispatch[Any] | None:
+    def dispatch(self) -> Dispatched | None:
         """The leaf the walk from the root by smallest start tag reaches, dispatched at every
         level; its ``start`` and ``finish`` are the root's (the tags every org's compare by)."""
         top = self.root.sched.dispatch()
@@ -185,7 +196,7 @@ class TreeScheduler:
         start, finish = top.start, top.finish
         if inner:  # (the root's entry was enqueued at a guess; the adjust above made it the leaf's)
             finish = start + (finish - start) * (leaf.cost / top.cost)
-        return Dispatch(leaf.flow, leaf.item, leaf.cost, tid, start, finish)
+        return Dispatched(leaf.flow, leaf.item, leaf.cost, tid, start, finish)
 
     def set_weight(self, flow: Flow, weight: float) -> None:
         """The weight of ``flow``'s (org, class) at the root: the org's times the class's."""
