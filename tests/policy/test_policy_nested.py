@@ -452,3 +452,20 @@ def test_a_shared_state_with_nested_shares_is_refused() -> None:
     with pytest.raises(PolicyError) as ei:
         PolicyDispatcher(parse_policy(ACME), state=Shared())
     assert ei.value.path == "orgs.acme.teams" and "not carried by the shared ledger" in str(ei.value)
+
+
+def test_a_team_key_sha256_in_two_teams_is_named_where_it_is_written() -> None:
+    import hashlib
+
+    digest = hashlib.sha256(b"shared").hexdigest()
+    with pytest.raises(PolicyError) as ei:
+        parse_policy(POOL + f"""\
+orgs:
+  acme:
+    classes: [batch]
+    teams:
+      research: {{keys: [shared]}}
+      product: {{key_sha256: ["{digest}"]}}
+""")
+    assert ei.value.path == "orgs.acme.teams.product.key_sha256[0]"
+    assert "already the key of team 'research' of org 'acme'" in str(ei.value)

@@ -120,6 +120,10 @@ class ClassSpec:
     small_picks: int = 4
 
 
+#: users live at once in one team (or one org without teams) unless the file says otherwise
+DEFAULT_MAX_USERS = 1000
+
+
 @dataclass(frozen=True)
 class TeamSpec:
     """A team of an org (``orgs.NAME.teams``): its part of the org's share (``weight``,
@@ -129,11 +133,7 @@ class TeamSpec:
     name: str
     weight: float = 1.0
     key_digests: tuple[str, ...] = ()
-    max_users: int = 1000
-
-
-#: users live at once in one team (or one org without teams) unless the file says otherwise
-DEFAULT_MAX_USERS = 1000
+    max_users: int = DEFAULT_MAX_USERS
 
 
 @dataclass(frozen=True)
@@ -540,11 +540,11 @@ def policy_from_mapping(data: object, *, source: str = "<mapping>") -> Policy:
         named = {}
     for name, v in named.items():
         try:
-            o, where = _org(name, v, f"orgs.{name}", known)
+            o, keys = _org(name, v, f"orgs.{name}", known)
         except PolicyError as exc:
             errs.add(exc)
             continue
-        for digest, at in [*zip(o.key_digests, where), *_team_keys(o, f"orgs.{name}")]:
+        for digest, at in keys:
             if digest in key_owner:
                 errs.add(PolicyError(at, f"this key is already the key of {key_owner[digest]}"))
             key_owner.setdefault(digest, _key_holder(o, digest))
@@ -681,21 +681,26 @@ def _keys(d: Mapping[str, Any], path: str) -> tuple[list[str], list[str]]:
     return digests, where
 
 
-def _org(name: str, v: object, path: str, classes: Mapping[str, ClassSpec]) -> tuple[OrgSpec, list[str]]:
+def _org(name: str, v: object, path: str,
+         classes: Mapping[str, ClassSpec]) -> tuple[OrgSpec, list[tuple[str, str]]]:
+    """The org, and every key of it and of its teams as ``(digest, where it is written)``."""
     d = _section(v, path, ("keys", "key_sha256", *_ORG_SETTINGS, *_NESTED))
     digests, where = _keys(d, path)
     o = _org_settings(name, d, path, classes, tuple(digests))
+    keys = list(zip(digests, where))
     if any(k in d for k in _NESTED):
-        teams, users, max_users = _nested(d, path)
+        teams, users, max_users, team_keys = _nested(d, path)
         if teams and digests:
             raise PolicyError(where[0], "an org with teams gives its keys to its teams (a key names one team)")
         o = replace(o, teams=teams, users=users, max_users=max_users)
-    return o, where
+        keys += team_keys
+    return o, keys
 
 
 # --------------------------------------------------------------------- nested shares (teams, users)
-def _nested(d: Mapping[str, Any], path: str) -> tuple[Mapping[str, TeamSpec], bool, int]:
-    """An org's ``teams``, ``users`` and ``max_users`` (docs/policy.md, "Nested shares")."""
+def _nested(d: Mapping[str, Any], path: str) -> tuple[Mapping[str, TeamSpec], bool, int, list[tuple[str, str]]]:
+    """An org's ``teams``, ``users`` and ``max_users`` (docs/policy.md, "Nested shares"), and
+    its teams' keys as ``(digest, where it is written)``."""
     users = False
     if _opt(d, "users") is not None:
         if d["users"] != "equal":
@@ -707,30 +712,24 @@ def _nested(d: Mapping[str, Any], path: str) -> tuple[Mapping[str, TeamSpec], bo
     if "max_users" in d and not users:
         raise PolicyError(f"{path}.max_users", "applies only with users: equal")
     teams: dict[str, TeamSpec] = {}
+    keys: list[tuple[str, str]] = []
     if _opt(d, "teams") is not None:
         named = _named(d["teams"], f"{path}.teams")
         for tname, tv in named.items():
             tp = f"{path}.teams.{tname}"
             td = _section(tv, tp, ("weight", "keys", "key_sha256", "max_users"))
-            tdig, _ = _keys(td, tp)
+            tdig, twhere = _keys(td, tp)
+            keys += zip(tdig, twhere)
             w = _number(td["weight"], f"{tp}.weight") if "weight" in td else 1.0
             if _opt(td, "max_users") is not None and not users:
                 raise PolicyError(f"{tp}.max_users", f"applies only with users: equal (set {path}.users)")
             tmu = _integer(td["max_users"], f"{tp}.max_users") if _opt(td, "max_users") is not None else max_users
             teams[tname] = TeamSpec(tname, w, tuple(tdig), tmu)
-    return MappingProxyType(teams), users, max_users
-
-
-def _team_keys(o: OrgSpec, path: str) -> list[tuple[str, str]]:
-    """Every team key of ``o`` (digest) with where it is written (for the one-owner check)."""
-    out: list[tuple[str, str]] = []
-    for t in o.teams.values():
-        for i, dg in enumerate(t.key_digests):
-            out.append((dg, f"{path}.teams.{t.name}.keys[{i}]"))
-    return out
+    return MappingProxyType(teams), users, max_users, keys
 
 
 def _key_holder(o: OrgSpec, digest: str) -> str:
+    """Who holds the key ``digest`` of ``o``: one of its teams, else the org (in messages)."""
     for t in o.teams.values():
         if digest in t.key_digests:
             return f"team {t.name!r} of org {o.name!r}"
