@@ -337,7 +337,7 @@ class PolicyEngine:
             where = f"team {flow.team!r} of org {flow.org!r}" if flow.team is not None else f"org {flow.org!r}"
             raise Refused("too_many_users", f"{where} already has {self._max_users(flow)} users with requests "
                                             "waiting or running (max_users); this user's request is refused until "
-                                            "one of them is done", retry_after=1.0)
+                                            "one of them is done", retry_after=q.place_frees_in(flow.cls))
         r = Request(flow, float(cost), float(tokens), now, deadline=deadline, item=item, need=float(need),
                     idempotency_key=idempotency_key, est=estimate,
                     epoch=self.estimator.epoch if estimate is not None else -1, streaming=bool(streaming))
@@ -351,7 +351,7 @@ class PolicyEngine:
             live = self.users.setdefault((flow.org, flow.team), {})
             live[user] = live.get(user, 0) + 1
         self.metrics.queued(key)
-        self.retry.first_attempt(flow, now)
+        self.retry.first_attempt(key, now)  # (the retry budget is the (org, class, pool)'s: invented users add none)
         return r
 
     # ------------------------------------------------------------ nested shares: live users
@@ -475,7 +475,7 @@ class PolicyEngine:
             raise RuntimeError(f"{r!r} already ended as {r.outcome}")
         if r.retrying:
             r.retrying = False
-            self.retry.retry_ended(r.flow)
+            self.retry.retry_ended(r.flow[:3])
         r.outcome = outcome
         r.reason = reason
         r.state = ENDED
@@ -721,11 +721,11 @@ class PolicyEngine:
         self._attempt_over(r, retry_after=ra if is429 else None, upstream_429=is429, timeout=timeout)
         if r.retrying:
             r.retrying = False
-            self.retry.retry_ended(r.flow)
+            self.retry.retry_ended(r.flow[:3])
         if deadline_hit:
             decision = RetryDecision(False, 0.0, "deadline")
         else:
-            decision = self.retry.plan(r.flow, r.tries, now,
+            decision = self.retry.plan(r.flow[:3], r.tries, now,
                                        safe=retryable and retry_safe(error, r.idempotency_key),
                                        deadline=r.deadline, retry_after=ra)
         if decision.retry:
