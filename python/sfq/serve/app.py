@@ -411,9 +411,8 @@ class Gateway:
             try:
                 check_user(stated_user)
             except Refused as exc:
-                return await self._linger(request, self._refused(
-                    e, e.flow, HTTPError(400, "invalid_request_error", "bad_request", str(exc), None, False, "X-SFQ-User"),
-                    "bad_request", close=unread))
+                bad = HTTPError(400, "invalid_request_error", "bad_request", str(exc), None, False, "X-SFQ-User")
+                return await self._linger(request, self._refused(e, e.flow, bad, "bad_request", close=unread))
         if org.nested:
             member = cl.member(org, _bearer(auths[0]) or "", stated_user)
         timeout: float | None = None

@@ -649,7 +649,8 @@ def nested_discipline(wl: Workload, opts: Options) -> Any:
     return EngineDiscipline(policy, flows, scheduler=opts.core, label="sfq-nested", run_estimator=True)
 
 
-def run_nested(opts: Options, policies: Sequence[str] | None = None, progress: Progress | None = None) -> ScenarioResult:
+def run_nested(opts: Options, policies: Sequence[str] | None = None,
+               progress: Progress | None = None) -> ScenarioResult:
     progress = progress or Progress()
     steps = opts.steps or 20_000
     fleet = _fleet(opts, 1, 8192, None)
