@@ -469,3 +469,27 @@ orgs:
 """)
     assert ei.value.path == "orgs.acme.teams.product.key_sha256[0]"
     assert "already the key of team 'research' of org 'acme'" in str(ei.value)
+
+
+def test_a_reload_keeps_nested_requests_and_flattens_them_when_the_org_stops_nesting(core: Callable[[], Any]) -> None:
+    e = PolicyEngine(parse_policy(ACME), clock=Clock(), scheduler=core)
+    ana = Flow("acme", "batch", "p", "research", "ana")
+    running = e.submit(ana, cost=1.0)
+    assert e.poll() == [running]
+    waiting = [e.submit(ana, cost=1.0) for _ in range(3)]
+    # the same file with other team weights: everything carries over, the user still live
+    e2, ended = e.reloaded(parse_policy(ACME.replace("weight: 3, keys", "weight: 5, keys")))
+    assert not ended and e2.users == {("acme", "research"): {"ana": 4}}
+    # acme without teams: its waiting requests become the org's own (flat) and are served
+    flat = parse_policy(ACME.replace("""    users: equal
+    teams:
+      research: {weight: 1, keys: ["sk-acme-research"]}
+      product: {weight: 3, keys: ["sk-acme-product"], max_users: 5}
+""", """    keys: ["sk-acme"]
+"""))
+    assert not flat.nested
+    e3, ended = e2.reloaded(flat)
+    assert not ended and not e3.users
+    e3.complete(running)
+    got = _drain(e3, 3)
+    assert got == waiting and all(r.flow == ("acme", "batch", "p") for r in got)

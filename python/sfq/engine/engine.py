@@ -883,6 +883,8 @@ class PolicyEngine:
         ended: list[Request] = []
         for r in sorted(self.live.values(), key=lambda x: x.id):
             allowed = policy.allows(r.flow)
+            if not allowed and len(r.flow) > 3 and policy.allows(r.flow.flat):
+                r.flow, allowed = r.flow.flat, True  # its org no longer nests: the request is the org's
             if r.state == RUNNING:
                 new.queues[r.flow.pool].adopt_running(r)
             elif r.state == WAITING and not allowed:
