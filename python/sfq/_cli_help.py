@@ -72,6 +72,12 @@ SCENARIOS: dict[str, str] = {
         "FLOW=W sets a flow's weight; --steps sets a horizon (needed if a closed-loop client "
         "has no end)."
     ),
+    "nested": (
+        "One org's two teams: t1 of ten users, t2 of one, each user keeping two requests "
+        "waiting, 20,000 steps: each team's and user's share under flat per-user SFQ (t1 gets "
+        "10/11) and under nested shares, the policy's teams and users: equal (sfq-nested: "
+        "each team 1/2, each t1 user 1/20)."
+    ),
 }
 
 #: policy name -> how it decides who goes next

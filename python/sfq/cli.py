@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 __all__ = ["main", "build_parser"]
 
-_SCENARIOS = ("drift", "return", "kv-sweep", "rpm-sweep", "teams", "shallow", "keep-one", "many", "trace")
+_SCENARIOS = ("drift", "return", "kv-sweep", "rpm-sweep", "teams", "shallow", "keep-one", "many", "trace", "nested")
 _POLICIES = ("fifo", "prio", "rr", "drr", "wfq", "sfq", "sfq-seed", "lcf", "vtc", "vtc-h")
 _CHARGES = ("seed", "settle", "served")
 

@@ -58,6 +58,7 @@ REFUSALS: dict[str, tuple[int, str, str]] = {
     "queue_full": (429, "rate_limit_error", "queue_full"),
     # the org's spending budget (orgs.NAME.budget) cannot cover the request until the period ends
     "budget_exhausted": (429, "insufficient_quota", "budget_exhausted"),
+    "too_many_users": (429, "rate_limit_error", "too_many_users"),
     "queue_timeout": (504, "timeout_error", "queue_timeout"),
     "deadline": (504, "timeout_error", "deadline_exceeded"),
     "closed": (503, "server_error", "shutting_down"),
@@ -308,6 +309,7 @@ class Refused(SFQError):
 
     ``reason`` is one of ``unauthenticated``, ``class_not_allowed``, ``unknown_org``,
     ``unknown_model``, ``bad_request``, ``too_large``, ``rate_limited``, ``queue_full``,
+    ``too_many_users`` (a team's ``max_users``),
     ``queue_timeout``, ``deadline``, ``closed``, ``unavailable``, ``state_unavailable``;
     ``http_status`` follows from it (``REFUSALS``: 401, 403, 404, 400, 429, 504, 503).
     ``retry_after`` is seconds after which trying again may succeed (``rate_limited``,

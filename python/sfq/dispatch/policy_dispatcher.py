@@ -147,6 +147,18 @@ class _Listener:
         self.pd._pump()
 
 
+def _nested_alone(policy: Policy, shared: bool) -> None:
+    """Nested shares (teams, users) run on one dispatcher's own ledger: the shared ledger of
+    several gateways holds one meter per flow and pool, not a tree (docs/design.md §5c).
+    ``PolicyError`` naming the first nested org when a shared state is given with such a policy
+    (a file's own ``state`` section with one is refused at load)."""
+    if shared and policy.nested:
+        name = next(o.name for o in policy.orgs.values() if o.nested)
+        raise PolicyError(f"orgs.{name}.{'teams' if policy.orgs[name].teams else 'users'}",
+                          "nested shares (teams, users) are not carried by the shared ledger yet: run this policy "
+                          "on one dispatcher's own state, or remove this org's teams and users")
+
+
 class PolicyDispatcher:
     """A policy file applied in front of a fleet: fair queueing, limits, retries and the charge
     of delivered service, for ``sfq serve`` and for embedders with their own server.
@@ -192,6 +204,7 @@ class PolicyDispatcher:
             raise TypeError(f"state must be an sfq.state.SharedState, got {state!r}")
         self.state: SharedState = state
         self._shared = bool(state.shared)
+        _nested_alone(policy, self._shared)
         cs = policy.cost
         self.estimator = estimator if estimator is not None else CostEstimator(
             cs.input_weight, cs.output_weight, default_max_tokens=cs.default_max_tokens, prior_ratio=cs.prior_ratio,
@@ -856,6 +869,7 @@ class PolicyDispatcher:
             policy = load_policy(policy)
         if self._closed:
             raise DispatcherClosed()
+        _nested_alone(policy, self._shared)
         engine, ended = self.engine.reloaded(local_policy(policy) if self._shared else policy)
         self.engine = engine
         self.policy = policy

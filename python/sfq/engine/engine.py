@@ -195,6 +195,9 @@ class PolicyEngine:
         if spend is None and metrics.registry is not None:
             metrics.registry.register(SpendCollector(self.spend))
         self.live: dict[int, Request] = {}
+        #: nested shares: the live users (a request of theirs accepted and not ended) of each
+        #: (org, team), with how many requests each has live; bounded by ``max_users``
+        self.users: dict[tuple[str, str | None], dict[str, int]] = {}
         self._allowed: set[Flow] = set()  # flows the policy allows, as submit() met them
         self.submitted = 0
         #: requests the last poll() (or next_start() calls since) ended before they started: their
@@ -213,9 +216,11 @@ class PolicyEngine:
         self.unavailable_retry_after = 1.0
 
     # ------------------------------------------------------------ admission
-    def classify(self, credential: str | None, stated_class: str | None, model: object) -> Flow:
+    def classify(self, credential: str | None, stated_class: str | None, model: object,
+                 user: str | None = None) -> Flow:
         """The request's flow, or ``Refused`` (recorded as a refusal) with reason
-        ``unauthenticated``, ``class_not_allowed`` or ``unknown_model``."""
+        ``unauthenticated``, ``class_not_allowed`` or ``unknown_model``. ``user``: the
+        ``X-SFQ-User`` the request states (checked by the caller), for an org with users."""
         try:
             org = self.classifier.org_of(credential)
         except Refused as exc:
@@ -231,6 +236,9 @@ class PolicyEngine:
         except Refused as exc:
             self._refused_unclassified((org.name, cls, UNKNOWN), exc)
             raise
+        if org.nested:
+            assert credential is not None  # (org_of accepted it)
+            return Flow(org.name, cls, pool, *self.classifier.member(org, credential, user))
         return Flow(org.name, cls, pool)
 
     def _refused_unclassified(self, key: tuple[str, str, str], exc: Refused) -> None:
@@ -240,7 +248,7 @@ class PolicyEngine:
     def refuse(self, flow: Flow | tuple[str, str, str], reason: str) -> None:
         """Record a refusal decided outside the engine (a malformed body, a request too large)."""
         self.submitted += 1
-        self.metrics.ended(self._refusal_key(tuple(flow)), "refused", reason)
+        self.metrics.ended(self._refusal_key(tuple(flow[:3])), "refused", reason)
 
     def _refusal_key(self, key: tuple[Any, ...]) -> tuple[str, str, str]:
         """Where a refusal is counted: under its own flow when the policy names its org (or the
@@ -313,7 +321,7 @@ class PolicyEngine:
                 isinstance(deadline, bool) or not isinstance(deadline, (int, float))) or deadline != deadline:
             raise ValueError(f"deadline must be a clock time (a number) or None, got {deadline!r}")
         now = self.clock()
-        key = tuple(flow)
+        key = flow[:3]  # counters and metrics are kept per (org, class, pool): teams and users add no series
         if need > q.largest_context:
             self.submitted += 1
             self.metrics.ended(self._refusal_key(key), "refused", "too_large")
@@ -350,6 +358,14 @@ class PolicyEngine:
             self.metrics.ended(self._refusal_key(key), "refused", "rate_limited")
             raise Refused("rate_limited", f"org {flow.org!r} is over its requests_per_minute "
                                           f"({bucket.capacity:g})", retry_after=bucket.wait(1, now))
+        user = flow.user if len(flow) > 3 else None  # nested shares: a user counts towards max_users
+        if user is not None and not self._user_room(flow):
+            self.submitted += 1
+            self.metrics.ended(self._refusal_key(key), "refused", "too_many_users")
+            where = f"team {flow.team!r} of org {flow.org!r}" if flow.team is not None else f"org {flow.org!r}"
+            raise Refused("too_many_users", f"{where} already has {self._max_users(flow)} users with requests "
+                                            "waiting or running (max_users); this user's request is refused until "
+                                            "one of them is done", retry_after=q.place_frees_in(flow.cls))
         r = Request(flow, float(cost), float(tokens), now, deadline=deadline, item=item, need=float(need),
                     idempotency_key=idempotency_key, est=estimate,
                     epoch=self.estimator.epoch if estimate is not None else -1, streaming=bool(streaming))
@@ -361,14 +377,42 @@ class PolicyEngine:
         q.queue_new(r, now)  # (checked above: the flow, its need, its cost, its class's room)
         self.submitted += 1
         self.live[r.id] = r
-        self.metrics.queued(key)  # type: ignore[arg-type]
-        self.retry.first_attempt(flow, now)
+        if user is not None:
+            live = self.users.setdefault((flow.org, flow.team), {})
+            live[user] = live.get(user, 0) + 1
+        self.metrics.queued(key)
+        self.retry.first_attempt(key, now)  # (the retry budget is the (org, class, pool)'s: invented users add none)
         if start and alone:
             # the only request waiting in its pool: what poll() would do next (nothing else in
             # the pool can start or be dropped: its other requests are running), without the poll
             if q.pop() is not None:  # (r: nothing else waits)
                 self._started(r)
         return r
+
+    # ------------------------------------------------------------ nested shares: live users
+    def _max_users(self, flow: Flow) -> int:
+        org = self.policy.org(flow.org)
+        assert org is not None
+        return org.teams[flow.team].max_users if flow.team is not None else org.max_users
+
+    def _user_room(self, flow: Flow) -> bool:
+        """Whether a request of ``flow``'s user may be accepted: the user is live already, or
+        its team (or org) has fewer than ``max_users`` live users."""
+        live = self.users.get((flow.org, flow.team))
+        return live is None or flow.user in live or len(live) < self._max_users(flow)
+
+    def _user_ended(self, flow: Flow) -> None:
+        g = (flow.org, flow.team)
+        live = self.users.get(g)
+        if live is None or flow.user not in live:
+            return
+        n = live[flow.user] - 1
+        if n:
+            live[flow.user] = n
+        else:
+            del live[flow.user]
+            if not live:
+                del self.users[g]
 
     def _allow(self, flow: Flow) -> bool:
         """Whether the policy allows ``flow``, remembered when it does (the policy of an
@@ -449,7 +493,7 @@ class PolicyEngine:
         assert r.started_at is not None
         if self.defer_start:  # counted when the shared state grants it (granted())
             return
-        self.metrics.started(tuple(r.flow), r.started_at - r.queued_at, r.cost, r.retrying)  # type: ignore[arg-type]
+        self.metrics.started(r.flow[:3], r.started_at - r.queued_at, r.cost, r.retrying)
 
     def granted(self, r: Request) -> None:
         """The shared state granted the start the engine decided for ``r`` (``defer_start``):
@@ -457,12 +501,12 @@ class PolicyEngine:
         if r.state != RUNNING:
             raise ValueError(f"granted({r!r}): the request is not running")
         r.started_at = self.clock()
-        self.metrics.started(tuple(r.flow), r.started_at - r.queued_at, r.cost, r.retrying)  # type: ignore[arg-type]
+        self.metrics.started(r.flow[:3], r.started_at - r.queued_at, r.cost, r.retrying)
 
     def _dropped(self, r: Request) -> None:
-        key = tuple(r.flow)
-        self.metrics.left_queue(key)  # type: ignore[arg-type]
-        self.metrics.timeout(key)  # type: ignore[arg-type]
+        key = r.flow[:3]
+        self.metrics.left_queue(key)
+        self.metrics.timeout(key)
         self._end(r, "refused" if r.tries == 0 else "failed", r.reason)
 
     def wake_at(self) -> float | None:
@@ -476,12 +520,13 @@ class PolicyEngine:
             raise RuntimeError(f"{r!r} already ended as {r.outcome}")
         if r.retrying:
             r.retrying = False
-            self.retry.retry_ended(r.flow)
+            self.retry.retry_ended(r.flow[:3])
         r.outcome = outcome
         r.reason = reason
         r.state = ENDED
-        self.live.pop(r.id, None)
-        self.metrics.ended(tuple(r.flow), outcome, reason)  # type: ignore[arg-type]
+        if self.live.pop(r.id, None) is not None and len(r.flow) > 3 and r.flow.user is not None:
+            self._user_ended(r.flow)
+        self.metrics.ended(r.flow[:3], outcome, reason)
         if r.hold is not None:
             self.spend.settle(r.hold)
         if self.on_end is not None:
@@ -499,7 +544,7 @@ class PolicyEngine:
         r.charged_total += r.charged  # (the attempt's charge, every correction made)
         if self.on_attempt_over is not None:
             self.on_attempt_over(r, actual_tokens)
-        self.metrics.attempt_ended(tuple(r.flow), served_cost=served_cost,  # type: ignore[arg-type]
+        self.metrics.attempt_ended(r.flow[:3], served_cost=served_cost,
                                    upstream_429=upstream_429, timeout=timeout, charged=r.charged)
 
     # ------------------------------------------------------------ delivered service
@@ -762,11 +807,11 @@ class PolicyEngine:
                            served_cost=self._passed_cost(r))
         if r.retrying:
             r.retrying = False
-            self.retry.retry_ended(r.flow)
+            self.retry.retry_ended(r.flow[:3])
         if deadline_hit:
             decision = RetryDecision(False, 0.0, "deadline")
         else:
-            decision = self.retry.plan(r.flow, r.tries, now,
+            decision = self.retry.plan(r.flow[:3], r.tries, now,
                                        safe=retryable and retry_safe(error, r.idempotency_key),
                                        deadline=r.deadline, retry_after=ra)
         if decision.retry:
@@ -797,7 +842,7 @@ class PolicyEngine:
             self._end(r, "failed", "unavailable")
             return
         q.push(r)
-        self.metrics.queued(tuple(r.flow))  # type: ignore[arg-type]
+        self.metrics.queued(r.flow[:3])
 
     def cancel(self, r: Request, *, work_tokens: float | None = None) -> None:
         """The caller gave up. Waiting (or between retries): removed, uncharged, outcome
@@ -808,12 +853,12 @@ class PolicyEngine:
             return
         if r.state == WAITING:
             self.queues[r.flow.pool].cancel(r)
-            self.metrics.left_queue(tuple(r.flow))  # type: ignore[arg-type]
+            self.metrics.left_queue(r.flow[:3])
         elif r.state == RUNNING:
             self._spent_delivered(r)
             self._attempt_over(r, served_cost=self._passed_cost(r))
             if work_tokens:
-                self.metrics.cancelled_work_tokens(tuple(r.flow), work_tokens)  # type: ignore[arg-type]
+                self.metrics.cancelled_work_tokens(r.flow[:3], work_tokens)
         self._end(r, "cancelled_before_start" if r.tries == 0 else "cancelled_during_execution")
 
     def evict(self, r: Request) -> None:
@@ -822,7 +867,7 @@ class PolicyEngine:
         gateway): it ends as refused (``queue_full``), uncharged, and is handed to the driver
         with the next :meth:`poll`'s :attr:`dropped`."""
         self.queues[r.flow.pool].evict(r)
-        self.metrics.left_queue(tuple(r.flow))  # type: ignore[arg-type]
+        self.metrics.left_queue(r.flow[:3])
         self._end(r, "refused", "queue_full")
         self._evicted.append(r)
 
@@ -847,10 +892,10 @@ class PolicyEngine:
             if self.on_attempt_over is not None:
                 self.on_attempt_over(r, None)
             r.tries -= 1
-            key = tuple(r.flow)
-            self.metrics.left_queue(key)  # type: ignore[arg-type]
+            key = r.flow[:3]
+            self.metrics.left_queue(key)
             if reason in ("queue_timeout", "deadline"):
-                self.metrics.timeout(key)  # type: ignore[arg-type]
+                self.metrics.timeout(key)
         self._end(r, outcome, reason)
 
     def close(self) -> list[Request]:
@@ -860,7 +905,7 @@ class PolicyEngine:
         for r in list(self.live.values()):
             if r.state == WAITING:
                 self.queues[r.flow.pool].cancel(r)
-                self.metrics.left_queue(tuple(r.flow))  # type: ignore[arg-type]
+                self.metrics.left_queue(r.flow[:3])
             elif r.state != BACKOFF:
                 continue
             self._end(r, "refused" if r.tries == 0 else "failed", "closed")
@@ -918,19 +963,22 @@ class PolicyEngine:
                 nbe = nq.backends[bname]
                 nbe.healthy, nbe.saturated, nbe.paused_until = be.healthy, be.saturated, be.paused_until
             nq.down_since = q.down_since  # a pool with no backend in rotation stays so
-            nq.on_charge, nq.refund_floors = q.on_charge, q.refund_floors
+            nq.on_charge = q.on_charge
+            nq.refund_floors = not nq.nested and (q.refund_floors or q.nested)
             for cls, starts in q._starts.items():
                 if cls in nq._starts:
                     nq._starts[cls] = starts
         ended: list[Request] = []
         for r in sorted(self.live.values(), key=lambda x: x.id):
             allowed = policy.allows(r.flow)
+            if not allowed and len(r.flow) > 3 and policy.allows(r.flow.flat):
+                r.flow, allowed = r.flow.flat, True  # its org no longer nests: the request is the org's
             if r.state == RUNNING:
                 new.queues[r.flow.pool].adopt_running(r)
             elif r.state == WAITING and not allowed:
-                key = tuple(r.flow)
+                key = r.flow[:3]
                 r.state = ENDED
-                new.metrics.left_queue(key)  # type: ignore[arg-type]
+                new.metrics.left_queue(key)
                 new._end(r, "refused" if r.tries == 0 else "failed",
                          "unauthenticated" if policy.org(r.flow.org) is None else "class_not_allowed")
                 ended.append(r)
@@ -938,6 +986,9 @@ class PolicyEngine:
             elif r.state == WAITING:
                 new.queues[r.flow.pool].push(r, queued_at=r.queued_at)
             new.live[r.id] = r
+            if len(r.flow) > 3 and r.flow.user is not None:
+                live = new.users.setdefault((r.flow.org, r.flow.team), {})
+                live[r.flow.user] = live.get(r.flow.user, 0) + 1
         return new, ended
 
     # ------------------------------------------------------------ views

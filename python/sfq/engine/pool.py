@@ -59,6 +59,7 @@ from ..policy.config import ClassSpec, Policy, PoolSpec
 from ..policy.limits import Slots, TokenBucket
 from ..policy.spend import Hold
 from ._floors import RefundFloors
+from .tree import TreeScheduler
 
 __all__ = ["Fits", "PolicyQueue", "Request", "SharedLimits", "WAITING", "RUNNING", "BACKOFF", "ENDED"]
 
@@ -290,7 +291,9 @@ class PolicyQueue:
         self.largest_context = (_INF if any(b.max_context is None for b in self.spec.backends)
                                 else float(max(b.max_context or 0 for b in self.spec.backends)))
         make: Callable[[], Any] = scheduler if scheduler is not None else Scheduler
-        self.sched: Any = make()
+        #: nested shares (teams, users): a tree of cores (``sfq.engine.tree``); else one core, as always
+        self.nested = policy.nested
+        self.sched: Any = TreeScheduler(policy, make) if self.nested else make()
         self.strict = {c: deque[Request]() for c in policy.strict_classes}
         self._strict_n = dict.fromkeys(self.strict, 0)
         self.flows: dict[Flow, _FlowQ] = {}
@@ -325,8 +328,9 @@ class PolicyQueue:
         #: how far refunds may take the meters of flows that set v alone (``_floors``)
         self._floors = RefundFloors()
         #: whether this queue applies the refund floors itself (``False`` when a shared ledger
-        #: applies them, with the order it decides: ``sfq.state``)
-        self.refund_floors = True
+        #: applies them, with the order it decides: ``sfq.state``; and under nested shares,
+        #: where the floors are not defined yet: docs/design.md, "Nested shares")
+        self.refund_floors = not self.nested
 
     def _flow_queue(self, f: Flow) -> _FlowQ:
         """The weighted flow's queue, made on first use (a flow of an org the file does not
@@ -336,7 +340,7 @@ class PolicyQueue:
             return fq
         spec = self.policy.classes[f.cls]
         fq = self.flows[f] = _FlowQ(f, spec, self.shared.groups(f))
-        fq.named = f.org in self.policy.orgs
+        fq.named = f.org in self.policy.orgs and len(f) == 3  # (a team's or user's queue is dropped when empty)
         w = self.policy.flow_weight(f.org, f.cls)
         if fq.named or w != 1.0:  # (the core's default weight is 1: nothing to tell it)
             self.sched.set_weight(f, w)
@@ -579,8 +583,24 @@ class PolicyQueue:
         ``v`` passes it), so that memory follows the flows with work, not every id ever seen."""
         if fq.aside:
             self._unaside(fq)
-        if not fq.named and not fq.groups:
+        if len(fq.flow) > 3:
+            self._drop_nested(fq)
+        elif not fq.named and not fq.groups:
             del self.flows[fq.flow]
+
+    def _drop_nested(self, fq: _FlowQ) -> None:
+        """Forget the empty queue of a team or user (nested shares): memory follows the live
+        users, not every user ever seen. A suspended one (its org or class at its limit) is
+        resumed first, so the core does not keep it; it rejoins as any idle flow does."""
+        f = fq.flow
+        del self.flows[f]
+        for g in fq.groups:
+            members = self._group_members.get(g)
+            if members is not None and fq in members:
+                members.remove(fq)
+        if self.sched.suspended(f):
+            self.sched.resume(f)
+        self.sched.release(f)
 
     def _unaside(self, fq: _FlowQ) -> None:
         fq.aside = False

@@ -12,27 +12,85 @@ does not name gets the file's ``org_template`` when it has one.
 from __future__ import annotations
 
 import hashlib
-from typing import NamedTuple
+from operator import itemgetter
+from typing import TYPE_CHECKING, Any
 
 from ..errors import Refused
 from .config import OrgSpec, Policy
 
-__all__ = ["Classifier", "Flow", "unknown_org"]
+__all__ = ["Classifier", "Flow", "MAX_USER_BYTES", "check_user", "unknown_org"]
+
+#: the longest ``X-SFQ-User`` (bytes, UTF-8)
+MAX_USER_BYTES = 128
 
 
-class Flow(NamedTuple):
+if not TYPE_CHECKING:
+    try:
+        from _collections import _tuplegetter as _field  # (CPython's, as collections.namedtuple's fields)
+    except ImportError:  # pragma: no cover - another interpreter
+        def _field(i, doc):
+            return property(itemgetter(i), doc=doc)
+
+
+class Flow(tuple):  # type: ignore[type-arg]
     """Whose share a request uses: who owns it (``org``), what kind of work it is (``cls``)
-    and which resource it waits for (``pool``). The policy's unit of fairness: each flow of a
-    pool is served in proportion to its weight (the org's weight times the class's).
+    and which resource it waits for (``pool``); in an org with ``teams`` or ``users``, also
+    the ``team`` and the ``user`` inside it (docs/policy.md, "Nested shares"). The policy's
+    unit of fairness: each flow of a pool is served in proportion to its weight (the org's
+    weight times the class's), and a nested flow's share is its team's and user's part of it.
 
-    ``sfq serve`` makes it from the bearer key, ``X-SFQ-Class`` and the model; an embedder
-    that authenticates its own users makes it itself, ``sfq.Flow(org="acme", cls="batch",
-    pool="gpu")``, and the policy checks it (the org known or from the template, the class
-    allowed for it, the pool declared)."""
+    ``sfq serve`` makes it from the bearer key, ``X-SFQ-Class``, ``X-SFQ-User`` and the model;
+    an embedder that authenticates its own users makes it itself, ``sfq.Flow(org="acme",
+    cls="batch", pool="gpu", team="research", user="ana")``, and the policy checks it (the org
+    known or from the template, the class allowed for it, the pool declared, the team one of
+    the org's).
 
-    org: str
-    cls: str
-    pool: str
+    A flow without team and user is the 3-tuple ``(org, cls, pool)`` (equal to it, same hash),
+    as it always was; a nested one is the 5-tuple ``(org, cls, pool, team, user)``."""
+
+    __slots__ = ()
+
+    def __new__(_cls, org: str, cls: str, pool: str, team: str | None = None, user: str | None = None) -> Flow:
+        if team is None and user is None:
+            return tuple.__new__(_cls, (org, cls, pool))
+        return tuple.__new__(_cls, (org, cls, pool, team, user))
+
+    def __getnewargs__(self) -> tuple[Any, ...]:
+        return tuple(self)
+
+    if TYPE_CHECKING:
+        @property
+        def org(self) -> str: ...
+
+        @property
+        def cls(self) -> str: ...
+
+        @property
+        def pool(self) -> str: ...
+    else:  # the C descriptors namedtuple uses: reading a field costs what it did when Flow was one
+        org = _field(0, "who owns the request")
+        cls = _field(1, "the workload class")
+        pool = _field(2, "the pool it waits for")
+
+    @property
+    def team(self) -> str | None:
+        """The org's team (``None``: the org has no teams)."""
+        return self[3] if len(self) > 3 else None
+
+    @property
+    def user(self) -> str | None:
+        """The user inside the team (or the org) when the org's ``users`` is set, else ``None``."""
+        return self[4] if len(self) > 3 else None
+
+    @property
+    def flat(self) -> Flow:
+        """The ``(org, cls, pool)`` flow this one is part of (itself when it is flat): what
+        counters, metrics and the org's limits are kept under."""
+        return self if len(self) == 3 else Flow(self[0], self[1], self[2])
+
+    def __repr__(self) -> str:
+        tail = "" if len(self) == 3 else f", team={self[3]!r}, user={self[4]!r}"
+        return f"Flow(org={self[0]!r}, cls={self[1]!r}, pool={self[2]!r}{tail})"
 
 
 def unknown_org(name: object) -> Refused:
@@ -41,13 +99,29 @@ def unknown_org(name: object) -> Refused:
                                   "name)")
 
 
+def check_user(value: object, param: str = "X-SFQ-User") -> str:
+    """A user name as a client states it (``X-SFQ-User``): a non-empty string of at most
+    :data:`MAX_USER_BYTES` bytes without control characters; ``BadRequest`` (400) naming
+    ``param`` otherwise (the value itself is not echoed: it is the client's)."""
+    from ..errors import BadRequest
+
+    if not isinstance(value, str) or not value:
+        raise BadRequest(f"{param} must be a non-empty string", param=param)
+    n = len(value.encode("utf-8", "surrogatepass"))
+    if n > MAX_USER_BYTES:
+        raise BadRequest(f"{param} must be at most {MAX_USER_BYTES} bytes, got {n}", param=param)
+    if any(ord(ch) < 32 or 127 <= ord(ch) < 160 for ch in value):
+        raise BadRequest(f"{param} must not contain control characters", param=param)
+    return value
+
+
 class Classifier:
     """Decides the flow of a request by a policy: from a bearer key (:meth:`classify`) or from
     the embedder's own word (:meth:`check`). Credentials are compared in constant time: the
     SHA-256 of the presented key is compared with every configured digest (no early exit), so
     the time taken does not depend on which key, if any, matched, nor on how much of it did."""
 
-    __slots__ = ("policy", "_digests")
+    __slots__ = ("policy", "_digests", "_teams")
 
     def __init__(self, policy: Policy) -> None:
         if not isinstance(policy, Policy):
@@ -56,6 +130,13 @@ class Classifier:
         # keyed by the SHA-256 of the key: a lookup learns (and leaks in its timing) nothing about
         # a key but its hash, and costs the same for 1 org as for 10,000
         self._digests: dict[bytes, OrgSpec] = {bytes.fromhex(d): o for o in policy.orgs.values() for d in o.key_digests}
+        #: a team's key -> its team (nested shares); its org is in ``_digests`` too
+        self._teams: dict[bytes, str] = {}
+        for o in policy.orgs.values():
+            for t in o.teams.values():
+                for d in t.key_digests:
+                    self._digests[bytes.fromhex(d)] = o
+                    self._teams[bytes.fromhex(d)] = t.name
 
     def org_of(self, credential: str | None) -> OrgSpec:
         """The org owning ``credential`` (a bearer key). ``Refused("unauthenticated")`` if none."""
@@ -80,9 +161,9 @@ class Classifier:
         class one it may use (``Refused("class_not_allowed")``), the pool declared and, when
         ``model`` is given, serving it (``Refused("unknown_model")``). Returns the flow as a
         :class:`Flow`; a ``cls`` of ``None`` or ``""`` becomes the org's default class."""
-        if not isinstance(flow, tuple) or len(flow) != 3:
-            raise TypeError(f"flow must be an sfq.Flow(org, cls, pool), got {flow!r}")
-        org_name, stated, pool = flow
+        if not isinstance(flow, tuple) or len(flow) not in (3, 5):
+            raise TypeError(f"flow must be an sfq.Flow(org, cls, pool[, team, user]), got {flow!r}")
+        org_name, stated, pool = flow[:3]
         org = self.org_named(org_name)
         cls = self.class_for(org, stated)
         if pool not in self.policy.pools:
@@ -92,7 +173,38 @@ class Classifier:
             if served != pool:
                 raise Refused("unknown_model", f"pool {pool!r} does not serve model {model!r} (pool {served!r} "
                                                "does)")
-        return Flow(org.name, cls, pool)
+        if len(flow) == 3 and not org.nested:
+            return Flow(org.name, cls, pool)
+        team, user = (flow[3], flow[4]) if len(flow) == 5 else (None, None)
+        return Flow(org.name, cls, pool, *self._member(org, team, user))
+
+    # ------------------------------------------------------------ nested shares
+    def _member(self, org: OrgSpec, team: object, user: object) -> tuple[str | None, str | None]:
+        """The ``(team, user)`` of a request of ``org`` as its flow holds them: a team the org
+        has (``Refused("unknown_org")`` otherwise: a team is part of who a request is), a user
+        when the org splits between users (``check_user``; ``None`` there: the one user ``""``);
+        both ``None`` in an org without teams or users."""
+        if org.teams:
+            if team not in org.teams:
+                raise Refused("unknown_org", f"org {org.name!r} has no team {team!r}; teams: {', '.join(org.teams)}")
+        elif team is not None:
+            raise Refused("unknown_org", f"org {org.name!r} has no teams (got team {team!r})")
+        if not org.users:
+            return (team if org.teams else None), None  # type: ignore[return-value]
+        return team, ("" if user is None else check_user(user, "user"))  # type: ignore[return-value]
+
+    def member(self, org: OrgSpec, credential: str, user: str | None) -> tuple[str | None, str | None]:
+        """The ``(team, user)`` of a request authenticated by ``credential`` (a key of ``org``)
+        stating ``user`` (``X-SFQ-User``, checked by :func:`check_user`, or ``None``): the team
+        that owns the key; the stated user, else one named after the key (a short prefix of its
+        SHA-256: the key itself is never kept); ``(None, None)`` in a flat org."""
+        if not org.nested:
+            return None, None
+        digest = hashlib.sha256(credential.encode("utf-8")).digest()
+        team = self._teams.get(digest) if org.teams else None
+        if not org.users:
+            return team, None
+        return team, (user if user is not None else "key:" + digest.hex()[:12])
 
     def class_for(self, org: OrgSpec, stated: str | None) -> str:
         """The class of a request of ``org`` that states ``stated`` (``None``: the org's default).
@@ -115,12 +227,18 @@ class Classifier:
             raise Refused("unknown_model", f"no pool serves model {model!r}; models: {', '.join(models)}")
         return p.name
 
-    def classify(self, credential: str | None, stated_class: str | None, model: object) -> Flow:
-        """The flow of a request: ``(org, class, pool)``. Raises ``Refused`` with reason
-        ``unauthenticated``, ``class_not_allowed`` or ``unknown_model``."""
+    def classify(self, credential: str | None, stated_class: str | None, model: object,
+                 user: str | None = None) -> Flow:
+        """The flow of a request: ``(org, class, pool)``, with its team and user in a nested
+        org (:meth:`member`). Raises ``Refused`` with reason ``unauthenticated``,
+        ``class_not_allowed`` or ``unknown_model``."""
         org = self.org_of(credential)
         cls = self.class_for(org, stated_class)
-        return Flow(org.name, cls, self.pool_for(model))
+        pool = self.pool_for(model)
+        if not org.nested:
+            return Flow(org.name, cls, pool)
+        assert credential is not None  # (org_of accepted it)
+        return Flow(org.name, cls, pool, *self.member(org, credential, user))
 
     def weight(self, flow: Flow) -> float:
         """The flow's weight: org weight x class weight."""

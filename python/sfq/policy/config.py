@@ -37,6 +37,7 @@ __all__ = [
     "RetrySpec",
     "ServerSpec",
     "StateSpec",
+    "TeamSpec",
     "UpstreamTimeouts",
     "BACKOFFS",
     "PolicyErrors",
@@ -151,6 +152,22 @@ class ClassSpec:
     small_picks: int = 4
 
 
+#: users live at once in one team (or one org without teams) unless the file says otherwise
+DEFAULT_MAX_USERS = 1000
+
+
+@dataclass(frozen=True)
+class TeamSpec:
+    """A team of an org (``orgs.NAME.teams``): its part of the org's share (``weight``,
+    against the org's other teams), its keys (SHA-256 hex, as an org's) and the most users
+    it may have live at once (``max_users``; used when the org's ``users`` is set)."""
+
+    name: str
+    weight: float = 1.0
+    key_digests: tuple[str, ...] = ()
+    max_users: int = DEFAULT_MAX_USERS
+
+
 @dataclass(frozen=True)
 class OrgSpec:
     """An organisation: its credentials, the classes it may use (the first is its default),
@@ -168,10 +185,22 @@ class OrgSpec:
     requests_per_minute: float | None = None
     #: what the org may spend per day or month (``None``: no budget)
     budget: BudgetSpec | None = None
+    #: the org's share split between its teams by weight (empty: no teams)
+    teams: Mapping[str, TeamSpec] = field(default_factory=lambda: MappingProxyType({}))
+    #: ``users: equal``: inside each team (or the org, without teams) users share equally
+    users: bool = False
+    #: users live at once in the org (without teams); each team has its own ``max_users``
+    max_users: int = DEFAULT_MAX_USERS
 
     @property
     def default_class(self) -> str:
         return self.classes[0]
+
+    @property
+    def nested(self) -> bool:
+        """Whether the org's share is split further (teams or users): its flows are nodes of
+        a tree (``sfq.engine.tree``), not leaves of the pool's scheduler."""
+        return bool(self.teams) or self.users
 
 
 @dataclass(frozen=True)
@@ -299,11 +328,17 @@ class Policy:
         """The orgs :meth:`org` has made from the template so far, in the order they were made."""
         return list(self._made.values())
 
-    def allows(self, flow: tuple[str, str, str]) -> bool:
-        """Whether ``flow`` ``(org, class, pool)`` is one the policy allows."""
-        org, cls, pool = flow
+    def allows(self, flow: tuple[str, ...]) -> bool:
+        """Whether ``flow`` ``(org, class, pool[, team, user])`` is one the policy allows (in
+        an org with teams, a team of it; with users, a user; neither in a flat org)."""
+        org, cls, pool = flow[:3]
         o = self.org(org)
-        return o is not None and cls in o.classes and pool in self.pools
+        if o is None or cls not in o.classes or pool not in self.pools:
+            return False
+        if len(flow) == 3:
+            return not o.nested
+        team, user = flow[3], flow[4]
+        return ((team in o.teams) if o.teams else team is None) and (user is not None) == o.users
 
     def flow_weight(self, org: str, cls: str) -> float:
         """A flow's weight: the org's weight times the class's (strict classes: the org's)."""
@@ -322,7 +357,7 @@ class Policy:
     def share(self, flow: tuple[str, str, str]) -> float | None:
         """The flow's share of its pool's weighted capacity when it and every weighted flow of
         the orgs the file names are backlogged (``None`` for a strict class's flow)."""
-        org, cls, pool = flow
+        org, cls, pool = flow[:3]
         if self.classes[cls].strict:
             return None
         flows = self.flows(pool)
@@ -330,6 +365,11 @@ class Policy:
             flows.append((org, cls, pool))
         total = sum(self.flow_weight(o, c) for o, c, _ in flows if not self.classes[c].strict)
         return self.flow_weight(org, cls) / total
+
+    @property
+    def nested(self) -> bool:
+        """Whether some org of the file has teams or users (nested shares)."""
+        return any(o.nested for o in self.orgs.values())
 
     @property
     def strict_classes(self) -> tuple[str, ...]:
@@ -553,14 +593,14 @@ def policy_from_mapping(data: object, *, source: str = "<mapping>") -> Policy:
         named = {}
     for name, v in named.items():
         try:
-            o, where = _org(name, v, f"orgs.{name}", known)
+            o, keys = _org(name, v, f"orgs.{name}", known)
         except PolicyError as exc:
             errs.add(exc)
             continue
-        for digest, at in zip(o.key_digests, where):
+        for digest, at in keys:
             if digest in key_owner:
-                errs.add(PolicyError(at, f"this key is already the key of org {key_owner[digest]!r}"))
-            key_owner.setdefault(digest, name)
+                errs.add(PolicyError(at, f"this key is already the key of {key_owner[digest]}"))
+            key_owner.setdefault(digest, _key_holder(o, digest))
         orgs[name] = o
     cost, retry, state, template, server = CostSpec(), RetrySpec(), None, None, ServerSpec()
     try:
@@ -589,6 +629,12 @@ def policy_from_mapping(data: object, *, source: str = "<mapping>") -> Policy:
         metrics = _metrics(top.get("metrics"), "metrics") if "metrics" in top else MetricsSpec()
     except PolicyError as exc:
         errs.add(exc)
+    if state is not None:
+        for name, o in orgs.items():
+            if o.nested:
+                errs.add(PolicyError(f"orgs.{name}.{'teams' if o.teams else 'users'}",
+                                     "nested shares (teams, users) are not carried by the shared ledger yet: "
+                                     "remove the state section (one gateway) or this org's teams and users"))
     errs.raise_any()
     return Policy(MappingProxyType(pools), MappingProxyType(classes), MappingProxyType(orgs), cost, retry, state,
                   source, org_template=template, server=server, metrics=metrics)
@@ -671,10 +717,11 @@ def _pool(name: str, v: object, path: str) -> PoolSpec:
 
 
 _ORG_SETTINGS = ("classes", "weight", "max_in_flight", "requests_per_minute")
+_NESTED = ("teams", "users", "max_users")
 
 
-def _org(name: str, v: object, path: str, classes: Mapping[str, ClassSpec]) -> tuple[OrgSpec, list[str]]:
-    d = _section(v, path, ("keys", "key_sha256", *_ORG_SETTINGS, "budget"))
+def _keys(d: Mapping[str, Any], path: str) -> tuple[list[str], list[str]]:
+    """The SHA-256 digests of an entry's ``keys`` and ``key_sha256``, and where each is written."""
     digests: list[str] = []
     where: list[str] = []
     if "keys" in d:
@@ -690,7 +737,62 @@ def _org(name: str, v: object, path: str, classes: Mapping[str, ClassSpec]) -> t
     for i, dg in enumerate(digests):
         if dg in digests[:i]:
             raise PolicyError(where[i], "this key is listed twice")
-    return _org_settings(name, d, path, classes, tuple(digests)), where
+    return digests, where
+
+
+def _org(name: str, v: object, path: str,
+         classes: Mapping[str, ClassSpec]) -> tuple[OrgSpec, list[tuple[str, str]]]:
+    """The org, and every key of it and of its teams as ``(digest, where it is written)``."""
+    d = _section(v, path, ("keys", "key_sha256", *_ORG_SETTINGS, *_NESTED, "budget"))
+    digests, where = _keys(d, path)
+    o = _org_settings(name, d, path, classes, tuple(digests))
+    keys = list(zip(digests, where))
+    if any(k in d for k in _NESTED):
+        teams, users, max_users, team_keys = _nested(d, path)
+        if teams and digests:
+            raise PolicyError(where[0], "an org with teams gives its keys to its teams (a key names one team)")
+        o = replace(o, teams=teams, users=users, max_users=max_users)
+        keys += team_keys
+    return o, keys
+
+
+# --------------------------------------------------------------------- nested shares (teams, users)
+def _nested(d: Mapping[str, Any], path: str) -> tuple[Mapping[str, TeamSpec], bool, int, list[tuple[str, str]]]:
+    """An org's ``teams``, ``users`` and ``max_users`` (docs/policy.md, "Nested shares"), and
+    its teams' keys as ``(digest, where it is written)``."""
+    users = False
+    if _opt(d, "users") is not None:
+        if d["users"] != "equal":
+            raise PolicyError(f"{path}.users", f"must be 'equal' (users share their team's part equally), got "
+                                               f"{_desc(d['users'])}")
+        users = True
+    max_users = (_integer(d["max_users"], f"{path}.max_users") if _opt(d, "max_users") is not None
+                 else DEFAULT_MAX_USERS)
+    if "max_users" in d and not users:
+        raise PolicyError(f"{path}.max_users", "applies only with users: equal")
+    teams: dict[str, TeamSpec] = {}
+    keys: list[tuple[str, str]] = []
+    if _opt(d, "teams") is not None:
+        named = _named(d["teams"], f"{path}.teams")
+        for tname, tv in named.items():
+            tp = f"{path}.teams.{tname}"
+            td = _section(tv, tp, ("weight", "keys", "key_sha256", "max_users"))
+            tdig, twhere = _keys(td, tp)
+            keys += zip(tdig, twhere)
+            w = _number(td["weight"], f"{tp}.weight") if "weight" in td else 1.0
+            if _opt(td, "max_users") is not None and not users:
+                raise PolicyError(f"{tp}.max_users", f"applies only with users: equal (set {path}.users)")
+            tmu = _integer(td["max_users"], f"{tp}.max_users") if _opt(td, "max_users") is not None else max_users
+            teams[tname] = TeamSpec(tname, w, tuple(tdig), tmu)
+    return MappingProxyType(teams), users, max_users, keys
+
+
+def _key_holder(o: OrgSpec, digest: str) -> str:
+    """Who holds the key ``digest`` of ``o``: one of its teams, else the org (in messages)."""
+    for t in o.teams.values():
+        if digest in t.key_digests:
+            return f"team {t.name!r} of org {o.name!r}"
+    return f"org {o.name!r}"
 
 
 def _org_template(v: object, path: str, classes: Mapping[str, ClassSpec]) -> OrgSpec:

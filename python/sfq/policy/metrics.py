@@ -66,6 +66,8 @@ OUTCOMES = ("completed", "failed", "cancelled_before_start", "cancelled_during_e
 #: why a request was refused (before start) or why it failed (``failed`` outcomes carry one too)
 REASONS = ("unauthenticated", "class_not_allowed", "unknown_model", "bad_request", "too_large", "rate_limited",
            "queue_full",
+           # nested shares: the team (or org) already has max_users users with requests live
+           "too_many_users",
            # a flow an embedder classified names an org the policy has no entry (and no template) for
            "unknown_org",
            "queue_timeout", "deadline", "closed",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import Policy
+from .config import OrgSpec, Policy
 
 __all__ = ["check_config", "policy_notes", "policy_tables", "render_plain", "render_rich", "startup_checks"]
 
@@ -64,7 +64,7 @@ def _ends(rows: list[list[str]], policy: Policy) -> list[list[str]]:
 
 def _org_summary(policy: Policy) -> list[list[str]]:
     listed = list(policy.orgs.values())
-    keyed = sum(1 for o in listed if o.key_digests)
+    keyed = sum(1 for o in listed if _keys(o))
     weights = [o.weight for o in listed]
     rows = [["orgs named", f"{len(listed)} ({keyed} with keys, {len(listed) - keyed} without)"]]
     if weights:
@@ -74,6 +74,30 @@ def _org_summary(policy: Policy) -> list[list[str]]:
     t = policy.org_template
     if t is not None:
         rows.append(["org_template", f"classes {', '.join(t.classes)}, weight {t.weight:g}"])
+    return rows
+
+
+def _keys(o: OrgSpec) -> int:
+    """An org's keys, its teams' included."""
+    return len(o.key_digests) + sum(len(t.key_digests) for t in o.teams.values())
+
+
+def _team_rows(policy: Policy, every_flow: bool) -> list[list[str]]:
+    """Nested shares: every team (``--flows``), else one summary row per nested org."""
+    rows = []
+    for o in policy.orgs.values():
+        if not o.nested:
+            continue
+        users = f"equal, max_users {o.max_users}" if o.users else "-"
+        if not every_flow or not o.teams:
+            n = len(o.teams)
+            rows.append([o.name, f"{n} team{'s' if n != 1 else ''}" if n else "(no teams)", "", "",
+                         users if not o.teams else ("equal" if o.users else "-")])
+            continue
+        total = sum(t.weight for t in o.teams.values())
+        for t in o.teams.values():
+            rows.append([o.name, t.name, _n(t.weight), _pct(t.weight / total),
+                         f"equal, max_users {t.max_users}" if o.users else "-"])
     return rows
 
 
@@ -95,7 +119,7 @@ def policy_tables(policy: Policy, *, every_flow: bool = False) -> list[Table]:
                 "off" if c.small_cost is None or c.strict else f"<= {c.small_cost:g}, {c.small_picks} in a row"]
                for c in policy.classes.values()]
     listed = list(policy.orgs.values())
-    orgs = [[o.name, str(len(o.key_digests)), ", ".join(o.classes), o.default_class, _n(o.weight),
+    orgs = [[o.name, str(_keys(o)), ", ".join(o.classes), o.default_class, _n(o.weight),
              _n(o.max_in_flight), _n(o.requests_per_minute)] for o in listed]
     t = policy.org_template
     if t is not None:
@@ -126,7 +150,10 @@ def policy_tables(policy: Policy, *, every_flow: bool = False) -> list[Table]:
         if every_flow or few else ("Orgs (--flows lists every one)", ["orgs", "summary"], _org_summary(policy)),
         ("Cost and retries", ["section", "resolved"], other),
         *_spend_tables(policy),
-    ]
+    ] + ([("Teams and users (nested shares): a team's share is of its org's share in each class"
+           + ("" if every_flow else "; --flows lists every team"),
+           ["org", "team", "weight", "share of org", "users"], _team_rows(policy, every_flow))]
+         if policy.nested else [])
 
 
 def _spend_tables(policy: Policy) -> list[Table]:
@@ -150,7 +177,7 @@ def policy_notes(policy: Policy) -> list[str]:
     """What an operator should know that the tables do not say: orgs ``sfq serve`` cannot
     authenticate, and what the template gives the orgs the file does not name."""
     notes = []
-    keyless = [o.name for o in policy.orgs.values() if not o.key_digests]
+    keyless = [o.name for o in policy.orgs.values() if not _keys(o)]
     if keyless:
         many = len(keyless) > 1
         notes.append(f"org{'s' if many else ''} {', '.join(keyless)} ha{'ve' if many else 's'} no keys: sfq serve "
@@ -270,7 +297,10 @@ def check_config(path: str, *, plain: bool = False, every_flow: bool = False) ->
     for note in policy_notes(policy):
         sys.stdout.write(f"note: {note}\n")
     template = ", an org template" if policy.org_template is not None else ""
+    teams = sum(len(o.teams) for o in policy.orgs.values())
+    nested = (f", {teams} teams, users in {sum(o.users for o in policy.orgs.values())} orgs"
+              if policy.nested else "")
     sys.stdout.write(f"{path}: valid ({len(policy.pools)} pools, {len(policy.classes)} classes, "
-                     f"{len(policy.orgs)} orgs{template}, {len(policy.flows())} flows)"
+                     f"{len(policy.orgs)} orgs{template}, {len(policy.flows())} flows{nested})"
                      f"{'; ' + str(len(warnings)) + ' warning(s) above' if warnings else ''}\n")
     return 0

@@ -51,6 +51,7 @@ from ..policy.metrics import PolicyMetrics
 from ..errors import BackendError, BackendHTTPError, PolicyError, Refused, SFQError
 from ..policy import Flow, Policy, load_policy
 from . import dashboard as _dashboard
+from ..policy.classify import check_user
 from .accesslog import direct
 from .edge import SERVER, Edge, fd_budget, new_request_id
 from .errors import HTTPError, error_body, http_error_of, sse_error
@@ -436,6 +437,16 @@ class Gateway:
             return await self._linger(request, self._refused(e, (org.name, "", ""), http_error_of(exc), exc.reason,
                                                              close=unread))
         e.flow = (org.name, cls, "")
+        member: tuple[str | None, str | None] = (None, None)  # nested shares: (team, user)
+        stated_user = h.get("X-SFQ-User")
+        if stated_user is not None:
+            try:
+                check_user(stated_user)
+            except Refused as exc:
+                bad = HTTPError(400, "invalid_request_error", "bad_request", str(exc), None, False, "X-SFQ-User")
+                return await self._linger(request, self._refused(e, e.flow, bad, "bad_request", close=unread))
+        if org.nested:
+            member = cl.member(org, _bearer(auths[0]) or "", stated_user)
         timeout: float | None = None
         t = h.get("X-SFQ-Timeout")
         if t is not None:
@@ -473,19 +484,19 @@ class Gateway:
             pool = cl.pool_for(model)
         except Refused as exc:
             return self._refused(e, e.flow, http_error_of(exc), exc.reason)
-        flow = Flow(org.name, cls, pool)
-        e.flow = flow
+        flow = Flow(org.name, cls, pool, *member)
+        e.flow = flow.flat  # (what is counted and logged: teams and users add no series)
         limit = self._body_limit(pool)
         if len(raw) > limit:
-            return self._refused(e, flow, _too_large(limit, pool), "too_large")
+            return self._refused(e, e.flow, _too_large(limit, pool), "too_large")
         problem = self._shape(request.path, body)
         if problem is not None:
-            return self._refused(e, flow, _bad(problem), "bad_request")
+            return self._refused(e, e.flow, _bad(problem), "bad_request")
         if timeout is not None:  # the deadline runs from arrival, reading the body included
             timeout = max(timeout - (asyncio.get_running_loop().time() - e.t0), 1e-9)
         e.stream = body.get("stream") is True
         if e.stream:
-            return await self._stream(request, e, auths[0], cls, body, timeout)
+            return await self._stream(request, e, auths[0], cls, body, timeout, flow)
         idem = h.get("Idempotency-Key") or None
         e.joining = idem is not None and self.pd.running_key(flow.org, idem)  # (no await until submit_flow's)
         try:
@@ -611,7 +622,7 @@ class Gateway:
                     type(exc).__name__, detail)
 
     async def _stream(self, request: web.Request, e: _Entry, auth: str, cls: str,
-                      body: dict[str, Any], timeout: float | None) -> web.StreamResponse:
+                      body: dict[str, Any], timeout: float | None, flow: Flow) -> web.StreamResponse:
         so = body.get("stream_options")
         wants_usage = isinstance(so, dict) and bool(so.get("include_usage"))
         if not wants_usage:  # ask for it anyway (the access log's actual tokens), pass it on only if asked
@@ -619,7 +630,8 @@ class Gateway:
                 **body, "stream_options": {**(so if isinstance(so, dict) else {}), "include_usage": True}}
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        agen = self.pd.stream(_bearer(auth), body, cls=cls, timeout=timeout, on_admit=e.admitted)
+        agen = (self.pd.stream(_bearer(auth), body, cls=cls, timeout=timeout, on_admit=e.admitted) if len(flow) == 3
+                else self.pd.stream_flow(flow, body, timeout=timeout, on_admit=e.admitted))  # (a team's or user's)
         async with contextlib.aclosing(agen):
             try:
                 first: dict[str, Any] | None = await agen.__anext__()
@@ -759,7 +771,7 @@ class Gateway:
         if not access.isEnabledFor(logging.INFO):
             return
         r = e.r
-        flow = tuple(r.flow) if r is not None else e.flow
+        flow = r.flow[:3] if r is not None else e.flow
         org, cls, pool = flow if flow is not None else _UNKNOWN
         outcome = e.outcome
         reason = e.reason

@@ -151,6 +151,17 @@ def table_rows(res: ScenarioResult) -> tuple[str, list[str], list[list[str]], st
             rows.append([_label(r), _pct(r["keeper_share"]), _n(r["max_drift"]), _n(r["throughput"], 1)])
         title = f"keep-one: a client keeping one request waiting against a flooder, {p['steps']:,} steps"
         caption = "service in weighted tokens (w_p=%g, w_q=%g), M=%s" % (p["w_p"], p["w_q"], f"{p['kv_budget']:,}")
+    elif s == "nested":
+        headers = ["policy", "team t1 (10 users)\nshare", "team t2 (1 user)\nshare", "each t1 user\nmin .. max",
+                   "weighted\ntokens/step"]
+        for r in res.results:
+            lo, hi = r["t1_user_share"]
+            rows.append([_label(r), _pct(r["team_share"]["t1"]), _pct(r["team_share"]["t2"]),
+                         f"{_pct(lo)} .. {_pct(hi)}", _n(r["throughput"], 1)])
+        title = (f"nested: one org, team t1 of {p['users'][0]} users against team t2 of {p['users'][1]}, each user "
+                 f"keeping {p['keep_waiting']} requests waiting, {p['steps']:,} steps")
+        caption = ("shares of the service (weighted tokens); sfq: one flow per user (flat); sfq-nested: teams of "
+                   "weight 1 with users: equal (the engine's tree of schedulers)")
     elif s == "many":
         headers = ["policy", "events", "last step", "weighted\ntokens/step", "Jain\nindex"]
         for r in res.results:

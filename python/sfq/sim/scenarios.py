@@ -27,6 +27,10 @@ themselves for the plots. Units: steps, tokens, weighted tokens (``w_p``, ``w_q`
 ``many``       1,000 clients sending 5 requests each at uniform times in the first 5,000
                steps, 8 servers, run to completion: the cost of many flows.
 ``trace``      a JSONL trace (see :mod:`sfq.sim.model`) on the fleet given by the options.
+``nested``     one org's two teams: t1 of ten users, t2 of one, every user a closed-loop
+               client keeping two requests waiting, 20,000 steps: each team's and user's
+               share under flat per-user SFQ (t1 gets 10/11) and under nested shares
+               (``teams`` + ``users: equal``: each team 1/2, each t1 user 1/20).
 
 Every row's ``max_drift`` is the largest gap ``|W_f(a,b)/w_f - W_g(a,b)/w_g|`` between two
 flows over an interval in which both have a request waiting at the balancer in every step
@@ -78,6 +82,7 @@ DEFAULT_POLICIES: dict[str, tuple[str, ...]] = {
     "keep-one": ("fifo", "sfq", "sfq-seed", "lcf", "vtc"),
     "many": ALL_FAIR,
     "trace": ALL_FAIR,
+    "nested": ("fifo", "sfq"),  # (and sfq-nested, always)
 }
 KV_SWEEP = (2048, 4096, 8192, 16384, 32768)
 RPM_SWEEP = (5, 20, 40, 80, None)
@@ -613,6 +618,69 @@ def run_many(opts: Options, policies: Sequence[str] | None = None, progress: Pro
     return ScenarioResult("many", params, rows, runs)
 
 
+NESTED_USERS = (10, 1)  # users of t1 and t2
+
+
+def nested_workload(seed: int, steps: int, users: tuple[int, ...] = NESTED_USERS, keep: int = 2) -> Workload:
+    """Closed-loop users (each keeping ``keep`` requests waiting, the default sizes), flows
+    ``t{team}/u{user}``."""
+    specs = [FlowSpec(f"t{t + 1}/u{u}") for t, n in enumerate(users) for u in range(n)]
+    closed = [ClosedLoop(f, keep, DEFAULT_SIZES.prompt, DEFAULT_SIZES.output, DEFAULT_SIZES.max_tokens, 0, steps, seed)
+              for f in range(len(specs))]
+    return build_workload(seed, [FlowLoad(x, Batch(0), DEFAULT_SIZES) for x in specs], closed=closed)
+
+
+def nested_discipline(wl: Workload, opts: Options) -> Any:
+    """The engine under a policy with one org whose teams are the workload's teams and whose
+    users share equally (``sfq-nested``), in the run's charge mode and estimator."""
+    from ..policy.classify import Flow
+    from ..policy.config import policy_from_mapping
+    from .adapter import _CLASS, _POOL, SIM_MODEL, EngineDiscipline
+
+    teams = sorted({f.name.split("/")[0] for f in wl.flows})
+    policy = policy_from_mapping({
+        "pools": {_POOL: {"models": [SIM_MODEL], "backends": [{"url": "http://simulated.invalid"}]}},
+        "classes": {_CLASS: {"small_cost": None}},
+        "orgs": {"org": {"classes": [_CLASS], "users": "equal", "teams": {t: {"weight": 1} for t in teams}}},
+        "cost": {"input_weight": opts.w_p, "output_weight": opts.w_q, "prior_ratio": opts.prior,
+                 "charge": opts.charge or "served"},
+    }, source="<nested scenario>")
+    flows = [Flow("org", _CLASS, _POOL, *f.name.split("/")) for f in wl.flows]
+    return EngineDiscipline(policy, flows, scheduler=opts.core, label="sfq-nested", run_estimator=True)
+
+
+def run_nested(opts: Options, policies: Sequence[str] | None = None,
+               progress: Progress | None = None) -> ScenarioResult:
+    progress = progress or Progress()
+    steps = opts.steps or 20_000
+    fleet = _fleet(opts, 1, 8192, None)
+    wl = nested_workload(opts.seed, steps)
+    names = _policies(policies, "nested")
+    params = {**_common_params(opts), "steps": steps, **_fleet_params(fleet), "users": list(NESTED_USERS),
+              "keep_waiting": 2, "policies": [*names, "sfq-nested"]}
+    runs, rows = [], []
+    for n in [*names, "sfq-nested"]:
+        if n == "sfq-nested":
+            disc = nested_discipline(wl, opts)
+            cb = progress.begin(disc.label, steps)
+            try:
+                res = Simulation(wl, disc, fleet, w_p=opts.w_p, w_q=opts.w_q, horizon=steps,
+                                 estimator=make_estimator(opts.w_p, opts.w_q, opts.prior), progress=cb).run()
+            finally:
+                progress.end()
+        else:
+            res = _run(wl, n, fleet, opts, progress, steps)
+        runs.append((res.policy, res))
+        final = res.final_service()
+        total = float(final.sum())
+        share = {spec.name: float(final[f] / total) if total > 0 else 0.0 for f, spec in enumerate(wl.flows)}
+        t1 = [v for k, v in share.items() if k.startswith("t1/")]
+        rows.append(_row("nested", res, team_share={t: sum(v for k, v in share.items() if k.startswith(t + "/"))
+                                                    for t in ("t1", "t2")},
+                         t1_user_share=(min(t1), max(t1)), user_share=share))
+    return ScenarioResult("nested", params, rows, runs)
+
+
 SCENARIOS: dict[str, Callable[..., ScenarioResult]] = {
     "drift": run_drift,
     "return": run_return,
@@ -623,6 +691,7 @@ SCENARIOS: dict[str, Callable[..., ScenarioResult]] = {
     "keep-one": run_keep_one,
     "many": run_many,
     "trace": run_trace,
+    "nested": run_nested,
 }
 
 
@@ -666,4 +735,6 @@ def workload_for(name: str, opts: Options | None = None) -> Workload:
         return keep_one_workload(opts.seed, kv, opts.steps or 20_000, servers)
     if name == "many":
         return many_workload(opts.seed, opts.steps or 5000)
+    if name == "nested":
+        return nested_workload(opts.seed, opts.steps or 20_000)
     raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
