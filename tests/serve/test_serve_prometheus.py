@@ -203,7 +203,9 @@ def test_prometheus_evaluates_the_rules_to_the_shares_the_engine_delivered(
     print(f"sfq:share:1m {share}, delivered at the engine {delivered}")
     for org in ("A", "B"):
         assert abs(share[org] - delivered[org]) < 0.04, (org, share, delivered)
-    assert abs(expected["A"] - 2 / 3) < 1e-6 and abs(expected["B"] - 1 / 3) < 1e-6, expected
+    # (the promise of the window's seconds, weighted by what each served: 2/3 and 1/3 while both
+    # flood; a second in which only one was backlogged, as the flood begins, promises it all)
+    assert abs(expected["A"] - 2 / 3) < 0.05 and abs(expected["B"] - 1 / 3) < 0.05, expected
     assert abs(delivered["A"] - 2 / 3) < 0.08, delivered  # (the engine did serve by the weights)
     ratio = prom.query("sfq:share_ratio:1m")
     for org in ("A", "B"):
