@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import math
+import pickle
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, cast
@@ -304,9 +305,42 @@ def parse_policy(text: str, *, source: str = "<string>") -> Policy:
             data = _plain(loader, node, "") if node is not None else None
         finally:
             loader.dispose()
+            loader.constructed_objects.clear()  # (it keeps every node it constructed)
     except yaml.YAMLError as exc:
         raise PolicyError("", f"{source}: not valid YAML: {exc}") from None
-    return policy_from_mapping(data, source=source)
+    del loader, node
+    policy = policy_from_mapping(data, source=source)
+    del data
+    if len(policy.orgs) >= _COMPACT_ORGS:
+        rows = _org_rows(policy)
+        policy = replace(policy, orgs=MappingProxyType({}))  # the parse's orgs go, and the arenas they held
+        policy = replace(policy, orgs=_orgs_from_rows(rows))
+    return policy
+
+
+#: orgs from which a parsed policy's orgs are made again, side by side (below: a few arenas at most)
+_COMPACT_ORGS = 1_000
+
+
+def _org_rows(policy: Policy) -> bytes:
+    """The orgs of ``policy``, written out so that they can be made again once everything the
+    parse made is freed (:func:`_orgs_from_rows`).
+
+    CPython's small-object allocator returns memory to the system an arena (1 MiB) at a time,
+    and only an arena with no live object left. The parse makes about twenty short-lived
+    objects per scalar (YAML nodes, marks, plain values, paths), and the orgs' names and specs
+    end up scattered among them, a few per 16 KiB pool: a 10,000-org file left the process
+    about 35 MB larger for the 3 MB it keeps. Written out (``pickle``: one ``bytes``, outside
+    that allocator), let go, and read back once the rest is freed, the orgs are made side by
+    side (``benchmarks/README.md``, "Memory per org")."""
+    names = [f.name for f in fields(OrgSpec)]
+    return pickle.dumps([tuple(getattr(o, n) for n in names) for o in policy.orgs.values()],
+                        protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _orgs_from_rows(rows: bytes) -> Mapping[str, OrgSpec]:
+    """The orgs :func:`_org_rows` wrote, in the same order (orgs that shared a tuple still do)."""
+    return MappingProxyType({r[0]: OrgSpec(*r) for r in pickle.loads(rows)})
 
 
 #: libyaml's parser when PyYAML was built with it (a 10,000-org file: about 1 s, not 4), else PyYAML's own
