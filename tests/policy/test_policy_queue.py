@@ -469,7 +469,7 @@ def test_size_buckets_do_not_change_the_flows_share(clock: Clock, core) -> None:
 # ------------------------------------------------------------------ memory follows the work
 FORGET_CLASSES = """
   interactive: {weight: 4, max_in_flight: 3, small_cost: 100, small_picks: 2}
-  batch: {weight: 1, small_cost: 100, small_picks: 2}
+  batch: {weight: 1, small_cost: 100, small_picks: 2, max_queue_length: 6}
 """
 FORGET_ORGS = """
   a: {keys: [ka], classes: [interactive, batch], max_in_flight: 2}
@@ -489,9 +489,10 @@ def _keep_every_flow(q: Any) -> None:
 
 def test_forgetting_empty_flows_changes_no_decision(clock: Clock, core) -> None:
     """A flow's queue is forgotten when it empties (``PolicyQueue._emptied``): a random run of
-    arrivals (small and large requests, four orgs, org and class ``max_in_flight``), starts,
-    completions and cancellations makes the same decisions, step by step, as the same run on
-    a queue that keeps every flow, and leaves no flow queue behind once nothing waits."""
+    arrivals (small and large requests, four orgs, org and class ``max_in_flight``, a class's
+    ``max_queue_length``: refusals and evictions), starts, completions and cancellations makes
+    the same decisions, step by step, as the same run on a queue that keeps every flow, and
+    leaves no flow queue behind once nothing waits."""
     import random
 
     pol = policy(pools="""
@@ -511,8 +512,13 @@ def test_forgetting_empty_flows_changes_no_decision(clock: Clock, core) -> None:
             op = rng.random()
             if op < 0.45:
                 f, cost = rng.choice(flows), rng.choice((5, 40, 90, 150, 400))
+                refused = set()
                 for e in (lean, kept):
-                    reqs[e].append(e.submit(f, cost=cost))
+                    try:
+                        reqs[e].append(e.submit(f, cost=cost))
+                    except Refused:
+                        refused.add(e)
+                assert refused in (set(), {lean, kept})
             elif op < 0.55:
                 waiting = [n for n, r in enumerate(reqs[lean]) if r.outcome is None and r not in running[lean]]
                 if waiting:
@@ -523,6 +529,7 @@ def test_forgetting_empty_flows_changes_no_decision(clock: Clock, core) -> None:
                 i = rng.randrange(len(running[lean]))
                 for e in (lean, kept):
                     e.complete(running[e].pop(i))
+            assert [r.outcome for r in reqs[lean]] == [r.outcome for r in reqs[kept]]  # evictions too
             started = {e: e.poll() for e in (lean, kept)}
             index = {e: {r.id: n for n, r in enumerate(reqs[e])} for e in (lean, kept)}
             assert [index[lean][r.id] for r in started[lean]] == [index[kept][r.id] for r in started[kept]]
@@ -531,6 +538,7 @@ def test_forgetting_empty_flows_changes_no_decision(clock: Clock, core) -> None:
             forgot = max(forgot, len(kept.queues["p"].flows) - len(lean.queues["p"].flows))
         q = lean.queues["p"]
         assert forgot > 0  # flows were forgotten along the way (else this run tested nothing)
+        assert sum(r.reason == "queue_full" for r in reqs[lean]) > 0  # and places were given up
         assert all(fq.n for fq in q.flows.values())  # what is left has requests waiting
         for e in (lean, kept):
             while running[e] or e.queues["p"].n_waiting:

@@ -378,6 +378,8 @@ class PolicyQueue:
                         if last is not None and (o is None or last.id > o.id):
                             newest[f.org] = last
         top = max(held, key=lambda o: (held[o], o in newest), default=None)
+        if top is not None and cls not in self.strict:
+            top = self._first_of_tied(held, newest, top)
         mine = held.get(flow.org, 0)
         if top is None or mine >= held[top] or top not in newest:
             raise Refused("queue_full", f"class {cls!r} already has {self.waiting_by_class[cls]} requests waiting in "
@@ -385,6 +387,21 @@ class PolicyQueue:
                                         f"{flow.org!r} holds the most of them ({mine})",
                           retry_after=self.place_frees_in(cls))
         return newest[top]
+
+    def _first_of_tied(self, held: dict[str, int], newest: dict[str, Request], top: str) -> str:
+        """Among the orgs tied with ``top`` (as many places held, as able to give one up): the
+        first in the policy file, else the one whose flow queue was made first. That is the
+        order the flows' queues had when those of every org the file names were made at start
+        and kept, so which org gives a place up does not depend on which flow emptied last.
+        O(orgs) for a tie only."""
+        best = (held[top], top in newest)
+        tied = [o for o in held if (held[o], o in newest) == best]
+        if len(tied) == 1:
+            return top
+        named = {o for o in tied if o in self.policy.orgs}
+        if not named:
+            return tied[0]  # (held is in the order the queues were made)
+        return next(o for o in self.policy.orgs if o in named)
 
     def evict(self, r: Request) -> None:
         """Take the waiting request ``r`` out of the queue, uncharged, to give its place to
