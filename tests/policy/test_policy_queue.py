@@ -562,3 +562,26 @@ def test_a_flow_forgotten_while_its_org_is_full_is_served_when_it_frees(clock: C
     e.complete(first)
     later = e.submit(fc, cost=10)
     assert e.poll() == [later]
+
+
+def test_an_idle_flow_at_or_below_v_is_forgotten_and_rejoins_at_v(clock: Clock, core) -> None:
+    """Once a flow has nothing waiting or running and ``v`` has reached its meter, nothing is
+    kept of it, in the engine or in the core: it would rejoin at ``max(S, v) = v`` anyway,
+    and it does."""
+    pol = policy(pools=ONE_SLOT, orgs="""
+      a: {keys: [ka], classes: [batch]}
+      b: {keys: [kb], classes: [batch]}
+    """)
+    e = engine(pol, clock, core)
+    fa, fb = Flow("a", "batch", "p"), Flow("b", "batch", "p")
+    ra, rb = e.submit(fa, cost=100), e.submit(fb, cost=300)
+    for r in (ra, rb):
+        assert e.poll() == [r]
+        e.complete(r)
+    q = e.queues["p"]
+    v = q.sched.virtual_time
+    assert v == 300 and ra.start_tag + ra.cost == 100 <= v  # a's meter (its finish tag) is behind v
+    assert q.flows == {} and q.sched.known_flows == 0  # nothing kept of a or b
+    assert q.sched.meter(fa) == v
+    again = e.submit(fa, cost=50)
+    assert e.poll() == [again] and again.start_tag == v  # rejoined at max(S, v) = v
