@@ -12,7 +12,8 @@ is installed), logging.
 * SIGHUP: re-read the policy file (keys, weights, classes, orgs, limits, the ``server:``
   section) without losing a waiting request; a file that is bad, or that changes what needs
   a restart (pools' backends, ``cost``, ``state``), is refused and logged, and the policy in
-  force stays.
+  force stays. After a reload that took, the frozen objects go back to the collector, which
+  frees the policy and engine replaced, and the survivors are frozen again (``_refreeze``).
 * The access log (``--access-log``): written once per event-loop iteration, never blocking the
   loop on a reader that stops reading, and flushed when the gateway stops and at exit
   (:mod:`sfq.serve.accesslog`).
