@@ -32,7 +32,7 @@ try:
 except ImportError:  # a checkout that was not installed: use python/ (with its in-place build)
     sys.path.insert(0, str(HERE.parent / "python"))
 
-collect_ignore = ["report.py", "memory.py", "heapq_sfq.py", "minimal_heapq.py", "floor_build.py", "profile_core.py"]
+collect_ignore = ["report.py", "memory.py", "memory_orgs.py", "heapq_sfq.py", "minimal_heapq.py", "floor_build.py", "profile_core.py"]
 
 ALL_SIZES = (100, 1_000, 10_000, 100_000)
 ALL_IMPLS = ("compiled", "twin", "heapq", "minimal", "floor")

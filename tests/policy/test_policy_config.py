@@ -335,3 +335,32 @@ def test_the_template_is_part_of_the_policy() -> None:
     assert with_template != policy_from_mapping(base())
     plain = dataclasses.replace(with_template, org_template=None)
     assert plain.org("acme") is None
+
+
+def test_a_large_file_parses_to_the_policy_its_mapping_gives() -> None:
+    """A file with many orgs has its orgs made again after the parse (``_org_rows``: memory,
+    not meaning): the policy equals the one made from the same mapping, field for field, in
+    file order, and orgs with the same class list still share one tuple."""
+    lines = ["pools:", "  p: {models: [m], backends: [{url: 'http://127.0.0.1:9'}], prices: {input: 1, output: 2}}",
+             "classes: {interactive: {weight: 4}, batch: {weight: 1}}", "orgs:"]
+    for i in range(1_500):
+        extra = [", weight: 2.5", ", max_in_flight: 3", ", requests_per_minute: 90", ""][i % 4]
+        if i % 7 == 1:  # (nested shares and a budget come through too)
+            extra += ", budget: {amount: 5, per: day}"
+        cls = "[interactive, batch]" if i % 3 else "[batch]"
+        if i % 5 == 1:
+            lines.append(f"  org-{i}: {{classes: {cls}{extra}, users: equal, teams: {{t1: {{weight: 2, keys: [k-{i}]}}, "
+                         f"t2: {{keys: [k2-{i}], max_users: 7}}}}}}")
+        else:
+            lines.append(f"  org-{i}: {{keys: [k-{i}, k2-{i}], classes: {cls}{extra}}}")
+    text = "\n".join(lines) + "\n"
+    pol = parse_policy(text)
+    assert pol == policy_from_mapping(yaml.safe_load(text), source="<string>")
+    assert list(pol.orgs) == [f"org-{i}" for i in range(1_500)]
+    o = pol.orgs["org-5"]
+    assert (o.classes, o.max_in_flight, o.key_digests[1]) == (
+        ("interactive", "batch"), 3, hashlib.sha256(b"k2-5").hexdigest())
+    assert pol.orgs["org-1"].classes is pol.orgs["org-2"].classes
+    assert pol.org("org-5") is o
+    n = pol.orgs["org-36"]
+    assert n.users and n.teams["t1"].weight == 2 and n.teams["t2"].max_users == 7 and n.budget is not None

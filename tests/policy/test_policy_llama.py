@@ -112,4 +112,4 @@ cost: {{input_weight: 1, output_weight: 2}}
         assert fa["served_cost"] == pytest.approx(sum(r["usage"]["prompt_tokens"] + 2 * r["usage"]["completion_tokens"]
                                                       for r in replies[:10]))
         assert pd.engine.queues["gpu"].in_flight == 0 and not pd.engine.live
-        assert Flow("team-b", "interactive", "gpu") in pd.engine.queues["gpu"].flows
+        assert Flow("team-b", "interactive", "gpu") not in pd.engine.queues["gpu"].flows  # forgotten once empty

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 from collections import Counter
 
 import pytest
@@ -463,3 +464,124 @@ def test_size_buckets_do_not_change_the_flows_share(clock: Clock, core) -> None:
         assert abs(cost["a"] - cost["b"]) <= 1000 + 200
     # the buckets did change the order inside a: short ones went first
     assert served["100"] != served["null"]
+
+
+# ------------------------------------------------------------------ memory follows the work
+FORGET_CLASSES = """
+  interactive: {weight: 4, max_in_flight: 3, small_cost: 100, small_picks: 2}
+  batch: {weight: 1, small_cost: 100, small_picks: 2, max_queue_length: 6}
+"""
+FORGET_ORGS = """
+  a: {keys: [ka], classes: [interactive, batch], max_in_flight: 2}
+  b: {keys: [kb], classes: [interactive, batch], weight: 2}
+  c: {keys: [kc], classes: [batch, interactive], max_in_flight: 1}
+  d: {keys: [kd], classes: [batch]}
+"""
+
+
+def _keep_every_flow(q: Any) -> None:
+    """The queue as it was before flows were forgotten: every flow's queue kept once made."""
+    def emptied(fq: Any) -> None:
+        if fq.aside:
+            q._unaside(fq)
+    q._emptied = emptied
+
+
+def test_forgetting_empty_flows_changes_no_decision(clock: Clock, core) -> None:
+    """A flow's queue is forgotten when it empties (``PolicyQueue._emptied``): a random run of
+    arrivals (small and large requests, four orgs, org and class ``max_in_flight``, a class's
+    ``max_queue_length``: refusals and evictions), starts, completions and cancellations makes
+    the same decisions, step by step, as the same run on a queue that keeps every flow, and
+    leaves no flow queue behind once nothing waits."""
+    import random
+
+    pol = policy(pools="""
+      p:
+        models: [m]
+        backends: [{url: "http://127.0.0.1:9", max_in_flight: 4}]
+    """, classes=FORGET_CLASSES, orgs=FORGET_ORGS)
+    flows = [Flow(o, c, "p") for o in "abcd" for c in pol.orgs[o].classes]
+    for seed in range(3):
+        rng = random.Random(seed)
+        lean, kept = engine(pol, clock, core), engine(pol, clock, core)
+        _keep_every_flow(kept.queues["p"])
+        reqs: dict[PolicyEngine, list[Request]] = {lean: [], kept: []}
+        running: dict[PolicyEngine, list[Request]] = {lean: [], kept: []}
+        forgot = 0
+        for _ in range(600):
+            op = rng.random()
+            if op < 0.45:
+                f, cost = rng.choice(flows), rng.choice((5, 40, 90, 150, 400))
+                refused = set()
+                for e in (lean, kept):
+                    try:
+                        reqs[e].append(e.submit(f, cost=cost))
+                    except Refused:
+                        refused.add(e)
+                assert refused in (set(), {lean, kept})
+            elif op < 0.55:
+                waiting = [n for n, r in enumerate(reqs[lean]) if r.outcome is None and r not in running[lean]]
+                if waiting:
+                    i = rng.choice(waiting)
+                    for e in (lean, kept):
+                        e.cancel(reqs[e][i])
+            elif running[lean] and op < 0.8:
+                i = rng.randrange(len(running[lean]))
+                for e in (lean, kept):
+                    e.complete(running[e].pop(i))
+            assert [r.outcome for r in reqs[lean]] == [r.outcome for r in reqs[kept]]  # evictions too
+            started = {e: e.poll() for e in (lean, kept)}
+            index = {e: {r.id: n for n, r in enumerate(reqs[e])} for e in (lean, kept)}
+            assert [index[lean][r.id] for r in started[lean]] == [index[kept][r.id] for r in started[kept]]
+            for e in (lean, kept):
+                running[e] += started[e]
+            forgot = max(forgot, len(kept.queues["p"].flows) - len(lean.queues["p"].flows))
+        q = lean.queues["p"]
+        assert forgot > 0  # flows were forgotten along the way (else this run tested nothing)
+        assert sum(r.reason == "queue_full" for r in reqs[lean]) > 0  # and places were given up
+        assert all(fq.n for fq in q.flows.values())  # what is left has requests waiting
+        for e in (lean, kept):
+            while running[e] or e.queues["p"].n_waiting:
+                running[e] += e.poll()
+                e.complete(running[e].pop(0))
+        assert q.flows == {} and not q._group_members.get(("org", "a"))
+        assert [r.outcome for r in reqs[lean]] == [r.outcome for r in reqs[kept]]
+
+
+def test_a_flow_forgotten_while_its_org_is_full_is_served_when_it_frees(clock: Clock, core) -> None:
+    """A flow whose org is at its ``max_in_flight`` is suspended in the core; when its last
+    waiting request is cancelled its queue is forgotten, and a request that comes later, once
+    the org has a free slot, starts (the flow is not left suspended)."""
+    pol = policy(classes=FORGET_CLASSES, orgs=FORGET_ORGS)
+    e = engine(pol, clock, core)
+    fc = Flow("c", "batch", "p")
+    first, waiting = e.submit(fc, cost=10), e.submit(fc, cost=10)
+    assert e.poll() == [first]  # c's one slot taken: the second waits, suspended
+    e.cancel(waiting)
+    assert fc not in e.queues["p"].flows
+    e.complete(first)
+    later = e.submit(fc, cost=10)
+    assert e.poll() == [later]
+
+
+def test_an_idle_flow_at_or_below_v_is_forgotten_and_rejoins_at_v(clock: Clock, core) -> None:
+    """Once a flow has nothing waiting or running and ``v`` has reached its meter, nothing is
+    kept of it, in the engine or in the core: it would rejoin at ``max(S, v) = v`` anyway,
+    and it does."""
+    pol = policy(pools=ONE_SLOT, orgs="""
+      a: {keys: [ka], classes: [batch]}
+      b: {keys: [kb], classes: [batch]}
+    """)
+    e = engine(pol, clock, core)
+    fa, fb = Flow("a", "batch", "p"), Flow("b", "batch", "p")
+    ra, rb = e.submit(fa, cost=100), e.submit(fb, cost=300)
+    for r in (ra, rb):
+        assert e.poll() == [r]
+        e.complete(r)
+    q = e.queues["p"]
+    v = q.sched.virtual_time
+    assert v == 300 and ra.start_tag + ra.cost == 100 <= v  # a's meter (its finish tag) is behind v
+    assert q.flows == {} and q.sched.known_flows == 0  # nothing kept of a or b
+    assert q.sched.meter(fa) == v
+    again = e.submit(fa, cost=50)
+    assert e.poll() == [again] and again.start_tag == v  # rejoined at max(S, v) = v

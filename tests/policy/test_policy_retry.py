@@ -127,6 +127,26 @@ def test_budget_percent_of_the_last_minute_and_always_one() -> None:
     assert p.plan("f", 1, 61.0, safe=True).retry  # none outstanding: one is allowed
 
 
+def test_the_window_counts_what_a_minute_holds() -> None:
+    """The budget's window (a list whose head moves, compacted as it goes) counts exactly the
+    attempts and retries of the last minute, over thousands of attempts at uneven rates."""
+    rng = random.Random(7)
+    p = planner(budget_per_flow_percent=30, max_attempts=5)
+    seen: list[tuple[float, bool]] = []
+    now = 0.0
+    for _ in range(5_000):
+        now += rng.choice((0.001, 0.01, 0.5, 3.0, 40.0))
+        if rng.random() < 0.7:
+            p.first_attempt("f", now)
+            seen.append((now, False))
+        elif p.plan("f", 1, now, safe=True).retry:
+            seen.append((now, True))
+            p.retry_ended("f")
+        window = [r for t, r in seen if t > now - 60.0]
+        assert p.share("f", now) == (sum(window), len(window))
+    assert len(p._flows["f"].events) <= 2 * len(window) + 32  # what left the window is let go
+
+
 def test_budget_zero_percent_still_allows_one() -> None:
     p = planner(budget_per_flow_percent=0)
     p.first_attempt("f", 0.0)

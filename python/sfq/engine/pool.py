@@ -194,22 +194,23 @@ Fits = Callable[["Request", str], bool]
 
 class _FlowQ:
     """A weighted flow's waiting requests in two size buckets (both FIFO), and its entry in
-    the core (``token``: the core's ticket, ``None`` when it has none)."""
+    the core (``token``: the core's ticket, ``None`` when it has none). It exists while the
+    flow has requests waiting (``PolicyQueue._flow_queue`` makes it, ``_emptied`` forgets it)."""
 
     __slots__ = ("flow", "spec", "small", "large", "n", "run", "token", "token_cost", "groups", "aside", "named")
 
-    def __init__(self, flow: Flow, spec: ClassSpec, groups: tuple[tuple[str, str], ...]) -> None:
+    def __init__(self, flow: Flow, spec: ClassSpec, groups: tuple[tuple[str, str], ...], run: int = 0) -> None:
         self.flow = flow
         self.spec = spec
         self.small: deque[Request] = deque()
         self.large: deque[Request] = deque()
         self.n = 0  # live waiting requests
-        self.run = 0  # small picks in a row since the last large one
+        self.run = run  # small picks in a row since the last large one
         self.token: int | None = None
         self.token_cost = 0.0
         self.groups = groups
         self.aside = False  # its head fits no backend with room: suspended so that others overtake
-        self.named = True  # its org is named in the policy file (else it is forgotten when empty)
+        self.named = True  # its org is named in the policy file (its small-pick run outlives the queue)
 
     @staticmethod
     def _head(d: deque[Request]) -> Request | None:
@@ -296,12 +297,13 @@ class PolicyQueue:
         self.sched: Any = TreeScheduler(policy, make) if self.nested else make()
         self.strict = {c: deque[Request]() for c in policy.strict_classes}
         self._strict_n = dict.fromkeys(self.strict, 0)
+        #: the weighted flows with requests waiting (made on first use, forgotten when empty:
+        #: memory follows the flows with work, not the orgs the file names)
         self.flows: dict[Flow, _FlowQ] = {}
-        self._group_members: dict[tuple[str, str], list[_FlowQ]] = {}
-        for org, cls, _ in policy.flows(pool):
-            f = Flow(org, cls, pool)
-            if not policy.classes[cls].strict:
-                self._flow_queue(f)
+        #: the small-pick run of an emptied flow of an org the file names, when not 0 (so that a
+        #: queue made again picks as the one forgotten would have)
+        self._runs: dict[Flow, int] = {}
+        self._group_members: dict[tuple[str, str], dict[Flow, _FlowQ]] = {}
         self.waiting_by_class = dict.fromkeys(policy.classes, 0)
         self.n_waiting = 0  # requests waiting, every class
         self.in_flight = 0
@@ -333,21 +335,24 @@ class PolicyQueue:
         self.refund_floors = not self.nested
 
     def _flow_queue(self, f: Flow) -> _FlowQ:
-        """The weighted flow's queue, made on first use (a flow of an org the file does not
-        name, from its template, joins then)."""
+        """The weighted flow's queue, made when a request of the flow comes to wait (again):
+        its weight told to the core, and the flow suspended there while one of its org's or
+        class's ``max_in_flight`` is full."""
         fq = self.flows.get(f)
         if fq is not None:
             return fq
         spec = self.policy.classes[f.cls]
-        fq = self.flows[f] = _FlowQ(f, spec, self.shared.groups(f))
-        fq.named = f.org in self.policy.orgs and len(f) == 3  # (a team's or user's queue is dropped when empty)
+        fq = self.flows[f] = _FlowQ(f, spec, self.shared.groups(f), self._runs.pop(f, 0))
+        fq.named = f.org in self.policy.orgs and len(f) == 3  # (a team's or user's queue: _drop_nested)
         w = self.policy.flow_weight(f.org, f.cls)
         if fq.named or w != 1.0:  # (the core's default weight is 1: nothing to tell it)
             self.sched.set_weight(f, w)
+        full = False
         for g in fq.groups:
-            self._group_members.setdefault(g, []).append(fq)
-            if self.shared.slots[g].full:
-                self.sched.suspend(f)
+            self._group_members.setdefault(g, {})[f] = fq
+            full = full or self.shared.slots[g].full
+        if full:
+            self.sched.suspend(f)
         return fq
 
     # ------------------------------------------------------------ admission
@@ -382,6 +387,8 @@ class PolicyQueue:
                         if last is not None and (o is None or last.id > o.id):
                             newest[f.org] = last
         top = max(held, key=lambda o: (held[o], o in newest), default=None)
+        if top is not None and cls not in self.strict:
+            top = self._first_of_tied(held, newest, top)
         mine = held.get(flow.org, 0)
         if top is None or mine >= held[top] or top not in newest:
             raise Refused("queue_full", f"class {cls!r} already has {self.waiting_by_class[cls]} requests waiting in "
@@ -389,6 +396,21 @@ class PolicyQueue:
                                         f"{flow.org!r} holds the most of them ({mine})",
                           retry_after=self.place_frees_in(cls))
         return newest[top]
+
+    def _first_of_tied(self, held: dict[str, int], newest: dict[str, Request], top: str) -> str:
+        """Among the orgs tied with ``top`` (as many places held, as able to give one up): the
+        first in the policy file, else the one whose flow queue was made first. That is the
+        order the flows' queues had when those of every org the file names were made at start
+        and kept, so which org gives a place up does not depend on which flow emptied last.
+        O(orgs) for a tie only."""
+        best = (held[top], top in newest)
+        tied = [o for o in held if (held[o], o in newest) == best]
+        if len(tied) == 1:
+            return top
+        named = {o for o in tied if o in self.policy.orgs}
+        if not named:
+            return tied[0]  # (held is in the order the queues were made)
+        return next(o for o in self.policy.orgs if o in named)
 
     def evict(self, r: Request) -> None:
         """Take the waiting request ``r`` out of the queue, uncharged, to give its place to
@@ -568,25 +590,39 @@ class PolicyQueue:
 
     # ------------------------------------------------------------ limits and suspension
     def _group_full(self, g: tuple[str, str]) -> None:
-        for fq in self._group_members.get(g, ()):
+        for fq in self._group_members.get(g, {}).values():
             self.sched.suspend(fq.flow)
 
     def _group_free(self, g: tuple[str, str]) -> None:
         slots = self.shared.slots
-        for fq in self._group_members.get(g, ()):
+        for fq in self._group_members.get(g, {}).values():
             if not fq.aside and not any(slots[h].full for h in fq.groups):
                 self.sched.resume(fq.flow)
 
     def _emptied(self, fq: _FlowQ) -> None:
-        """``fq`` has no waiting request left: it leaves the aside; a flow of an org the file
-        does not name is forgotten (its meter lives on in the core, which forgets it once
-        ``v`` passes it), so that memory follows the flows with work, not every id ever seen."""
+        """``fq`` has no waiting request left: it leaves the aside and is forgotten, so that
+        memory follows the flows with work, not every org the file names or every id ever
+        seen. Nothing a decision needs goes with it: the flow's meter lives in the core (which
+        keeps it while it is above ``v`` or the flow has a weight of its own, and otherwise
+        forgets it, as it may: the flow rejoins at ``max(S, v) = v``); its weight and
+        suspension are told to the core again when it next has a request waiting
+        (:meth:`_flow_queue`); an org the file names keeps its small-pick run (``_runs``). A
+        flow left suspended in the core by a full ``max_in_flight`` is resumed as it goes (it
+        has nothing waiting, so nothing competes; made again while the group is full, it is
+        suspended again)."""
         if fq.aside:
             self._unaside(fq)
         if len(fq.flow) > 3:
             self._drop_nested(fq)
-        elif not fq.named and not fq.groups:
-            del self.flows[fq.flow]
+            return
+        f = fq.flow
+        del self.flows[f]
+        if fq.named and fq.run:
+            self._runs[f] = fq.run
+        if fq.groups:
+            for g in fq.groups:
+                del self._group_members[g][f]
+            self.sched.resume(f)
 
     def _drop_nested(self, fq: _FlowQ) -> None:
         """Forget the empty queue of a team or user (nested shares): memory follows the live
@@ -596,8 +632,8 @@ class PolicyQueue:
         del self.flows[f]
         for g in fq.groups:
             members = self._group_members.get(g)
-            if members is not None and fq in members:
-                members.remove(fq)
+            if members is not None:
+                members.pop(f, None)
         if self.sched.suspended(f):
             self.sched.resume(f)
         self.sched.release(f)

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import math
+import pickle
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, cast
@@ -156,7 +157,7 @@ class ClassSpec:
 DEFAULT_MAX_USERS = 1000
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TeamSpec:
     """A team of an org (``orgs.NAME.teams``): its part of the org's share (``weight``,
     against the org's other teams), its keys (SHA-256 hex, as an org's) and the most users
@@ -168,7 +169,7 @@ class TeamSpec:
     max_users: int = DEFAULT_MAX_USERS
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class OrgSpec:
     """An organisation: its credentials, the classes it may use (the first is its default),
     its weight and its own limits. ``key_digests`` holds the SHA-256 (hex) of every key, the
@@ -397,9 +398,44 @@ def parse_policy(text: str, *, source: str = "<string>") -> Policy:
             data = _plain(loader, node, "") if node is not None else None
         finally:
             loader.dispose()
+            loader.constructed_objects.clear()  # (it keeps every node it constructed)
     except yaml.YAMLError as exc:
         raise PolicyError("", f"{source}: not valid YAML: {exc}") from None
-    return policy_from_mapping(data, source=source)
+    del loader, node
+    policy = policy_from_mapping(data, source=source)
+    del data
+    if len(policy.orgs) >= _COMPACT_ORGS:
+        rows = _org_rows(policy)
+        policy = replace(policy, orgs=MappingProxyType({}))  # the parse's orgs go, and the arenas they held
+        policy = replace(policy, orgs=_orgs_from_rows(rows))
+    return policy
+
+
+#: orgs from which a parsed policy's orgs are made again, side by side (below: a few arenas at most)
+_COMPACT_ORGS = 1_000
+
+
+def _org_rows(policy: Policy) -> bytes:
+    """The orgs of ``policy``, written out so that they can be made again once everything the
+    parse made is freed (:func:`_orgs_from_rows`).
+
+    CPython's small-object allocator returns memory to the system an arena (1 MiB) at a time,
+    and only an arena with no live object left. The parse makes about twenty short-lived
+    objects per scalar (YAML nodes, marks, plain values, paths), and the orgs' names and specs
+    end up scattered among them, a few per 16 KiB pool: a 10,000-org file left the process
+    about 35 MB larger for the 3 MB it keeps. Written out (``pickle``: one ``bytes``, outside
+    that allocator), let go, and read back once the rest is freed, the orgs are made side by
+    side (``benchmarks/README.md``, "Memory per org")."""
+    names = [f.name for f in fields(OrgSpec)]
+    return pickle.dumps([tuple(dict(v) if isinstance(v, MappingProxyType) else v  # (teams: pickled as a dict)
+                               for v in (getattr(o, n) for n in names)) for o in policy.orgs.values()],
+                        protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _orgs_from_rows(rows: bytes) -> Mapping[str, OrgSpec]:
+    """The orgs :func:`_org_rows` wrote, in the same order (orgs that shared a tuple still do)."""
+    return MappingProxyType({r[0]: OrgSpec(*(MappingProxyType(v) if isinstance(v, dict) else v for v in r))
+                             for r in pickle.loads(rows)})
 
 
 #: libyaml's parser when PyYAML was built with it (a 10,000-org file: about 1 s, not 4), else PyYAML's own
@@ -583,6 +619,7 @@ def policy_from_mapping(data: object, *, source: str = "<mapping>") -> Policy:
         pools[name] = p
     orgs: dict[str, OrgSpec] = {}
     key_owner: dict[str, str] = {}
+    lists: dict[tuple[str, ...], tuple[str, ...]] = {}  # one tuple per distinct class list, shared by its orgs
     known = {**classes, **{n: ClassSpec(n) for n in bad_classes}}
     raw_orgs = top.get("orgs")
     try:
@@ -593,7 +630,7 @@ def policy_from_mapping(data: object, *, source: str = "<mapping>") -> Policy:
         named = {}
     for name, v in named.items():
         try:
-            o, keys = _org(name, v, f"orgs.{name}", known)
+            o, keys = _org(name, v, f"orgs.{name}", known, lists)
         except PolicyError as exc:
             errs.add(exc)
             continue
@@ -740,12 +777,12 @@ def _keys(d: Mapping[str, Any], path: str) -> tuple[list[str], list[str]]:
     return digests, where
 
 
-def _org(name: str, v: object, path: str,
-         classes: Mapping[str, ClassSpec]) -> tuple[OrgSpec, list[tuple[str, str]]]:
+def _org(name: str, v: object, path: str, classes: Mapping[str, ClassSpec],
+         lists: dict[tuple[str, ...], tuple[str, ...]] | None = None) -> tuple[OrgSpec, list[tuple[str, str]]]:
     """The org, and every key of it and of its teams as ``(digest, where it is written)``."""
     d = _section(v, path, ("keys", "key_sha256", *_ORG_SETTINGS, *_NESTED, "budget"))
     digests, where = _keys(d, path)
-    o = _org_settings(name, d, path, classes, tuple(digests))
+    o = _org_settings(name, d, path, classes, tuple(digests), lists)
     keys = list(zip(digests, where))
     if any(k in d for k in _NESTED):
         teams, users, max_users, team_keys = _nested(d, path)
@@ -806,7 +843,9 @@ def _org_template(v: object, path: str, classes: Mapping[str, ClassSpec]) -> Org
 
 
 def _org_settings(name: str, d: Mapping[str, Any], path: str, classes: Mapping[str, ClassSpec],
-                  digests: tuple[str, ...]) -> OrgSpec:
+                  digests: tuple[str, ...], lists: dict[tuple[str, ...], tuple[str, ...]] | None = None) -> OrgSpec:
+    """An org's settings; ``lists``: the class lists made so far, so that orgs with the same
+    list share one tuple (10,000 orgs of one file: 10,000 copies otherwise)."""
     if "classes" not in d:
         raise PolicyError(f"{path}.classes", "is required (the classes the org may use; the first is its default)")
     cls = _strings(d["classes"], f"{path}.classes")
@@ -818,7 +857,10 @@ def _org_settings(name: str, d: Mapping[str, Any], path: str, classes: Mapping[s
     rpm = (_number(d["requests_per_minute"], f"{path}.requests_per_minute")
            if _opt(d, "requests_per_minute") is not None else None)
     budget = _budget(d["budget"], f"{path}.budget") if _opt(d, "budget") is not None else None
-    return OrgSpec(name, digests, tuple(cls), weight, mif, rpm, budget)
+    ct = tuple(cls)
+    if lists is not None:
+        ct = lists.setdefault(ct, ct)
+    return OrgSpec(name, digests, ct, weight, mif, rpm, budget)
 
 
 def _cost(v: object, path: str) -> CostSpec:

@@ -12,7 +12,8 @@ is installed), logging.
 * SIGHUP: re-read the policy file (keys, weights, classes, orgs, limits, the ``server:``
   section) without losing a waiting request; a file that is bad, or that changes what needs
   a restart (pools' backends, ``cost``, ``state``), is refused and logged, and the policy in
-  force stays.
+  force stays. After a reload that took, the frozen objects go back to the collector, which
+  frees the policy and engine replaced, and the survivors are frozen again (``_refreeze``).
 * The access log (``--access-log``): written once per event-loop iteration, never blocking the
   loop on a reader that stops reading, and flushed when the gateway stops and at exit
   (:mod:`sfq.serve.accesslog`).
@@ -98,7 +99,11 @@ async def serve(config: str | Path, *, host: str = "127.0.0.1", port: int = 8080
     stop = stop if stop is not None else asyncio.Event()
     handled: list[signal.Signals] = []
     # the handlers first: a SIGHUP during start-up must not kill the process (its default action)
-    for sig, fn in ((signal.SIGTERM, stop.set), (signal.SIGINT, stop.set), (signal.SIGHUP, gw.reload)):
+    def reload() -> None:
+        if gw.reload() and _frozen:
+            _refreeze()
+
+    for sig, fn in ((signal.SIGTERM, stop.set), (signal.SIGINT, stop.set), (signal.SIGHUP, reload)):
         try:
             loop.add_signal_handler(sig, fn)
             handled.append(sig)
@@ -138,9 +143,24 @@ async def serve(config: str | Path, *, host: str = "127.0.0.1", port: int = 8080
             _flush_access_log()  # every request's line, before the process goes
 
 
+#: whether this process froze its start-up objects (``_freeze_gc``; ``sfq serve``, not an embedder)
+_frozen = False
+
+
+def _refreeze() -> None:
+    """After a reload: what was frozen comes back to the collector, which frees the policy and
+    the engine the reload replaced (frozen with the rest at start-up, their reference cycles
+    would never be collected: each SIGHUP kept the old ones, about 4 KB per org), and the
+    survivors are frozen again."""
+    gc.unfreeze()
+    _freeze_gc()
+
+
 def _freeze_gc() -> None:
     """Start-up garbage collected, the survivors frozen (never walked again), the youngest
     generation's threshold raised."""
+    global _frozen
+    _frozen = True
     gc.collect()
     gc.freeze()
     _, g1, g2 = gc.get_threshold()

@@ -21,7 +21,12 @@ if TYPE_CHECKING:
 
     from .engine import RunResult
 
-__all__ = ["table_rows", "rich_table", "markdown_table", "censored_wait_quantiles", "runs_by_row"]
+__all__ = ["table_rows", "rich_table", "markdown_table", "censored_wait_quantiles", "runs_by_row", "DRIFT"]
+
+#: what every table's "max drift" is (``sfq.sim.metrics.max_drift``; docs/simulator.md §4 in
+#: the same words): the one definition the captions give
+DRIFT = ("max drift: the largest |W_f(t1,t2)/w_f - W_g(t1,t2)/w_g| over every pair of flows and every "
+         "run of steps in each of which both had a request waiting at the balancer (docs/simulator.md §4)")
 
 
 def censored_wait_quantiles(run: RunResult, flow: int, qs: tuple[float, ...] = (50, 95, 99)
@@ -111,15 +116,14 @@ def table_rows(res: ScenarioResult) -> tuple[str, list[str], list[list[str]], st
     elif s == "return":
         bound = res.results[0]["bound"] if res.results else None
         headers = ["policy", "returning\nclient's share\nof service", "its share of\ndispatched\ncost",
-                   "steady client's\nservice (W)", f"max gap when\nboth are busy\n(bound {_n(bound)})",
-                   "weighted\ntokens/step"]
+                   "steady client's\nservice (W)", f"max drift (W)\n(bound {_n(bound)})", "weighted\ntokens/step"]
         for r in res.results:
             rows.append([r["policy"], _pct(r["returning_share"]), _pct(r["returning_dispatch_share"]),
-                         _n(r["steady_service"]), _n(r["max_interval_drift"]), _n(r["throughput"], 1)])
+                         _n(r["steady_service"]), _n(r["max_drift"]), _n(r["throughput"], 1)])
         title = (f"return: client 0 silent for {p['silence_steps']:,} steps, back at step {p['return_step']:,}; "
                  f"the {p['window_steps']} steps after")
-        caption = ("W: weighted tokens (w_p=%g, w_q=%g); M=%s; busy: work waiting or running"
-                   % (p["w_p"], p["w_q"], f"{p['kv_budget']:,}"))
+        caption = (f"W: weighted tokens (w_p={p['w_p']:g}, w_q={p['w_q']:g}); M={p['kv_budget']:,}; {DRIFT}; "
+                   "bound: 2 max(w_p L_input, w_q M), the VTC paper's bound on that gap")
     elif s == "kv-sweep":
         pols = list(dict.fromkeys(r["policy"] for r in res.results))
         budgets = list(dict.fromkeys(r["kv_budget"] for r in res.results))
@@ -128,14 +132,14 @@ def table_rows(res: ScenarioResult) -> tuple[str, list[str], list[list[str]], st
             sub = {r["policy"]: r for r in res.results if r["kv_budget"] == m}
             rows.append([_n(m), _n(next(iter(sub.values()))["bound"])] + [_n(sub[x]["max_drift"]) for x in pols])
         title = f"kv-sweep: max drift between two overloaded clients vs the KV budget, {p['steps']:,} steps"
-        caption = "drift: max |W_f(0,t) - W_g(0,t)| from the start, weighted tokens"
+        caption = f"{DRIFT}, weighted tokens"
     elif s == "rpm-sweep":
         headers = ["policy", "RPM limit", "max drift\n(W)", "weighted\ntokens/step", "tokens\n/step"]
         for r in res.results:
             rows.append([r["policy"], "none" if r["rpm"] is None else str(r["rpm"]), _n(r["max_drift"]),
                          _n(r["throughput"], 1), _n(r["tokens_per_step"], 1)])
         title = f"rpm-sweep: per-client request limits, a minute = {p['minute_steps']:,} steps, {p['steps']:,} steps"
-        caption = "drift in weighted tokens; throughput measured"
+        caption = f"{DRIFT}, weighted tokens; throughput measured"
     elif s == "shallow":
         marks = p["drift_at_steps"]
         headers = ["policy"] + [f"drift to\nstep {m:,}" for m in marks] + ["queue\nemptied", "weighted\ntokens/step"]
@@ -143,8 +147,8 @@ def table_rows(res: ScenarioResult) -> tuple[str, list[str], list[list[str]], st
             rows.append([_label(r)] + [_n(r["drift_at"][str(m)]) for m in marks]
                         + [_n(r["queue_empties"]), _n(r["throughput"], 1)])
         title = f"shallow: two clients each keeping one request waiting, M={p['kv_budget']:,}, {p['steps']:,} steps"
-        caption = ("drift: max |W_f(0,t) - W_g(0,t)| up to the step, weighted tokens; queue emptied: times the "
-                   "balancer's queue drained while the engine still had work")
+        caption = (f"{DRIFT}, up to the step, weighted tokens; queue emptied: times the balancer's queue "
+                   "drained while the engine still had work")
     elif s == "keep-one":
         headers = ["policy", "keeper's share\nof service", "max drift\n(W)", "weighted\ntokens/step"]
         for r in res.results:
@@ -180,10 +184,9 @@ def table_rows(res: ScenarioResult) -> tuple[str, list[str], list[list[str]], st
             title = f"drift: two clients over their share, M={p['kv_budget']:,}, {p['steps']:,} steps"
         else:
             title = f"trace: {p['trace']} ({p['requests']:,} requests), {p['servers']} server(s), M={p['kv_budget']:,}"
-        caption = ("max drift: max |W_f(0,t) - W_g(0,t)| over the flows backlogged the whole run; interval drift: "
-                   "the same restarted whenever a backlog empties; drift of est. cost: the interval form on the "
-                   "estimates charged while both wait at the balancer; weighted tokens (w_p=%g, w_q=%g); "
-                   "bound = 2 max(w_p L_input, w_q M)" % (p["w_p"], p["w_q"]))
+        caption = (f"{DRIFT}; interval drift: the same with a flow counted while it has work waiting or "
+                   "running; drift of est. cost: max drift on the estimates charged; weighted tokens "
+                   f"(w_p={p['w_p']:g}, w_q={p['w_q']:g}); bound = 2 max(w_p L_input, w_q M)")
     return title, headers, rows, caption
 
 
