@@ -3,8 +3,8 @@
 A pool's ``prices`` (currency per 1M tokens: ``input``, ``cached_input``, ``output``) turn a
 request's usage into spend; an org's ``budget`` (``{amount, per: day | month}``, UTC periods)
 caps what it may spend per period, and so does a team's (``orgs.NAME.teams.TEAM.budget``),
-within its org's: a team's spend counts toward both. The engine (:class:`sfq.engine.PolicyEngine`) applies the
-rule, this module holds its pieces:
+within its org's: a team's spend counts toward both. The engine
+(:class:`sfq.engine.PolicyEngine`) applies the rule, this module holds its pieces:
 
 * :class:`SpendBook`: the rule. At admission a request of an org with a budget, for a pool
   with prices, *reserves* its largest likely spend: its prompt at the input price plus its
@@ -169,7 +169,7 @@ class MemoryLedger:
             if self.path is not None and self.clock() - self._saved_at >= SAVE_EVERY:
                 self.flush()
 
-    def keep_only(self, keys: Mapping[str | Account, str]) -> None:
+    def keep_only(self, keys: Mapping[str, str] | Mapping[Account, str]) -> None:
         """Forget every period but ``keys[account]`` (the current one) of the accounts in
         ``keys``: an org's name (its own budget) or ``(org, team)``; an account not in ``keys``
         keeps what it has until its own period is read."""
@@ -286,8 +286,8 @@ class SpendBook:
         if prices is None:
             return None
         b = self.budget(flow.org)
-        if b is None:
-            return Hold(flow.org, flow.pool, "", 0.0, budgeted=False), math.inf, math.inf
+        if b is None:  # (its amount is what a team's budget would reserve)
+            return Hold(flow.org, flow.pool, "", self.reservation(estimate, prices), budgeted=False), math.inf, math.inf
         key, end = self._period_of((flow.org, ""), b.per, self.wall_clock() if now is None else now)
         return Hold(flow.org, flow.pool, key, self.reservation(estimate, prices)), b.amount, end
 
@@ -325,10 +325,6 @@ class SpendBook:
         if tb is not None and flow.team is not None:
             tkey, tend = self._period_of((flow.org, flow.team), tb.per, now)
             hold.team, hold.team_key = flow.team, tkey
-            if not hold.budgeted:  # (the org has no budget: its hold reserved nothing so far)
-                prices = self.prices(flow.pool)
-                assert prices is not None  # (quote returned a hold)
-                hold.amount = self.reservation(estimate, prices)
             budgets.append(((flow.org, flow.team), tkey, tb.amount))
             said.append((f"team {flow.team!r} of org {flow.org!r}", tb.amount, tb.per, tkey, tend))
         if budgets:
