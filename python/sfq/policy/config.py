@@ -160,13 +160,16 @@ DEFAULT_MAX_USERS = 1000
 @dataclass(frozen=True, slots=True)
 class TeamSpec:
     """A team of an org (``orgs.NAME.teams``): its part of the org's share (``weight``,
-    against the org's other teams), its keys (SHA-256 hex, as an org's) and the most users
-    it may have live at once (``max_users``; used when the org's ``users`` is set)."""
+    against the org's other teams), its keys (SHA-256 hex, as an org's), the most users
+    it may have live at once (``max_users``; used when the org's ``users`` is set) and its
+    own spending budget (``budget``: a request must fit it and the org's)."""
 
     name: str
     weight: float = 1.0
     key_digests: tuple[str, ...] = ()
     max_users: int = DEFAULT_MAX_USERS
+    #: what the team may spend per day or month, within its org's budget (``None``: no budget)
+    budget: BudgetSpec | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -666,7 +669,7 @@ def policy_from_mapping(data: object, *, source: str = "<mapping>") -> Policy:
         metrics = _metrics(top.get("metrics"), "metrics") if "metrics" in top else MetricsSpec()
     except PolicyError as exc:
         errs.add(exc)
-    if state is not None:
+    if state is not None and state.redis is not None:  # (a state file is one gateway's: nested shares are fine)
         for name, o in orgs.items():
             if o.nested:
                 errs.add(PolicyError(f"orgs.{name}.{'teams' if o.teams else 'users'}",
@@ -813,14 +816,15 @@ def _nested(d: Mapping[str, Any], path: str) -> tuple[Mapping[str, TeamSpec], bo
         named = _named(d["teams"], f"{path}.teams")
         for tname, tv in named.items():
             tp = f"{path}.teams.{tname}"
-            td = _section(tv, tp, ("weight", "keys", "key_sha256", "max_users"))
+            td = _section(tv, tp, ("weight", "keys", "key_sha256", "max_users", "budget"))
             tdig, twhere = _keys(td, tp)
             keys += zip(tdig, twhere)
             w = _number(td["weight"], f"{tp}.weight") if "weight" in td else 1.0
             if _opt(td, "max_users") is not None and not users:
                 raise PolicyError(f"{tp}.max_users", f"applies only with users: equal (set {path}.users)")
             tmu = _integer(td["max_users"], f"{tp}.max_users") if _opt(td, "max_users") is not None else max_users
-            teams[tname] = TeamSpec(tname, w, tuple(tdig), tmu)
+            budget = _budget(td["budget"], f"{tp}.budget") if _opt(td, "budget") is not None else None
+            teams[tname] = TeamSpec(tname, w, tuple(tdig), tmu, budget)
     return MappingProxyType(teams), users, max_users, keys
 
 
@@ -895,7 +899,8 @@ def _prices(v: object, path: str) -> PriceSpec:
 
 
 def _budget(v: object, path: str) -> BudgetSpec:
-    """``orgs.NAME.budget``: ``{amount: >= 0, per: day | month}`` (UTC periods)."""
+    """``orgs.NAME.budget`` (and ``orgs.NAME.teams.TEAM.budget``): ``{amount: >= 0, per: day |
+    month}`` (UTC periods)."""
     d = _section(v, path, ("amount", "per"))
     for need in ("amount", "per"):
         if need not in d:

@@ -157,19 +157,24 @@ def policy_tables(policy: Policy, *, every_flow: bool = False) -> list[Table]:
 
 
 def _spend_tables(policy: Policy) -> list[Table]:
-    """Prices per pool and budgets per org (only when the file sets any)."""
+    """Prices per pool and budgets per org and team (only when the file sets any)."""
     out: list[Table] = []
     prices = [[p.name, f"{p.prices.input:g}", f"{p.prices.input if p.prices.cached_input is None else p.prices.cached_input:g}",
                f"{p.prices.output:g}"] for p in policy.pools.values() if p.prices is not None]
     if prices:
         out.append(("Prices (currency per 1M tokens)", ["pool", "input", "cached input", "output"], prices))
-    budgets = [[o.name, f"{o.budget.amount:g}", f"per UTC {o.budget.per}"]
-               for o in policy.orgs.values() if o.budget is not None]
+    budgets = []
+    for o in policy.orgs.values():  # an org's budget, then its teams' (each within the org's)
+        if o.budget is not None:
+            budgets.append([o.name, f"{o.budget.amount:g}", f"per UTC {o.budget.per}"])
+        budgets += [[f"{o.name}.teams.{t.name}", f"{t.budget.amount:g}", f"per UTC {t.budget.per}"
+                     + (f" (and org {o.name}'s)" if o.budget is not None else "")]
+                    for t in o.teams.values() if t.budget is not None]
     if budgets:
         if not prices:
             budgets = [[*b[:2], b[2] + " (no pool has prices: nothing is spent)"] for b in budgets]
         out.append(("Budgets (a request the remaining budget cannot cover is refused: 429 budget_exhausted)",
-                    ["org", "amount", "period"], budgets))
+                    ["org or team", "amount", "period"], budgets))
     return out
 
 
