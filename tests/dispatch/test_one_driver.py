@@ -219,8 +219,9 @@ def _body_for(call: str, **kw: Any) -> dict[str, Any]:
 # ------------------------------------------------------------------ timeout= is the request's deadline
 async def test_a_deadline_that_runs_out_while_waiting_is_a_504_and_nothing_reaches_the_upstream(
         face: Face, fake: FakeServer) -> None:
-    async with face.acquire("holder", BODY) as held:  # the only slot
-        seen = [await attempt(face, call, "late", _body_for(call), timeout=0.3) for call in CALLS]
+    async with face.acquire("holder", BODY) as held:  # the only slot: the pool is full, only the timer ends them
+        seen = [await asyncio.wait_for(attempt(face, call, "late", _body_for(call), timeout=0.3), 10)
+                for call in CALLS]
         held.finish(USAGE)
     assert seen == [("Refused", 504, None, "deadline", "enter")] * len(CALLS)
     assert fake.requests == []

@@ -264,8 +264,9 @@ def test_both_twins_start_the_same_requests_in_the_same_order(ops: list[tuple[st
                               st.integers(0, 10_000)), max_size=120))
 def test_starting_at_submit_decides_what_the_next_poll_would(ops: list[tuple[str, int]]) -> None:
     """``submit(start=True)`` (the drivers' fast path: an uncontended request starts without a
-    poll) against ``submit`` then ``poll``, for a driver that polls after every event: the
-    same requests start, in the same order, on the same backends, at the same meters."""
+    poll) and no poll after a request joins a full pool (``may_start``), against ``submit``
+    then ``poll`` after every event: the same requests start, in the same order, on the same
+    backends, at the same meters, and the same are dropped."""
     runs = []
     for at_once in (False, True):
         clock = Clock()
@@ -282,6 +283,7 @@ def test_starting_at_submit_decides_what_the_next_poll_would(ops: list[tuple[str
             running.append(r)
 
         for op, x in ops:
+            pump = True
             if op == "submit":
                 f = FLOWS[x % len(FLOWS)]
                 try:
@@ -295,6 +297,8 @@ def test_starting_at_submit_decides_what_the_next_poll_would(ops: list[tuple[str
                     if r.state == RUNNING:
                         assert at_once
                         started(r)
+                    # the driver skips the poll while the pool is full (a freed slot polls again)
+                    pump = not at_once or r.state == RUNNING or e.may_start(f.pool)
                 n += 1
             elif op == "complete" and running:
                 e.complete(running.pop(x % len(running)))
@@ -309,6 +313,8 @@ def test_starting_at_submit_decides_what_the_next_poll_would(ops: list[tuple[str
                     e.cancel(live[x % len(live)])
             elif op == "advance":
                 clock.t += [0.0, 0.5, 30.0, 7200.0][x % 4]
+            if not pump:
+                continue
             for r in e.poll():  # the driver's pump after every event
                 started(r)
             log.extend(("dropped:" + str(d.reason), index[d.id], 0.0) for d in e.dropped)

@@ -477,8 +477,10 @@ class PolicyDispatcher:
             self._sent[r.backend][0] += 1  # type: ignore[index]
             if self.on_start is not None:
                 self._started_hook(r)
-        else:
+        elif self.engine.may_start(r.flow.pool):
             self._pump()
+        elif r.drop_at < math.inf:  # its pool is full: nothing starts until a slot frees (which pumps)
+            self._arm(r.drop_at)
         return r
 
     async def _reserve(self, flow: Flow, est: Estimate | None) -> Hold | None:

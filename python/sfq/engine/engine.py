@@ -444,6 +444,12 @@ class PolicyEngine:
                 return True
         return False
 
+    def may_start(self, pool: str) -> bool:
+        """Whether a :meth:`poll` after a request joined ``pool``'s queue may start or drop
+        anything that :meth:`wake_at` does not already name: ``False`` while the pool is full
+        (every slot taken: what frees one polls again) and no request gave its place up."""
+        return bool(self._evicted) or not self.queues[pool].full()
+
     def poll(self, fits: Fits | None = None) -> list[Request]:
         """Start everything that may start now: returns the requests to send (each on
         ``r.backend``), after ending as refused those whose queue age or deadline ran out

@@ -690,6 +690,19 @@ class PolicyQueue:
                     best, load = b, x
         return best if best is not None else avoided
 
+    def full(self) -> bool:
+        """Whether nothing can start for want of a slot: the pool's ``max_in_flight`` is reached,
+        or every backend holds its limit (outside an outage, whose own timeouts a poll keeps).
+        A :meth:`pop` now would start nothing and drop only what :meth:`wake_at` names."""
+        if self.down_since is not None:
+            return False
+        if self.slots.full:
+            return True
+        for b in self.backends.values():
+            if b.in_flight < b.limit:
+                return False
+        return True
+
     def _pool_room(self, now: float) -> bool:
         if self.slots.full:
             return False

@@ -437,8 +437,11 @@ def _org_rows(policy: Policy) -> bytes:
 
 def _orgs_from_rows(rows: bytes) -> Mapping[str, OrgSpec]:
     """The orgs :func:`_org_rows` wrote, in the same order (orgs that shared a tuple still do)."""
-    return MappingProxyType({r[0]: OrgSpec(*(MappingProxyType(v) if isinstance(v, dict) else v for v in r))
-                             for r in pickle.loads(rows)})
+    made: dict[str, OrgSpec] = {}
+    for r in pickle.loads(rows):
+        values: list[Any] = [MappingProxyType(v) if isinstance(v, dict) else v for v in r]
+        made[r[0]] = OrgSpec(*values)
+    return MappingProxyType(made)
 
 
 #: libyaml's parser when PyYAML was built with it (a 10,000-org file: about 1 s, not 4), else PyYAML's own
