@@ -340,14 +340,14 @@ def _llama() -> Any:
 
     d = ROOT / "tests" / "dispatch"
     mods = {}
-    for name, path in (("tinymodel", d / "tinymodel.py"), ("sfq_tests_dispatch_conftest", d / "conftest.py")):
+    for name, path in (("tinymodel", d / "tinymodel.py"), ("sfq_tests_dispatch_helpers", d / "dispatch_helpers.py")):
         spec = importlib.util.spec_from_file_location(name, path)
         assert spec is not None and spec.loader is not None
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
         mods[name] = mod
-    return mods["tinymodel"], mods["sfq_tests_dispatch_conftest"]
+    return mods["tinymodel"], mods["sfq_tests_dispatch_helpers"]
 
 
 def section_overload(tmp: Path, quick: bool) -> dict[str, Any]:

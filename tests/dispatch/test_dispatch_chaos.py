@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import FakeServer, LagProbe, servers_in_a_thread
+from dispatch_helpers import FakeServer, LagProbe, servers_in_a_thread
 
 from sfq.backends import OpenAIBackend
 from sfq.backends.health import HealthOptions

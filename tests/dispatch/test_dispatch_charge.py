@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from conftest import FakeServer, GateBackend, settle
+from dispatch_helpers import FakeServer, GateBackend, settle
 
 import sfq
 from sfq.backends.health import HealthOptions

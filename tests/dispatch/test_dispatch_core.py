@@ -7,7 +7,7 @@ import asyncio
 import itertools
 
 import pytest
-from conftest import GateBackend, settle
+from dispatch_helpers import GateBackend, settle
 
 from sfq.cost import CostEstimator
 from sfq.backends.health import HealthOptions

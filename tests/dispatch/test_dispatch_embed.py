@@ -8,7 +8,7 @@ import asyncio
 
 import aiohttp
 import pytest
-from conftest import FakeServer, settle
+from dispatch_helpers import FakeServer, settle
 
 import sfq
 from sfq.backends import OpenAIBackend

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 
 import pytest
-from conftest import FakeServer, wait_until
+from dispatch_helpers import FakeServer, wait_until
 
 from sfq.backends import OpenAIBackend, SaturationProbe
 from sfq.backends.health import HealthOptions

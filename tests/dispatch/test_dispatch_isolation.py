@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import FakeServer, GateBackend, LagProbe, servers_in_a_thread, settle, wait_until
+from dispatch_helpers import FakeServer, GateBackend, LagProbe, servers_in_a_thread, settle, wait_until
 
 import json
 

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 import pytest
-from conftest import LLAMA_MODEL_NAME, LLAMA_SLOTS, LlamaServer, needs_llama, start_llama
+from dispatch_helpers import LLAMA_MODEL_NAME, LLAMA_SLOTS, LlamaServer, needs_llama, start_llama
 from tinymodel import OUTPUT_CHAR
 
 from sfq.backends import OpenAIBackend, SaturationProbe

@@ -9,7 +9,7 @@ import asyncio
 import random
 
 import pytest
-from conftest import FakeServer, wait_until
+from dispatch_helpers import FakeServer, wait_until
 
 from sfq.backends import OpenAIBackend
 from sfq.backends.health import HealthOptions

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from conftest import FakeServer, GateBackend, settle, wait_until
+from dispatch_helpers import FakeServer, GateBackend, settle, wait_until
 
 from sfq.backends import OpenAIBackend
 from sfq.cost import CostEstimator

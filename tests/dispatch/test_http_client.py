@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import wait_until
+from dispatch_helpers import wait_until
 
 from sfq.backends import JSONEvent, OpenAIBackend
 from sfq.backends import _http

@@ -24,7 +24,7 @@ from typing import Any
 
 import prometheus_client
 import pytest
-from conftest import FakeServer, settle, wait_until
+from dispatch_helpers import FakeServer, settle, wait_until
 
 import sfq
 from sfq.backends import OpenAIBackend

@@ -31,8 +31,8 @@ def _load(name: str, path: Path):  # the dispatch tests' llama helpers, without 
     return mod
 
 
-sys.path.insert(0, str(_DISPATCH))  # conftest imports tinymodel
-helpers = _load("sfq_dispatch_test_helpers", _DISPATCH / "conftest.py")
+sys.path.insert(0, str(_DISPATCH))  # dispatch_helpers imports tinymodel
+helpers = _load("sfq_dispatch_test_helpers", _DISPATCH / "dispatch_helpers.py")
 tinymodel = _load("tinymodel", _DISPATCH / "tinymodel.py")
 
 pytestmark = [pytest.mark.integration, helpers.needs_llama]

@@ -30,7 +30,7 @@ def _load(name: str, path: Path) -> Any:
 
 
 tinymodel = _load("tinymodel", DISPATCH / "tinymodel.py")
-dispatch_fixtures = _load("sfq_tests_dispatch_conftest", DISPATCH / "conftest.py")
+dispatch_fixtures = _load("sfq_tests_dispatch_helpers", DISPATCH / "dispatch_helpers.py")
 
 pytestmark = [pytest.mark.integration, dispatch_fixtures.needs_llama]
 
