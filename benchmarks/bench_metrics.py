@@ -1,10 +1,11 @@
 """The size and cost of ``/metrics`` and ``/stats`` with many orgs (issue 31), not a timed test.
 
-``sfq serve`` with a policy of ``--orgs`` orgs (default 10,000; one class, one pool, over the
-fast loopback upstream ``serve_upstream.py``), measured twice:
+``sfq serve`` with a policy of ``--orgs`` orgs (default 10,000; ``--classes`` classes each,
+default one; one pool, over the fast loopback upstream ``serve_upstream.py``), measured twice:
 
 1. **configured, none active**: right after the start;
-2. **all active**: after every org sent ``--requests`` requests (aiohttp, 64 at a time).
+2. **all active**: after every org sent ``--requests`` requests in each of its classes (aiohttp,
+   64 at a time).
 
 Each time: the bytes and lines of one ``/metrics`` scrape and of one ``/stats``, the wall time
 of a scrape (median of ``--scrapes``; the client is in this process, the gateway alone on its
@@ -42,14 +43,21 @@ ROOT = HERE.parent
 BODY = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 4}).encode()
 
 
-def policy(upstream: str, orgs: int) -> str:
-    lines = "\n".join(f'  org{i}: {{keys: ["sk-{i}"], classes: [batch]}}' for i in range(orgs))
+def class_names(n: int) -> list[str]:
+    """``batch``, then ``class1``, ``class2``, ... (``--classes``)."""
+    return ["batch"] + [f"class{j}" for j in range(1, n)]
+
+
+def policy(upstream: str, orgs: int, classes: int = 1) -> str:
+    names = class_names(classes)
+    lines = "\n".join(f'  org{i}: {{keys: ["sk-{i}"], classes: [{", ".join(names)}]}}' for i in range(orgs))
+    defs = "\n".join(f"  {c}: {{weight: 1}}" for c in names)
     return f"""pools:
   main:
     models: [m]
     backends: [{{url: "{upstream}", max_in_flight: 256}}]
 classes:
-  batch: {{weight: 1}}
+{defs}
 orgs:
 {lines}
 """
@@ -114,34 +122,35 @@ def reading(url: str, proc: Proc, scrapes: int) -> dict[str, Any]:
             "rss_mb": proc.rss() / 2**20}
 
 
-async def drive(url: str, orgs: int, per_org: int) -> dict[str, int]:
+async def drive(url: str, orgs: int, per_org: int, classes: int = 1) -> dict[str, int]:
     import aiohttp
 
     sem = asyncio.Semaphore(64)
     codes: dict[str, int] = {}
 
-    async def one(s: aiohttp.ClientSession, i: int) -> None:
+    async def one(s: aiohttp.ClientSession, i: int, cls: str) -> None:
         async with sem:
-            async with s.post(url + "/v1/completions", data=BODY,
-                              headers={"Authorization": f"Bearer sk-{i}", "Content-Type": "application/json"}) as r:
+            async with s.post(url + "/v1/completions", data=BODY, headers={
+                    "Authorization": f"Bearer sk-{i}", "X-SFQ-Class": cls, "Content-Type": "application/json"}) as r:
                 await r.read()
                 codes[str(r.status)] = codes.get(str(r.status), 0) + 1
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as s:
-        await asyncio.gather(*(one(s, i) for i in range(orgs) for _ in range(per_org)))
+        await asyncio.gather(*(one(s, i, c) for i in range(orgs) for c in class_names(classes)
+                               for _ in range(per_org)))
     return codes
 
 
 def measure(name: str, path: str, a: argparse.Namespace, tmp: Path, upstream: str) -> dict[str, Any]:
     cfg = tmp / f"{name}.yaml"
-    cfg.write_text(policy(upstream, a.orgs))
+    cfg.write_text(policy(upstream, a.orgs, a.classes))
     gw = Proc([sys.executable, "-m", "sfq", "serve", "--config", str(cfg), "--port", "0", "--access-log", "off"],
               env={"PYTHONPATH": path})
     try:
         url = gw.wait_for(r"listening on (http://\S+)").group(1)
         out: dict[str, Any] = {"checkout": path, "idle": reading(url, gw, a.scrapes)}
         t0 = time.monotonic()
-        out["codes"] = asyncio.run(drive(url, a.orgs, a.requests))
+        out["codes"] = asyncio.run(drive(url, a.orgs, a.requests, a.classes))
         out["drive_s"] = time.monotonic() - t0
         out["active"] = reading(url, gw, a.scrapes)
         return out
@@ -166,15 +175,17 @@ def table(res: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--orgs", type=int, default=10_000)
-    ap.add_argument("--requests", type=int, default=1, help="requests per org (1)")
+    ap.add_argument("--requests", type=int, default=1, help="requests per org and class (1)")
+    ap.add_argument("--classes", type=int, default=1, help="classes per org, each sent --requests (1)")
     ap.add_argument("--scrapes", type=int, default=5, help="scrapes per reading; the median time is kept (5)")
     ap.add_argument("--sfq", action="append", metavar="NAME=DIR", help="a checkout's python/ (repeatable)")
     ap.add_argument("--out", default=str(HERE / "results" / "metrics.json"))
     a = ap.parse_args(argv)
-    if a.orgs < 1 or a.requests < 1 or a.scrapes < 1:
-        ap.error("--orgs, --requests and --scrapes must be >= 1")
+    if a.orgs < 1 or a.requests < 1 or a.scrapes < 1 or a.classes < 1:
+        ap.error("--orgs, --requests, --classes and --scrapes must be >= 1")
     checkouts = [tuple(x.split("=", 1)) for x in a.sfq] if a.sfq else [("this", str(ROOT / "python"))]
-    res: dict[str, Any] = {"orgs": a.orgs, "requests_per_org": a.requests, "python": sys.version.split()[0],
+    res: dict[str, Any] = {"orgs": a.orgs, "requests_per_org": a.requests, "classes": a.classes,
+                           "python": sys.version.split()[0],
                            "load_before": os.getloadavg(), "runs": {}}
     with tempfile.TemporaryDirectory(prefix="bench-metrics-") as d:
         tmp = Path(d)

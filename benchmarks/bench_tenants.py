@@ -13,7 +13,8 @@ to a file) in front of the fast loopback upstream (``serve_upstream.py``):
   (``/proc/PID/stat``) over the run, divided by the requests it answered. Every reply must be
   a 200;
 * **RSS after traffic**: once every org has sent requests (the warm-up visits every key);
-* **/metrics bytes**: the size of one ``GET /metrics`` after the traffic;
+* **/metrics bytes**: the size of one ``GET /metrics`` once it listens (every org configured, none
+  active) and after the traffic;
 * **reload**: seconds from SIGHUP to the gateway's "reloaded" line (the same file, re-read and
   put in force), and the RSS after it.
 
@@ -148,6 +149,7 @@ def one_run(n: int, up: str, seconds: float, warm: float, tmp: Path, tool: str) 
         startup = time.perf_counter() - t0
         time.sleep(0.5)  # (the collector's freeze runs once it listens)
         rest = gw.rss_kib()
+        idle_metrics = _get(url + "/metrics")  # every org configured, none has sent anything yet
         # the warm-up visits every key at least once (wrk and the client both rotate)
         w: dict[str, Any] = {"requests": 0, "non_200": 0, "socket_errors": ""}
         while w["requests"] < n:
@@ -174,6 +176,7 @@ def one_run(n: int, up: str, seconds: float, warm: float, tmp: Path, tool: str) 
             "rss_reload_kib": after_reload, "requests": r["requests"], "warmup_requests": w["requests"],
             "non_200": r["non_200"] + w["non_200"], "socket_errors": r["socket_errors"] or w["socket_errors"],
             "cpu_us_per_request": 1e6 * cpu / max(r["requests"], 1), "metrics_bytes": len(metrics),
+            "metrics_idle_bytes": len(idle_metrics),
             "orgs_counted": served, "reload_s": reload_s, "reloaded_orgs": reloaded_orgs}
 
 
@@ -196,7 +199,8 @@ def summarise(res: dict[str, Any]) -> dict[str, Any]:
     rows = {}
     for n, runs in res["runs"].items():
         rows[n] = {k: _med(runs, k) for k in ("startup_s", "rss_rest_kib", "rss_traffic_kib", "rss_reload_kib",
-                                               "cpu_us_per_request", "metrics_bytes", "reload_s", "requests")}
+                                               "cpu_us_per_request", "metrics_bytes", "metrics_idle_bytes", "reload_s",
+                                               "requests")}
     sizes = sorted(rows, key=int)
     lo = sizes[0]
     for n in sizes[1:]:
@@ -213,8 +217,8 @@ def table(res: dict[str, Any]) -> str:
     rows = res["summary"]
     sizes = sorted(rows, key=int)
     out = [f"| orgs | start-up | RSS at rest | RSS after traffic | CPU per request ({res['tool']}) | "
-           f"/metrics | SIGHUP reload | RSS after reload |",
-           "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           f"/metrics, none active | /metrics, all active | SIGHUP reload | RSS after reload |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for n in sizes:
         r = rows[n]
         cpu = f"{r['cpu_us_per_request']:.0f} µs"
@@ -226,7 +230,8 @@ def table(res: dict[str, Any]) -> str:
             st += f" ({r['startup_ratio']:.2f}x)"
             rest += f" (+{r['rest_bytes_per_org'] / 1024:.2f} KB/org)"
             tr += f" (+{r['traffic_bytes_per_org'] / 1024:.2f} KB/org)"
-        out.append(f"| {int(n):,} | {st} | {rest} | {tr} | {cpu} | {r['metrics_bytes'] / 1024:,.0f} KB | "
+        out.append(f"| {int(n):,} | {st} | {rest} | {tr} | {cpu} | {r['metrics_idle_bytes'] / 1024:,.1f} KB | "
+                   f"{r['metrics_bytes'] / 1024:,.0f} KB | "
                    f"{r['reload_s']:.2f} s | {r['rss_reload_kib'] / 1024:.1f} MB |")
     return "\n".join(out)
 

@@ -6,6 +6,8 @@ every counter monotonic while orgs change label."""
 from __future__ import annotations
 
 import json
+import random
+from bisect import bisect_left
 from typing import Any
 
 import pytest
@@ -13,7 +15,15 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sfq.policy import parse_policy
-from sfq.policy.metrics import OTHER_ORG, PolicyMetrics, busy_mask, expected_shares, jain, wait_quantile
+from sfq.policy.metrics import (
+    OTHER_ORG,
+    WAIT_BUCKETS,
+    PolicyMetrics,
+    busy_mask,
+    expected_shares,
+    jain,
+    wait_quantile,
+)
 
 
 class Clock:
@@ -295,3 +305,75 @@ classes:
 orgs:
 {orgs}
 """
+
+
+def test_the_window_trims_only_what_left_it_and_stays_bounded() -> None:
+    """Random arrivals, starts, ends and clock steps against a log of every event that is
+    never trimmed: the window's figures (each org's served cost, each flow's backlogged
+    seconds, its waits) match the log's over the last ``window_seconds`` at every step, and a
+    flow keeps at most a window's worth of records and spans."""
+    rnd = random.Random(31)
+    clock = Clock()
+    w = 5
+    m = PolicyMetrics(clock=clock, window_seconds=w)
+    m.policy = _policy()
+    keys = [("o0", "batch", "main"), ("o1", "batch", "main"), ("o2", "batch", "main")]
+    served: dict[Any, list[tuple[int, float]]] = {k: [] for k in keys}  # (second, cost)
+    waits: dict[Any, list[tuple[int, float]]] = {k: [] for k in keys}  # (second, wait)
+    spans: dict[Any, list[list[float]]] = {k: [] for k in keys}  # every backlogged span, closed
+    since: dict[Any, float | None] = dict.fromkeys(keys)
+    waiting = dict.fromkeys(keys, 0)
+    running = dict.fromkeys(keys, 0)
+
+    def idle(k: Any) -> None:
+        if waiting[k] + running[k] == 0 and since[k] is not None:
+            spans[k].append([since[k], clock.t])
+            since[k] = None
+
+    for _ in range(3000):
+        k = rnd.choice(keys)
+        op = rnd.random()
+        if op < 0.3:
+            m.queued(k)
+            waiting[k] += 1
+            since[k] = clock.t if since[k] is None else since[k]
+        elif op < 0.55 and waiting[k]:
+            wait = rnd.choice((0.001, 0.02, 0.3, 4.0))
+            m.started(k, wait, 1.0, False)
+            waiting[k] -= 1
+            running[k] += 1
+            waits[k].append((int(clock.t), wait))
+        elif op < 0.8 and running[k]:
+            cost = float(rnd.randint(1, 50))
+            m.attempt_ended(k, served_cost=cost)
+            running[k] -= 1
+            served[k].append((int(clock.t), cost))
+            idle(k)
+        elif op < 0.85 and waiting[k]:
+            m.left_queue(k)
+            waiting[k] -= 1
+            idle(k)
+        else:
+            clock.t += rnd.choice((0.0, 0.2, 0.7, 1.0, 3.5, 9.0))
+        top = int(clock.t)
+        lo = top - w + 1
+        st = m.stats()["pools"]["main"]["orgs"]
+        for k in keys:
+            org = k[0]
+            want = sum(c for s, c in served[k] if lo <= s <= top)
+            if org in st:
+                assert st[org]["served_cost"] == pytest.approx(want)
+            else:
+                assert want == 0
+            fc = m.flows.get(k)
+            if fc is None:
+                continue
+            assert busy_mask(fc.spans, fc.since, clock.t, lo, top) == busy_mask(spans[k], since[k], clock.t, lo, top)
+            in_window = [x for s, x in waits[k] if lo <= s <= top]
+            got = [0] * (len(WAIT_BUCKETS) + 1)
+            for sec, _, wc in fc.recent:
+                if wc is not None and lo <= sec <= top:
+                    got = [a + b for a, b in zip(got, wc)]
+            assert sum(got) == len(in_window)
+            assert got == [sum(1 for x in in_window if bisect_left(WAIT_BUCKETS, x) == i) for i in range(len(got))]
+            assert len(fc.recent) <= w and len(fc.spans) <= w + 2

@@ -45,7 +45,6 @@ from __future__ import annotations
 import math
 import time
 from bisect import bisect_left
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -125,8 +124,10 @@ class FlowCounters:
         self.wait_buckets = [0] * _NB
         self.joins = 0  # requests that joined a running one of the same Idempotency-Key
         self.since: float | None = None
-        self.spans: deque[list[float]] = deque()
-        self.recent: deque[list[Any]] = deque()
+        # (lists, not deques: an empty deque is 760 bytes, two of them per active flow; each is
+        # cut from the front at most once a second and holds at most the window's seconds)
+        self.spans: list[list[float]] = []
+        self.recent: list[list[Any]] = []
 
     def as_dict(self) -> dict[str, Any]:
         return {"waiting": self.waiting, "in_flight": self.in_flight, **self.outcomes,
@@ -388,8 +389,11 @@ class PolicyMetrics:
         r = [sec, 0.0, None]
         rec.append(r)
         old = sec - self._w
-        while rec[0][0] <= old:
-            rec.popleft()
+        i = 0
+        while rec[i][0] <= old:  # (stops at ``r`` at the latest)
+            i += 1
+        if i:
+            del rec[:i]
         return r
 
     def _idle(self, fc: FlowCounters) -> None:
@@ -405,8 +409,11 @@ class PolicyMetrics:
         else:
             sp.append([start, now])
             old = now - self._w - 1
-            while sp[0][1] < old:
-                sp.popleft()
+            i = 0
+            while sp[i][1] < old:  # (stops at the span just added at the latest)
+                i += 1
+            if i:
+                del sp[:i]
 
     def queued(self, key: Key, n: int = 1) -> None:
         fc = self.flows.get(key) or self._get(key)
