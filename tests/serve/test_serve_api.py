@@ -114,6 +114,7 @@ def test_raw_http_errors(gateway: GatewayProcess):
     assert status == 401 and set(body["error"]) >= {"message", "type", "code"}
     status, body = gateway.get("/v2/anything")
     assert status == 404 and json.loads(body)["error"]["code"] == "unknown_route"
+    assert "GET /stats, GET /dashboard)" in json.loads(body)["error"]["message"]  # the routes there are
 
 
 def test_429s_say_when_to_come_back(client, gate: Upstream, gateway: GatewayProcess):

@@ -124,6 +124,7 @@ def test_the_page_needs_no_key_pins_its_script_and_is_off_with_no_dashboard(tmp_
     try:
         status, _, body = _get(gw.url + "/dashboard")
         assert status == 404 and json.loads(body)["error"]["code"] == "unknown_route", body
+        assert "/dashboard)" not in json.loads(body)["error"]["message"]  # (the routes it names are the ones there)
         assert _get(gw.url + "/stats")[0] == 200
     finally:
         gw.stop()

@@ -199,6 +199,7 @@ class Gateway:
         r.add_get("/health", self._health, expect_handler=expect)
         r.add_get("/metrics", self._metrics, expect_handler=expect)
         r.add_get("/stats", self._stats, expect_handler=expect)
+        self._routes = ", GET /dashboard" if dashboard else ""  # (named in a 404's message)
         if dashboard:
             _dashboard.page()  # read now: a package without its page fails at start-up, not on a request
             r.add_get("/dashboard", self._dashboard, expect_handler=expect)
@@ -276,7 +277,7 @@ class Gateway:
     async def _not_found(self, request: web.Request) -> web.Response:
         return self._error(HTTPError(404, "not_found_error", "unknown_route",
                                      f"no route {request.method} {request.path[:100]} (routes: POST {_CHAT}, "
-                                     f"POST {_COMPLETIONS}, GET /v1/models, GET /health, GET /metrics, GET /stats)"),
+                                     f"POST {_COMPLETIONS}, GET /v1/models, GET /health, GET /metrics, GET /stats{self._routes})"),
                            new_request_id())
 
     async def _models(self, request: web.Request) -> web.Response:
