@@ -58,8 +58,8 @@ def _entry() -> _Entry:
     e.model = "m"
     e.status = 200
     e.usage = {"prompt_tokens": 21, "completion_tokens": 128, "total_tokens": 149}
-    e.r = SimpleNamespace(flow=KEY, outcome="completed", reason=None, tries=1, cost=149.0, backend="b",
-                          started_at=1000.0012, arrival=1000.0)  # type: ignore[assignment]
+    e.r = SimpleNamespace(flow=KEY, outcome="completed", reason=None, tries=1, cost=149.0, charged_total=149.0,
+                          backend="b", started_at=1000.0012, arrival=1000.0)  # type: ignore[assignment]
     e.counted = True
     return e
 
