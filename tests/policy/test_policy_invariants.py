@@ -213,6 +213,25 @@ def test_random_operations_keep_every_promise(make) -> None:
     m.TestCase().runTest()
 
 
+def _event(e: PolicyEngine, clock: Clock, op: str, x: int, running: list[Request],
+           accepted: list[Request]) -> None:
+    """One event of a random sequence other than a submit or a poll: a running request
+    completes or fails (retried when the engine says so), a waiting one is cancelled, or the
+    clock moves."""
+    if op == "complete" and running:
+        e.complete(running.pop(x % len(running)))
+    elif op == "fail" and running:
+        r = running.pop(x % len(running))
+        if e.fail(r, BackendHTTPError("busy", status=503)).retry:
+            e.requeue(r)
+    elif op == "cancel":
+        live = [r for r in accepted if r.outcome is None and r.state == WAITING]
+        if live:
+            e.cancel(live[x % len(live)])
+    elif op == "advance":
+        clock.t += [0.0, 0.5, 30.0, 7200.0][x % 4]
+
+
 @pytest.mark.skipif(sfq.CORE != "compiled", reason="needs the compiled core next to the twin")
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(st.tuples(st.sampled_from(["submit", "poll", "complete", "fail", "cancel", "advance"]),
@@ -242,19 +261,8 @@ def test_both_twins_start_the_same_requests_in_the_same_order(ops: list[tuple[st
                 for r in e.poll():
                     log.append(("start:" + str(r.backend), index[r.id]))
                     running.append(r)
-            elif op == "complete" and running:
-                e.complete(running.pop(x % len(running)))
-            elif op == "fail" and running:
-                r = running.pop(x % len(running))
-                d = e.fail(r, BackendHTTPError("busy", status=503))
-                if d.retry:
-                    e.requeue(r)
-            elif op == "cancel":
-                live = [r for r in waiting if r.outcome is None and r.state == WAITING]
-                if live:
-                    e.cancel(live[x % len(live)])
-            elif op == "advance":
-                clock.t += [0.0, 0.5, 30.0, 7200.0][x % 4]
+            else:
+                _event(e, clock, op, x, running, waiting)
         runs.append(log)
     assert runs[0] == runs[1]
 
@@ -300,19 +308,8 @@ def test_starting_at_submit_decides_what_the_next_poll_would(ops: list[tuple[str
                     # the driver skips the poll while the pool is full (a freed slot polls again)
                     pump = not at_once or r.state == RUNNING or e.may_start(f.pool)
                 n += 1
-            elif op == "complete" and running:
-                e.complete(running.pop(x % len(running)))
-            elif op == "fail" and running:
-                r = running.pop(x % len(running))
-                d = e.fail(r, BackendHTTPError("busy", status=503))
-                if d.retry:
-                    e.requeue(r)
-            elif op == "cancel":
-                live = [r for r in accepted if r.outcome is None and r.state == WAITING]
-                if live:
-                    e.cancel(live[x % len(live)])
-            elif op == "advance":
-                clock.t += [0.0, 0.5, 30.0, 7200.0][x % 4]
+            else:
+                _event(e, clock, op, x, running, accepted)
             if not pump:
                 continue
             for r in e.poll():  # the driver's pump after every event

@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from state_helpers import REDIS, RedisServer, Upstream
+from state_helpers import REDIS, Gateway, RedisServer, Upstream
 
 pytest.importorskip("redis", reason="the redis package (pip install 'sfq-scheduler[redis]') is not installed")
 
@@ -42,3 +42,14 @@ def upstream() -> Iterator[Upstream]:
 @pytest.fixture
 def prefix() -> str:
     return f"t{uuid.uuid4().hex[:8]}:"
+
+
+@pytest.fixture
+def gateways() -> Iterator[list[Gateway]]:
+    """The ``sfq serve`` processes a test starts (append them): stopped when it ends."""
+    started: list[Gateway] = []
+    try:
+        yield started
+    finally:
+        for g in started:
+            g.stop()

@@ -10,7 +10,6 @@ A gateway killed while it holds reservations gives them back within ``lease_seco
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,16 +31,6 @@ orgs:
   team-b: {{keys: ["sk-b"], classes: [batch], budget: {{amount: 3, per: month}}}}
 state: {{redis: "{redis.url}", prefix: "{prefix}", lease_seconds: 1}}
 """
-
-
-@pytest.fixture
-def gateways() -> Iterator[list[Gateway]]:
-    started: list[Gateway] = []
-    try:
-        yield started
-    finally:
-        for g in started:
-            g.stop()
 
 
 def _spent(redis: RedisServer, prefix: str, org: str) -> float:

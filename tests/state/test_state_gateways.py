@@ -7,22 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from state_helpers import LIMIT, Gateway, RedisServer, Upstream, free_port, policy_yaml, wait_until
-
-
-@pytest.fixture
-def gateways() -> Iterator[list[Gateway]]:
-    started: list[Gateway] = []
-    try:
-        yield started
-    finally:
-        for g in started:
-            g.stop()
 
 
 def _fire(jobs: list[tuple[Gateway, str, str]]) -> list[int]:
