@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -219,7 +220,8 @@ def _event(e: PolicyEngine, clock: Clock, op: str, x: int, running: list[Request
     completes or fails (retried when the engine says so), a waiting one is cancelled, or the
     clock moves."""
     if op == "complete" and running:
-        e.complete(running.pop(x % len(running)))
+        r = running.pop(x % len(running))
+        e.complete(r, {"prompt_tokens": x % 900, "completion_tokens": x % 1300} if x % 3 else None)
     elif op == "fail" and running:
         r = running.pop(x % len(running))
         if e.fail(r, BackendHTTPError("busy", status=503)).retry:
@@ -267,18 +269,57 @@ def test_both_twins_start_the_same_requests_in_the_same_order(ops: list[tuple[st
     assert runs[0] == runs[1]
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+#: a policy where the uncontended path is taken most (no org or class max_in_flight), with
+#: what still changes a start: weights, template orgs, a small-cost class, queue ages (one of
+#: a quarter second), deadlines, the pool's request and token buckets, backends of unequal size and context
+_OPEN = """
+pools:
+  gpu:
+    models: [m1]
+    backends:
+      - {url: "http://127.0.0.1:1", max_in_flight: 1}
+      - {url: "http://127.0.0.1:2", max_in_flight: 2, max_context: 4000}
+    limits: {requests_per_minute: 40, tokens_per_minute: 30000}
+  api:
+    models: [m2]
+    backends:
+      - {url: "http://127.0.0.1:3", max_in_flight: 2}
+classes:
+  interactive: {weight: 4, max_queue_length: 6, max_queue_age_seconds: 60, small_cost: 100, small_picks: 2}
+  batch: {weight: 1, max_queue_length: 10}
+  instant: {weight: 2, max_queue_age_seconds: 0.25}
+org_template: {classes: [batch, interactive]}
+orgs:
+  a: {keys: [ka], classes: [batch, interactive, instant], weight: 3}
+  b: {keys: [kb], classes: [interactive, batch]}
+retry: {max_attempts: 3, budget_per_flow_percent: 20}
+"""
+OPEN_POLICY = parse_policy(_OPEN)
+OPEN_SEED_POLICY = parse_policy(_OPEN + "cost: {charge: seed}\n")
+OPEN_FLOWS = [Flow(o, c, p) for o, c, p in OPEN_POLICY.flows()] + [
+    Flow(o, c, p) for o in ("t1", "t2") for c in ("batch", "interactive") for p in ("gpu", "api")]
+#: few flows of one pool, so that one flow's requests meet (its small-pick run, its refund floor)
+NARROW_FLOWS = [Flow("a", "interactive", "gpu"), Flow("b", "interactive", "gpu"), Flow("t1", "interactive", "gpu")]
+_BODIES = [{"model": "m", "prompt": "x" * n, "max_tokens": m} for n in (10, 400, 3000) for m in (5, 60, 900)]
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(st.tuples(st.sampled_from(["submit", "submit", "complete", "fail", "cancel", "advance"]),
-                              st.integers(0, 10_000)), max_size=120))
-def test_starting_at_submit_decides_what_the_next_poll_would(ops: list[tuple[str, int]]) -> None:
+                              st.integers(0, 10_000)), max_size=120),
+       which=st.sampled_from(["limits", "open", "open-seed", "narrow"]))
+def test_starting_at_submit_decides_what_the_next_poll_would(ops: list[tuple[str, int]], which: str) -> None:
     """``submit(start=True)`` (the drivers' fast path: an uncontended request starts without a
-    poll) and no poll after a request joins a full pool (``may_start``), against ``submit``
-    then ``poll`` after every event: the same requests start, in the same order, on the same
-    backends, at the same meters, and the same are dropped."""
+    poll, ``PolicyQueue.start_alone``) and no poll after a request joins a full pool
+    (``may_start``), against ``submit`` then ``poll`` after every event: the same requests
+    start, in the same order, on the same backends, at the same meters and virtual times, and
+    the same are dropped; every meter agrees at the end. Fixed costs and estimates (plain and
+    streamed, corrected from usage reports), under both a policy of limits and one without."""
+    policy = {"limits": POLICY, "open": OPEN_POLICY, "open-seed": OPEN_SEED_POLICY, "narrow": OPEN_POLICY}[which]
+    flows = FLOWS if which == "limits" else NARROW_FLOWS if which == "narrow" else OPEN_FLOWS
     runs = []
     for at_once in (False, True):
         clock = Clock()
-        e = PolicyEngine(POLICY, clock=clock, rng=random.Random(0))
+        e = PolicyEngine(policy, clock=clock, rng=random.Random(0))
         index: dict[int, int] = {}  # request id -> submission number
         log: list[tuple[str, int, float]] = []
         running: list[Request] = []
@@ -288,15 +329,20 @@ def test_starting_at_submit_decides_what_the_next_poll_would(ops: list[tuple[str
         def started(r: Request) -> None:
             q = e.queues[r.flow.pool]
             log.append(("start:" + str(r.backend), index[r.id], q.meter(r.flow) if r.in_core else -1.0))
+            log.append(("v", index[r.id], q.sched.virtual_time))
             running.append(r)
 
         for op, x in ops:
             pump = True
             if op == "submit":
-                f = FLOWS[x % len(FLOWS)]
+                f = flows[x % len(flows)]
                 try:
-                    r = e.submit(f, cost=[1, 60, 150, 3000][x % 4], tokens=x % 700, need=[0, 3000, 6000][x % 3],
-                                 start=at_once)
+                    if x % 5 < 2:  # an estimate from a body (plain or streamed), corrected as it completes
+                        body = _BODIES[x % len(_BODIES)]
+                        r = e.submit(f, estimate=e.estimator.estimate(body, f), streaming=x % 5 == 1, start=at_once)
+                    else:
+                        r = e.submit(f, cost=[1, 60, 150, 3000][x % 4], tokens=x % 700,
+                                     need=[0, 3000, 6000][x % 3], start=at_once)
                 except Refused as exc:
                     log.append(("refused:" + exc.reason, n, 0.0))
                 else:
@@ -315,6 +361,76 @@ def test_starting_at_submit_decides_what_the_next_poll_would(ops: list[tuple[str
             for r in e.poll():  # the driver's pump after every event
                 started(r)
             log.extend(("dropped:" + str(d.reason), index[d.id], 0.0) for d in e.dropped)
+        for name, q in e.queues.items():
+            log.extend(("meter:" + name + str(tuple(f)), 0, q.meter(f)) for f in flows if f.pool == name)
+            log.append(("v:" + name, 0, q.sched.virtual_time))
         runs.append(log)
     assert runs[0] == runs[1]
     assert any(s.startswith("start") for s, _, _ in runs[0]) or not any(op == "submit" for op, _ in ops)
+
+
+def _twins_of_start(steps: Any) -> list[list[tuple[str, int, float]]]:
+    """``steps(e, submit, complete)`` run on two engines of ``OPEN_POLICY``: one submits with
+    ``start=True`` (``PolicyQueue.start_alone``), the other queues and polls after each event.
+    Returns each one's log of starts (backend, submission, meter) and final meters."""
+    logs = []
+    for at_once in (False, True):
+        e = PolicyEngine(OPEN_POLICY, clock=Clock(), rng=random.Random(0))
+        log: list[tuple[str, int, float]] = []
+        reqs: list[Request] = []
+
+        def note(started: list[Request]) -> None:
+            for r in started:
+                log.append(("start:" + str(r.backend), reqs.index(r), e.queues[r.flow.pool].meter(r.flow)))
+
+        def submit(f: Flow, **kw: Any) -> Request:
+            r = e.submit(f, start=at_once, **kw)
+            reqs.append(r)
+            note([r] if r.state == RUNNING else [])
+            note(e.poll())
+            return r
+
+        def complete(i: int, usage: dict[str, int] | None = None) -> None:
+            e.complete(reqs[i], usage)
+            note(e.poll())
+
+        steps(e, submit, complete)
+        log.extend(("meter" + str(tuple(f)), 0, e.queues[f.pool].meter(f)) for f in OPEN_FLOWS)
+        logs.append(log)
+    return logs
+
+
+def test_an_uncontended_start_keeps_the_flows_small_pick_run() -> None:
+    """Three small requests of a named org's flow start at once, one by one; the run of small
+    picks they make outlives the flow's queue, so when a large and a small request of the flow
+    then wait, the large one goes first (``small_picks: 2``), as the queue-and-poll path says."""
+    f = Flow("a", "interactive", "gpu")
+
+    def steps(e: PolicyEngine, submit: Any, complete: Any) -> None:
+        for _ in range(3):
+            assert submit(f, cost=60).state == RUNNING  # (three slots: each starts at once)
+        submit(f, cost=3000)
+        submit(f, cost=60)
+        complete(0)
+
+    plain, at_once = _twins_of_start(steps)
+    assert plain == at_once
+    assert [i for s, i, _ in plain if s.startswith("start")] == [0, 1, 2, 3]  # the large one (3) first
+
+
+def test_an_uncontended_start_keeps_the_refund_floor_of_its_flow() -> None:
+    """A flow alone dispatched on a guessed estimate while its earlier work runs sets a refund
+    floor; a fixed-cost request of the flow that starts at once joins that floor rather than
+    setting its own, so the guessed request's refund is not held back (pop's rule)."""
+    f = Flow("a", "batch", "gpu")
+    body = {"model": "m1", "prompt": "x" * 400, "max_tokens": 900}
+
+    def steps(e: PolicyEngine, submit: Any, complete: Any) -> None:
+        submit(f, estimate=e.estimator.estimate(body, f))
+        submit(f, estimate=e.estimator.estimate(body, f))  # alone, above v, on the prior: a floor
+        submit(f, cost=60)
+        complete(0, {"prompt_tokens": 100, "completion_tokens": 3})
+        complete(1, {"prompt_tokens": 100, "completion_tokens": 3})
+
+    plain, at_once = _twins_of_start(steps)
+    assert plain == at_once

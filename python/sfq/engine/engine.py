@@ -371,6 +371,18 @@ class PolicyEngine:
                     epoch=self.estimator.epoch if estimate is not None else -1, streaming=bool(streaming))
         r.fixed = fixed
         r.hold = hold
+        if start and victim is None and q.start_alone(r, now, self.policy.classes[flow.cls]):
+            # nothing waited in its pool and nothing bound: it started at once, as the pair
+            # queue_new + pop would have started it (PolicyQueue.start_alone)
+            self.submitted += 1
+            self.live[r.id] = r
+            if user is not None:
+                live = self.users.setdefault((flow.org, flow.team), {})
+                live[user] = live.get(user, 0) + 1
+            self.metrics.queued(key)
+            self.retry.first_attempt(key, now)
+            self._started(r)
+            return r
         alone = not q.n_waiting  # (a victim waited: never alone)
         if victim is not None:
             self.evict(victim)

@@ -140,10 +140,10 @@ class SharedLimits:
         self.policy = policy
         t = policy.org_template
         #: whether an org the file does not name may bring a limit of its own (its template's)
-        self._lazy = t is not None and t.max_in_flight is not None
+        self.lazy = t is not None and t.max_in_flight is not None
 
     def groups(self, flow: Flow) -> tuple[tuple[str, str], ...]:
-        if not self.slots and not self._lazy:  # no org or class limits at all
+        if not self.slots and not self.lazy:  # no org or class limits at all
             return ()
         g = ("org", flow.org)
         if g not in self.slots:  # an org the file does not name (its template's limit applies)
@@ -883,10 +883,87 @@ class PolicyQueue:
                 delta = self._floors.refund(r, delta, self.sched)
             self._adjust(r, delta)
 
+    def start_alone(self, r: Request, now: float, spec: ClassSpec) -> bool:
+        """:meth:`queue_new` then :meth:`pop`, in one step, for a new request ``r`` that finds
+        nothing waiting in the pool, where that pair can only start ``r`` at once: no request
+        waits (so the core holds no other flow and nothing can be dropped), the class is not
+        strict, the flow is not nested and no org or class ``max_in_flight`` applies to it (so
+        the core cannot have it suspended), the pool is not in an outage, and ``r`` would not
+        run out of queue age at once. ``True``: ``r`` runs (``r.backend``), with the very core
+        calls, charge, counters and buckets the pair makes. ``False``: nothing changed (the
+        caller queues it and polls as always). The uncontended request's path: docs/library.md."""
+        if (self.n_waiting or spec.strict or self.nested or self.down_since is not None or self.shared.slots
+                or self.shared.lazy or self.slots.full):
+            return False
+        if self.rpm is not None and not self.rpm.can_take(1, now):
+            return False
+        if self.tpm is not None and not self.tpm.can_take(r.tokens, now):
+            return False
+        age = spec.max_queue_age_seconds
+        at_age = now + age if age is not None else _INF
+        at_deadline = r.deadline if r.deadline is not None else _INF
+        drop_at = at_age if at_age < at_deadline else at_deadline
+        if drop_at <= now:
+            return False
+        b = self._backend_for(r, now, None)
+        if b is None:
+            return False
+        # it starts: from here on, what queue_new, _flow_queue, _enter, pop and _emptied do
+        self.stalled = None
+        self.blocked_until = -_INF
+        f = r.flow
+        r.queued_at = now
+        r.drop_at = drop_at
+        r.drop_reason = "deadline" if at_deadline <= at_age else "queue_timeout"
+        small = r.small = spec.small_cost is None or r.cost <= spec.small_cost
+        run = self._runs.pop(f, 0)
+        run = run + 1 if small else 0
+        if run and len(f) == 3 and f.org in self.policy.orgs:
+            self._runs[f] = run
+        sched = self.sched
+        w = self.policy.flow_weight(f.org, f.cls)
+        if w != 1.0 or (len(f) == 3 and f.org in self.policy.orgs):
+            sched.set_weight(f, w)
+        e = r.est
+        if e is None or r.fixed:
+            c = r.cost
+        else:
+            est = self.estimator
+            c = est.input_weight * e.charged_prompt
+            if c < est.min_cost:
+                c = est.min_cost
+        sched.enqueue(f, c, r)
+        work = r.work_flow = None if self.charge is ChargeMode.SEED else f
+        sched.work_started(work)
+        r.working = True
+        alone = floors = False
+        if work is not None and self.refund_floors:  # (a flow alone whose charge is a guess: pop's floor)
+            alone = self._guessed(r)
+            floors = alone or bool(self._floors)
+        v = sched.virtual_time if floors else 0.0
+        disp = sched.dispatch()
+        if floors and (self._floors or disp.start > v):
+            self._floors.dispatched(r, disp.start, v, alone)
+        r.in_core = True
+        r.start_tag = disp.start
+        r.charged = c
+        r.delivered = 0.0
+        charge = self._dispatch_charge(r)
+        if charge != c:
+            self._adjust(r, charge - c)
+        self._run(r, b, now, True)
+        return True
+
     def _start(self, r: Request, b: _Backend, now: float, core: bool = False) -> Request:
         cls = r.flow.cls
         self.waiting_by_class[cls] -= 1
         self.n_waiting -= 1
+        return self._run(r, b, now, core)
+
+    def _run(self, r: Request, b: _Backend, now: float, core: bool) -> Request:
+        """``r`` runs on ``b`` from ``now``: slots, buckets and the starts' window (the part of
+        :meth:`_start` that does not count it out of the queue)."""
+        cls = r.flow.cls
         r.state = RUNNING
         r.backend = b.name
         r.started_at = now
