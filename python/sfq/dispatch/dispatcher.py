@@ -397,8 +397,8 @@ class Dispatcher(PolicyDispatcher):
                                        f"{sorted(str(m) for m in self._pool_names)}")
         return Flow(flow, DEFAULT_CLASS, pool)  # type: ignore[arg-type]  # the caller's flow id is the org
 
-    def _check_flow(self, flow: Flow) -> Flow:
-        return flow  # made by _flow: its org is the caller's id, its class and pool the fleet's
+    def _checked(self, flow: Flow) -> Flow:
+        return flow  # made by _flow: its org is the caller's id, its class and pool the fleet's (no refusal)
 
     # ------------------------------------------------------------ the primitives
     async def submit(self, flow: Hashable, body: Mapping[str, Any], *,  # type: ignore[override]

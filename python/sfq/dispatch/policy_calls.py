@@ -191,8 +191,13 @@ class Permit:
             raise RuntimeError("this permit was already entered; call acquire() again")
         pd = self._pd
         body = self._body
-        r = await pd._admit(self._flow, body, self._timeout, None, None, self._cost)
-        await pd._turn(r)
+        if pd._started and not pd._shared:  # nothing to await unless it must wait its turn
+            r = pd._admit_now(self._flow, body, self._timeout, None, None, self._cost)
+            if r.state != RUNNING:
+                await pd._turn(r)
+        else:
+            r = await pd._admit(self._flow, body, self._timeout, None, None, self._cost)
+            await pd._turn(r)
         assert r.backend is not None
         g = self.grant = Grant(pd, r, pd._addresses[r.backend], None if body is None else _endpoint(body))
         return g

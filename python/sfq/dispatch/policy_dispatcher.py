@@ -426,6 +426,48 @@ class PolicyDispatcher:
         body says); ``body`` ``None``: a permit without one (``cost`` is then its charge)."""
         if not self._started:
             await self.start()
+        if not self._shared:
+            return self._admit_now(flow, body, timeout, key, streaming, cost)
+        flow, deadline, est, streaming = self._checks(flow, body, timeout, streaming, cost)
+        hold = await self._reserve(flow, est)  # the budget over every gateway
+        try:
+            ticket = await self.state.admit(flow)  # org rates, queue lengths over every gateway
+        except Refused as exc:
+            self.engine.spend.release(hold)
+            self.engine.refuse(flow, exc.reason)
+            raise
+        try:
+            r = self.engine.submit(flow, cost=cost, estimate=est, streaming=streaming, deadline=deadline,
+                                   idempotency_key=key, start=True, hold=hold)
+        except OverflowError as exc:  # a figure too large for the scheduler: the body's fault
+            self.state.drop(ticket)
+            self.engine.spend.release(hold)
+            self.engine.refuse(flow, "bad_request")
+            raise BadRequest(f"the request is too large to schedule: {exc}") from None
+        except BaseException:
+            self.state.drop(ticket)
+            self.engine.spend.release(hold)
+            raise
+        self.state.bind(ticket, r)
+        return self._queued(r)
+
+    def _admit_now(self, flow: Flow, body: Mapping[str, Any] | None, timeout: float | None, key: str | None,
+                   streaming: bool | None, cost: float | None = None) -> Request:
+        """:meth:`_admit` of a started dispatcher on its own state: nothing to await (the
+        uncontended request's path: it returns running, on ``r.backend``)."""
+        flow, deadline, est, streaming = self._checks(flow, body, timeout, streaming, cost)
+        try:
+            r = self.engine.submit(flow, cost=cost, estimate=est, streaming=streaming, deadline=deadline,
+                                   idempotency_key=key, start=True)
+        except OverflowError as exc:  # a figure too large for the scheduler: the body's fault
+            self.engine.refuse(flow, "bad_request")
+            raise BadRequest(f"the request is too large to schedule: {exc}") from None
+        return self._queued(r)
+
+    def _checks(self, flow: Flow, body: Mapping[str, Any] | None, timeout: float | None, streaming: bool | None,
+                cost: float | None) -> tuple[Flow, float | None, Estimate | None, bool]:
+        """What refuses a request before it is submitted: its body, its flow, a closed
+        dispatcher, its timeout; ``(flow checked, deadline, estimate, streaming)``."""
         if body is None:
             if cost is None:
                 raise BadRequest("a request needs a body (a JSON object), or cost= for a permit without one")
@@ -445,34 +487,13 @@ class PolicyDispatcher:
         if self._closed:
             self.engine.refuse(flow, "closed")
             raise DispatcherClosed()
-        deadline = self._deadline(timeout)
+        deadline = None if timeout is None else self._deadline(timeout)
         est = None if body is None else self._estimate(body, flow)
-        ticket = None
-        hold = None
-        if self._shared:
-            hold = await self._reserve(flow, est)  # the budget over every gateway
-            try:
-                ticket = await self.state.admit(flow)  # org rates, queue lengths over every gateway
-            except Refused as exc:
-                self.engine.spend.release(hold)
-                self.engine.refuse(flow, exc.reason)
-                raise
-        try:
-            r = self.engine.submit(flow, cost=cost, estimate=est, streaming=bool(streaming), deadline=deadline,
-                                   idempotency_key=key, start=True, hold=hold)
-        except OverflowError as exc:  # a figure too large for the scheduler: the body's fault
-            if self._shared:
-                self.state.drop(ticket)
-                self.engine.spend.release(hold)
-            self.engine.refuse(flow, "bad_request")
-            raise BadRequest(f"the request is too large to schedule: {exc}") from None
-        except BaseException:
-            if self._shared:
-                self.state.drop(ticket)
-                self.engine.spend.release(hold)
-            raise
-        if self._shared:
-            self.state.bind(ticket, r)
+        return flow, deadline, est, bool(streaming)
+
+    def _queued(self, r: Request) -> Request:
+        """A request the engine accepted: counted as sent when it started at once; else the
+        pump runs when something may start, or its deadline is armed while its pool is full."""
         if r.state == RUNNING:  # nothing else waited in its pool: the engine started it at once
             self._sent[r.backend][0] += 1  # type: ignore[index]
             if self.on_start is not None:
@@ -781,7 +802,10 @@ class PolicyDispatcher:
 
     async def _submit(self, flow: Flow, body: Mapping[str, Any], timeout: float | None, key: str | None,
                       on_admit: Callable[[Request], None] | None, cost: float | None = None) -> Reply:
-        r = await self._admit(flow, body, timeout, key, False, cost)
+        if self._started and not self._shared:
+            r = self._admit_now(flow, body, timeout, key, False, cost)
+        else:
+            r = await self._admit(flow, body, timeout, key, False, cost)
         if on_admit is not None:
             on_admit(r)
         endpoint = _endpoint(body)
@@ -789,7 +813,8 @@ class PolicyDispatcher:
         failed: BackendError | None = None
         try:
             while True:
-                await self._turn(r, failed)
+                if r.state != RUNNING or self._shared:  # (started at once on its own state: its turn is now)
+                    await self._turn(r, failed)
                 try:
                     reply = await self._call(r, endpoint, send)
                 except BackendError as exc:
@@ -810,12 +835,17 @@ class PolicyDispatcher:
         """One attempt of a plain request, bounded by the pool's upstream timeouts and the
         request's deadline (a plain reply comes whole: its first byte is its end)."""
         assert r.backend is not None
-        t = self._timeouts(r)
-        limit, why = self._bound(r, t.first_byte, self._total_until(r))
+        t = self.policy.pools[r.flow.pool].timeouts
+        if t.first_byte is None and t.total is None and r.deadline is None:
+            limit, why = None, "step"  # (unbounded here: the backend's own timeouts apply)
+        else:
+            limit, why = self._bound(r, t.first_byte, self._total_until(r))
         try:
             be = self._backends[r.backend]
             # a request the caller says may run twice (an idempotency key) may be resent after a lost connection
             call = be.complete(endpoint, body, idempotent=True) if r.idempotency_key else be.complete(endpoint, body)  # type: ignore[call-arg]
+            if limit is None:
+                return await call
             return await _within(call, limit)
         except _Expired:
             if why == "deadline":

@@ -52,28 +52,29 @@ class RefundFloors:
     """The floors of one pool's flows (see the module docstring). Takes the pool's core as
     an argument to each call and keeps no other state."""
 
-    __slots__ = ("_flows",)
+    __slots__ = ("flows",)
 
     def __init__(self) -> None:
-        self._flows: dict[Hashable, _Floor] = {}
+        #: the flows with a floor (empty: no refund is held back; the hot paths test this dict)
+        self.flows: dict[Hashable, _Floor] = {}
 
     def __bool__(self) -> bool:
-        return bool(self._flows)
+        return bool(self.flows)
 
     def dispatched(self, r: Request, start: float, v: float, alone: bool) -> None:
         """The core dispatched ``r``, whose work is reported as its flow's, at start tag
         ``start``. Before the dispatch the virtual time was ``v``, and ``alone`` says
         whether its flow was the only one competing."""
         if alone and start > v:
-            self._flows[r.work_flow] = _Floor(start, r)
+            self.flows[r.work_flow] = _Floor(start, r)
             return
-        fl = self._flows.get(r.work_flow)
+        fl = self.flows.get(r.work_flow)
         if fl is not None:
             fl.since.add(r)
 
     def refund(self, r: Request, delta: float, sched: Any) -> float:
         """The part of the refund ``delta`` (cost units, < 0) of ``r`` that its flow gets."""
-        fl = self._flows.get(r.work_flow)
+        fl = self.flows.get(r.work_flow)
         if fl is None or r in fl.since:
             return delta
         w = sched.weight(r.work_flow)
@@ -85,11 +86,11 @@ class RefundFloors:
 
     def ended(self, r: Request, sched: Any) -> None:
         """``r``'s attempt ended (its work is done in the core, its charge final)."""
-        fl = self._flows.get(r.work_flow)
+        fl = self.flows.get(r.work_flow)
         if fl is None:
             return
         if r in fl.since:
             fl.since.discard(r)
             fl.banked += r.charged
         if not sched.running(r.work_flow):
-            del self._flows[r.work_flow]
+            del self.flows[r.work_flow]

@@ -179,6 +179,10 @@ class PolicyEngine:
         self.org_rate: dict[str, TokenBucket] = {
             o.name: TokenBucket(o.requests_per_minute, now) for o in policy.orgs.values()
             if o.requests_per_minute is not None}
+        #: whether some org may have a requests_per_minute: one the file names, or any through
+        #: the template (an org the file does not name is the template's, ``Policy.org``)
+        self._org_rates = bool(self.org_rate) or (
+            policy.org_template is not None and policy.org_template.requests_per_minute is not None)
         self.retry = RetryPlanner(policy.retry, rng)
         ms = policy.metrics
         if metrics is None:  # an org shows from its first request (10,000 orgs idle: no series)
@@ -299,26 +303,12 @@ class PolicyEngine:
         if q is None or (flow not in self._allowed and not self._allow(flow)):
             raise ValueError(f"flow {tuple(flow)!r} is not allowed by the policy")
         fixed = cost is not None
-        if estimate is not None:
-            if not isinstance(estimate, Estimate):
-                raise TypeError(f"estimate must be an sfq.cost.Estimate, got {estimate!r}")
-            if cost is None:
-                cost = estimate.cost
-            if tokens is None:
-                tokens = estimate.charged_prompt + estimate.max_tokens
-            if need is None:
-                need = estimate.prompt_tokens + estimate.max_tokens // max(1, estimate.copies)
-        if cost is None:
-            raise TypeError("submit() needs cost= or estimate=")
-        tokens = 0.0 if tokens is None else tokens
-        need = 0.0 if need is None else need
-        cost = check_cost(cost)  # the core's own check and message (TypeError, ValueError, OverflowError)
-        if not ((type(tokens) is float or type(tokens) is int) and 0 <= tokens < _INF):  # (bool is neither)
-            raise ValueError(f"tokens must be a finite number >= 0, got {tokens!r}")
-        if not ((type(need) is float or type(need) is int) and 0 <= need < _INF):
-            raise ValueError(f"need must be a finite number >= 0, got {need!r}")
-        if deadline is not None and type(deadline) is not float and (
-                isinstance(deadline, bool) or not isinstance(deadline, (int, float))) or deadline != deadline:
+        if estimate is None and type(cost) is float and tokens is None and need is None and 0.0 < cost <= MAX_COST:
+            tokens = need = 0.0  # a permit's fixed cost, checked (the common case in one test: NaN, inf fail it)
+        else:
+            cost, tokens, need = self._figures(cost, tokens, need, estimate)
+        if deadline is not None and (type(deadline) is not float and (
+                isinstance(deadline, bool) or not isinstance(deadline, (int, float))) or deadline != deadline):
             raise ValueError(f"deadline must be a clock time (a number) or None, got {deadline!r}")
         now = self.clock()
         key = flow[:3]  # counters and metrics are kept per (org, class, pool): teams and users add no series
@@ -332,26 +322,29 @@ class PolicyEngine:
             self.submitted += 1
             self.metrics.ended(self._refusal_key(key), "refused", "deadline")
             raise Refused("deadline", "the request's deadline has already passed")
-        try:
-            victim = q.make_room(flow)  # a full class: the org holding the most gives a place up
-        except Refused as exc:
-            self.submitted += 1
-            self.metrics.ended(self._refusal_key(key), "refused", exc.reason)
-            raise
-        if not q.available and q.unavailable_timeout <= 0:
+        spec = self.policy.classes[flow.cls]
+        victim = None
+        if spec.max_queue_length is not None and q.waiting_by_class[flow.cls] >= spec.max_queue_length:
+            try:
+                victim = q.make_room(flow)  # a full class: the org holding the most gives a place up
+            except Refused as exc:
+                self.submitted += 1
+                self.metrics.ended(self._refusal_key(key), "refused", exc.reason)
+                raise
+        if q.down_since is not None and q.unavailable_timeout <= 0:  # (no backend in rotation)
             self.submitted += 1
             self.metrics.ended(self._refusal_key(key), "refused", "unavailable")
             down = NoHealthyBackend(f"no backend of pool {flow.pool!r} is in rotation")
             down.retry_after = self.unavailable_retry_after
             raise down
-        if hold is None:
+        if hold is None and q.spec.prices is not None:  # (a pool without prices spends nothing)
             try:
                 hold = self.spend.admit(flow, estimate)
             except Refused as exc:
                 self.submitted += 1
                 self.metrics.ended(self._refusal_key(key), "refused", exc.reason)
                 raise
-        bucket = self._org_bucket(flow.org, now)
+        bucket = self._org_bucket(flow.org, now) if self._org_rates else None
         if bucket is not None and not bucket.take(1, now):
             self.spend.release(hold)
             self.submitted += 1
@@ -371,7 +364,7 @@ class PolicyEngine:
                     epoch=self.estimator.epoch if estimate is not None else -1, streaming=bool(streaming))
         r.fixed = fixed
         r.hold = hold
-        if start and victim is None and q.start_alone(r, now, self.policy.classes[flow.cls]):
+        if start and victim is None and q.start_alone(r, now, spec):
             # nothing waited in its pool and nothing bound: it started at once, as the pair
             # queue_new + pop would have started it (PolicyQueue.start_alone)
             self.submitted += 1
@@ -400,6 +393,30 @@ class PolicyEngine:
             if q.pop() is not None:  # (r: nothing else waits)
                 self._started(r)
         return r
+
+    @staticmethod
+    def _figures(cost: float | None, tokens: float | None, need: float | None,
+                 estimate: Estimate | None) -> tuple[float, float, float]:
+        """``submit``'s ``(cost, tokens, need)``: defaulted from ``estimate``, and checked."""
+        if estimate is not None:
+            if not isinstance(estimate, Estimate):
+                raise TypeError(f"estimate must be an sfq.cost.Estimate, got {estimate!r}")
+            if cost is None:
+                cost = estimate.cost
+            if tokens is None:
+                tokens = estimate.charged_prompt + estimate.max_tokens
+            if need is None:
+                need = estimate.prompt_tokens + estimate.max_tokens // max(1, estimate.copies)
+        if cost is None:
+            raise TypeError("submit() needs cost= or estimate=")
+        tokens = 0.0 if tokens is None else tokens
+        need = 0.0 if need is None else need
+        cost = check_cost(cost)  # the core's own check and message (TypeError, ValueError, OverflowError)
+        if not ((type(tokens) is float or type(tokens) is int) and 0 <= tokens < _INF):  # (bool is neither)
+            raise ValueError(f"tokens must be a finite number >= 0, got {tokens!r}")
+        if not ((type(need) is float or type(need) is int) and 0 <= need < _INF):
+            raise ValueError(f"need must be a finite number >= 0, got {need!r}")
+        return cost, tokens, need
 
     # ------------------------------------------------------------ nested shares: live users
     def _max_users(self, flow: Flow) -> int:
@@ -689,7 +706,10 @@ class PolicyEngine:
         if output_text_chars is not None and (isinstance(output_text_chars, bool) or not isinstance(
                 output_text_chars, int) or output_text_chars < 0):
             raise ValueError(f"output_text_chars must be an integer >= 0, got {output_text_chars!r}")
-        tokens, served = self._actual(r, usage, output_text_chars, spend=True)
+        if usage is None and output_text_chars is None and r.delivered <= 0:
+            tokens = served = None  # nothing known of what it used: the charge at dispatch stands
+        else:
+            tokens, served = self._actual(r, usage, output_text_chars, spend=True)
         if served is not None:
             self.queues[r.flow.pool].settle(r, served)
         if r.est is not None and usage is not None and isinstance(usage, Mapping):

@@ -680,8 +680,8 @@ class PolicyQueue:
         load = 2.0
         avoided: _Backend | None = None
         for b in self.backends.values():
-            if b.open(now) and (b.max_context is None or r.need <= b.max_context) and (
-                    fits is None or fits(r, b.name)):
+            if (b.healthy and not b.saturated and b.in_flight < b.limit and b.paused_until <= now  # (b.open(now))
+                    and (b.max_context is None or r.need <= b.max_context) and (fits is None or fits(r, b.name))):
                 if b.name == r.avoid:
                     avoided = b
                     continue
@@ -892,8 +892,9 @@ class PolicyQueue:
         run out of queue age at once. ``True``: ``r`` runs (``r.backend``), with the very core
         calls, charge, counters and buckets the pair makes. ``False``: nothing changed (the
         caller queues it and polls as always). The uncontended request's path: docs/library.md."""
+        sl = self.slots
         if (self.n_waiting or spec.strict or self.nested or self.down_since is not None or self.shared.slots
-                or self.shared.lazy or self.slots.full):
+                or self.shared.lazy or (sl.limit is not None and sl.used >= sl.limit)):
             return False
         if self.rpm is not None and not self.rpm.can_take(1, now):
             return False
@@ -938,19 +939,20 @@ class PolicyQueue:
         r.working = True
         alone = floors = False
         if work is not None and self.refund_floors:  # (a flow alone whose charge is a guess: pop's floor)
-            alone = self._guessed(r)
-            floors = alone or bool(self._floors)
+            alone = e is not None and not r.fixed and self._guessed(r)
+            floors = alone or bool(self._floors.flows)
         v = sched.virtual_time if floors else 0.0
         disp = sched.dispatch()
-        if floors and (self._floors or disp.start > v):
+        if floors and (self._floors.flows or disp.start > v):
             self._floors.dispatched(r, disp.start, v, alone)
         r.in_core = True
         r.start_tag = disp.start
         r.charged = c
         r.delivered = 0.0
-        charge = self._dispatch_charge(r)
-        if charge != c:
-            self._adjust(r, charge - c)
+        if e is not None and not r.fixed:  # (a fixed cost is charged as given: c)
+            charge = self._dispatch_charge(r)
+            if charge != c:
+                self._adjust(r, charge - c)
         self._run(r, b, now, True)
         return True
 
@@ -970,12 +972,18 @@ class PolicyQueue:
         r.tries += 1
         b.in_flight += 1
         self.in_flight += 1
-        self.slots.acquire()
+        sl = self.slots
+        if sl.limit is None:
+            sl.used += 1
+        else:
+            sl.acquire()
         if self.rpm is not None:
             self.rpm.take(1, now)
         if self.tpm is not None:
             self.tpm.debit(r.tokens, now)
-        self.shared.acquire(r.flow)
+        shared = self.shared
+        if shared.slots or shared.lazy:  # (some org or class max_in_flight)
+            shared.acquire(r.flow)
         st = self._starts[cls]
         st.append(now)
         while st[0] <= now - 60.0:  # the last minute's starts only
@@ -1030,7 +1038,11 @@ class PolicyQueue:
         b = self.backends[r.backend]
         b.in_flight -= 1
         self.in_flight -= 1
-        self.slots.release()
+        sl = self.slots
+        if sl.used > 0:
+            sl.used -= 1
+        else:
+            sl.release()  # (raises: a release without an acquire)
         r.state = ENDED
         if actual_tokens is not None and self.tpm is not None and math.isfinite(actual_tokens) and actual_tokens >= 0:
             diff = actual_tokens - r.tokens
@@ -1043,10 +1055,12 @@ class PolicyQueue:
         if r.working:  # after every correction: a flow with work in flight is adjusted exactly
             r.working = False
             self.sched.work_done(r.work_flow)
-            if self._floors and r.work_flow is not None:
+            if self._floors.flows and r.work_flow is not None:
                 self._floors.ended(r, self.sched)
         r.in_core = False
-        self.shared.release(r.flow)
+        shared = self.shared
+        if shared.slots or shared.lazy:
+            shared.release(r.flow)
 
     # ------------------------------------------------------------ views
     def wake_at(self) -> float | None:

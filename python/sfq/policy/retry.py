@@ -150,9 +150,16 @@ class RetryPlanner:
     def first_attempt(self, flow: Hashable, now: float) -> None:
         """Count a request's first try in the flow's window."""
         flows = self._flows
-        if len(flows) >= self.MAX_FLOWS and flow not in flows:
-            self._forget(now)
-        self._budget(flow, now).events.append((now, False))
+        b = flows.get(flow)
+        if b is None:
+            if len(flows) >= self.MAX_FLOWS:
+                self._forget(now)
+            b = flows[flow] = _FlowBudget()
+        else:
+            ev = b.events
+            if b.head < len(ev) and ev[b.head][0] <= now - self.WINDOW:  # (expire's first test, without the call)
+                b.expire(now - self.WINDOW)
+        b.events.append((now, False))
 
     #: flows kept before those with nothing in their window and no retry planned are forgotten
     MAX_FLOWS = 10_000

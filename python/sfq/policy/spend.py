@@ -310,6 +310,8 @@ class SpendBook:
         """Reserve the request's spend in the memory ledger, in its org's budget and its
         team's (both or neither): its hold (``None``: no prices), or
         ``Refused("budget_exhausted")`` naming the budget that cannot cover it."""
+        if self.prices(flow.pool) is None:  # (no clock read: a pool without prices spends nothing)
+            return None
         now = self.wall_clock()
         q = self.quote(flow, estimate, now)
         if q is None:
