@@ -67,6 +67,11 @@ class FleetPolicy(Policy):
         w = self.weights.get(name)
         return _weighted(1.0) if w is None else _weighted(w)
 
+    def flow_weight(self, org: str, cls: str) -> float:
+        c = self.classes[cls]  # (KeyError for another class, as Policy.flow_weight)
+        w = self.weights.get(org)
+        return (1.0 if w is None else w) * (1.0 if c.strict else c.weight)
+
 
 class DispatchRecord(NamedTuple):
     """What ``on_dispatch`` receives when a request is sent to a backend.
@@ -168,6 +173,19 @@ class FlowTally:
         if retry:
             row.retried += 1
 
+    def began(self, key: Any, cost: float) -> None:
+        """A request queued and started at once (``queued`` and ``started`` after 0 s, in one)."""
+        flow = key[0]
+        row = self.rows.get(flow)
+        if row is None:
+            row = self._row(flow)
+        else:
+            self.idle.pop(flow, None)
+        row.in_flight += 1
+        row.dispatched += 1
+        row.charged += cost
+        row.waits.append(0.0)
+
     def charged(self, r: Request, delta: float) -> None:
         """A correction of a running request's charge (the queue's ``on_charge``)."""
         if r.state == RUNNING:
@@ -180,6 +198,16 @@ class FlowTally:
         row = self.rows.get(key[0])
         if row is not None:
             row.in_flight -= 1
+
+    def completed(self, key: Any, served_cost: float | None, charged: float) -> None:
+        """An attempt ended and its request completed (``attempt_ended`` + ``ended``, in one)."""
+        flow = key[0]
+        row = self.rows.get(flow)
+        if row is not None:
+            row.in_flight -= 1
+            row.completed += 1
+            if not (row.waiting or row.in_flight):
+                self.idle[flow] = None
 
     def left_queue(self, key: Any) -> None:
         row = self.rows.get(key[0])
@@ -225,6 +253,10 @@ class FlowTally:
             "rejected": fs.rejected, "unavailable": fs.unavailable, "expired": fs.expired, "refused": fs.refused,
             "retried": fs.retried, "charged_cost": fs.charged, "wait_p50": p50, "wait_p95": p95, "wait_p99": p99,
         }
+
+
+#: flows ``Dispatcher._flow`` remembers before it starts again
+_MADE = 4096
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -374,9 +406,21 @@ class Dispatcher(PolicyDispatcher):
             self.on_start = self._dispatched
         self._default = self._pool_names.get(None)
         self._only = self._default if len(self._pool_names) == 1 else None  # one default pool takes every model
+        self._made: dict[Hashable, Flow] = {}  # the caller's flow id -> its Flow in the one pool (_only)
 
     # ------------------------------------------------------------ the caller's flow -> the driver's
     def _flow(self, flow: Hashable, body: object, model: str | None = None) -> Flow:
+        if self._only is not None and (body is None or type(body) is dict):  # one pool: the flow by its id
+            made = self._made
+            try:
+                f = made.get(flow)
+            except TypeError:
+                raise unhashable_flow(flow) from None
+            if f is None:
+                if len(made) >= _MADE:  # (ids are the caller's, unbounded: a bounded memo, never a leak)
+                    made.clear()
+                f = made[flow] = Flow(flow, DEFAULT_CLASS, self._only)  # type: ignore[arg-type]
+            return f
         try:
             hash(flow)
         except TypeError:

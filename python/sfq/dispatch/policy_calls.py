@@ -89,12 +89,15 @@ class BackendAddress:
     (the server's root, e.g. ``http://10.0.0.5:8000``) and ``headers`` (the backend's own,
     its upstream key included; never the client's)."""
 
-    __slots__ = ("name", "url", "headers")
+    __slots__ = ("name", "url", "headers", "endpoints")
 
     def __init__(self, name: str, url: str, headers: Mapping[str, str]) -> None:
         self.name = name
         self.url = url
         self.headers: Mapping[str, str] = MappingProxyType(dict(headers))
+        #: the URL of each endpoint a grant may name (``None``: a permit without a body, ``.../v1``)
+        self.endpoints: Mapping[str | None, str] = MappingProxyType({
+            None: f"{url}/v1", COMPLETIONS: f"{url}/v1/{COMPLETIONS}", CHAT_COMPLETIONS: f"{url}/v1/{CHAT_COMPLETIONS}"})
 
     def __repr__(self) -> str:  # never the headers: they hold the upstream key
         return f"BackendAddress({self.name!r}, {self.url!r})"
@@ -117,7 +120,7 @@ class Grant:
         self._pd = pd
         self.request = r
         self.backend = backend
-        self.url = f"{backend.url}/v1/{endpoint}" if endpoint else f"{backend.url}/v1"
+        self.url = backend.endpoints[endpoint]
         self._ended = False
 
     @property

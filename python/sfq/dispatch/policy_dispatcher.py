@@ -377,7 +377,8 @@ class PolicyDispatcher:
 
     def _settled(self) -> None:
         """An attempt let go of its slot: start what may start (and tell close() when none runs)."""
-        self._pump()
+        if self._pumping or self.engine.has_waiting():  # (_pump's own first tests)
+            self._pump()
         if self._drained is not None and not self._running():
             self._drained.set()
 
@@ -462,6 +463,9 @@ class PolicyDispatcher:
         except OverflowError as exc:  # a figure too large for the scheduler: the body's fault
             self.engine.refuse(flow, "bad_request")
             raise BadRequest(f"the request is too large to schedule: {exc}") from None
+        if r.state == RUNNING and self.on_start is None:  # (_queued's first case, without the call)
+            self._sent[r.backend][0] += 1  # type: ignore[index]
+            return r
         return self._queued(r)
 
     def _checks(self, flow: Flow, body: Mapping[str, Any] | None, timeout: float | None, streaming: bool | None,

@@ -85,6 +85,12 @@ class NoMetrics:
     def started(self, key: Any, wait: float, cost: float, retry: bool) -> None:
         pass
 
+    def began(self, key: Any, cost: float) -> None:
+        pass
+
+    def completed(self, key: Any, served_cost: float | None, charged: float) -> None:
+        pass
+
     def attempt_ended(self, key: Any, *, served_cost: float | None = None, upstream_429: bool = False,
                       timeout: bool = False, charged: float | None = None) -> None:
         pass
@@ -194,6 +200,12 @@ class PolicyEngine:
             metrics.policy = policy
             metrics.oldest = self.oldest_waiting
         self.metrics = metrics
+        #: ``metrics.began(key, cost)``: a request queued and started at once (0 s waited, its
+        #: first attempt), in one call; ``None`` for metrics without it (``queued`` + ``started``)
+        self._began: Callable[[Any, float], None] | None = getattr(metrics, "began", None)
+        #: ``metrics.completed(key, served_cost, charged)``: an attempt ended and its request
+        #: completed (``attempt_ended`` + ``ended``), in one call; ``None`` for metrics without it
+        self._completed: Callable[[Any, float | None, float], None] | None = getattr(metrics, "completed", None)
         #: spend (currency) against the orgs' budgets: reserved at admission, settled at the end
         self.spend = spend if spend is not None else SpendBook(policy, wall_clock=wall_clock)
         if spend is None and metrics.registry is not None:
@@ -311,7 +323,8 @@ class PolicyEngine:
                 isinstance(deadline, bool) or not isinstance(deadline, (int, float))) or deadline != deadline):
             raise ValueError(f"deadline must be a clock time (a number) or None, got {deadline!r}")
         now = self.clock()
-        key = flow[:3]  # counters and metrics are kept per (org, class, pool): teams and users add no series
+        # counters and metrics are kept per (org, class, pool): teams and users add no series
+        key = flow if len(flow) == 3 else flow[:3]
         if need > q.largest_context:
             self.submitted += 1
             self.metrics.ended(self._refusal_key(key), "refused", "too_large")
@@ -372,9 +385,12 @@ class PolicyEngine:
             if user is not None:
                 live = self.users.setdefault((flow.org, flow.team), {})
                 live[user] = live.get(user, 0) + 1
-            self.metrics.queued(key)
             self.retry.first_attempt(key, now)
-            self._started(r)
+            if self._began is not None and not self.defer_start:
+                self._began(key, r.cost)
+            else:
+                self.metrics.queued(key)
+                self._started(r)
             return r
         alone = not q.n_waiting  # (a victim waited: never alone)
         if victim is not None:
@@ -550,7 +566,8 @@ class PolicyEngine:
         return min(ts) if ts else None
 
     # ------------------------------------------------------------ endings
-    def _end(self, r: Request, outcome: str, reason: str | None = None) -> None:
+    def _end(self, r: Request, outcome: str, reason: str | None = None, counted: bool = False) -> None:
+        """``r`` ends as ``outcome`` (``counted``: the metrics have counted its end already)."""
         if r.outcome is not None:
             raise RuntimeError(f"{r!r} already ended as {r.outcome}")
         if r.retrying:
@@ -561,7 +578,8 @@ class PolicyEngine:
         r.state = ENDED
         if self.live.pop(r.id, None) is not None and len(r.flow) > 3 and r.flow.user is not None:
             self._user_ended(r.flow)
-        self.metrics.ended(r.flow[:3], outcome, reason)
+        if not counted:
+            self.metrics.ended(r.flow[:3], outcome, reason)
         if r.hold is not None:
             self.spend.settle(r.hold)
         if self.on_end is not None:
@@ -717,8 +735,19 @@ class PolicyEngine:
                 self.estimator.observe(r.est, usage, r.flow)
             except Exception:  # a bad usage report must not fail a served request
                 log.exception("sfq: calibrating from the usage of a request of flow %r failed; ignored", r.flow)
-        self._attempt_over(r, actual_tokens=tokens, served_cost=served)
-        self._end(r, "completed")
+        done = self._completed
+        if done is None:
+            self._attempt_over(r, actual_tokens=tokens, served_cost=served)
+            self._end(r, "completed")
+            return
+        # _attempt_over then _end, with the metrics' two calls in one (metrics.completed)
+        self.queues[r.flow.pool].finish(r, actual_tokens=tokens)
+        r.charged_total += r.charged
+        if self.on_attempt_over is not None:
+            self.on_attempt_over(r, tokens)
+        flow = r.flow
+        done(flow if len(flow) == 3 else flow[:3], served, r.charged)
+        self._end(r, "completed", counted=True)
 
     def usage_cost(self, usage: Mapping[str, Any] | None) -> tuple[float | None, float | None]:
         """``(tokens, cost units)`` of an OpenAI ``usage`` report as it stands (``None`` when

@@ -329,6 +329,10 @@ class PolicyQueue:
         self.on_charge: Callable[[Request, float], None] | None = None
         #: how far refunds may take the meters of flows that set v alone (``_floors``)
         self._floors = RefundFloors()
+        #: no flow of this pool is ever suspended in the core by a limit or nested in a tree:
+        #: flat flows, and no org or class ``max_in_flight`` (nor a template's, made on first
+        #: use); the policy of a queue never changes (a reload makes new queues)
+        self._plain = not self.nested and not self.shared.slots and not self.shared.lazy
         #: whether this queue applies the refund floors itself (``False`` when a shared ledger
         #: applies them, with the order it decides: ``sfq.state``; and under nested shares,
         #: where the floors are not defined yet: docs/design.md, "Nested shares")
@@ -893,8 +897,8 @@ class PolicyQueue:
         calls, charge, counters and buckets the pair makes. ``False``: nothing changed (the
         caller queues it and polls as always). The uncontended request's path: docs/library.md."""
         sl = self.slots
-        if (self.n_waiting or spec.strict or self.nested or self.down_since is not None or self.shared.slots
-                or self.shared.lazy or (sl.limit is not None and sl.used >= sl.limit)):
+        if (self.n_waiting or spec.strict or not self._plain or self.down_since is not None
+                or (sl.limit is not None and sl.used >= sl.limit)):
             return False
         if self.rpm is not None and not self.rpm.can_take(1, now):
             return False

@@ -447,6 +447,18 @@ class PolicyMetrics:
         if retry:
             fc.retries += 1
 
+    def began(self, key: Key, cost: float) -> None:
+        """A request queued and started at once: :meth:`queued`, then :meth:`started` after
+        0 s (its first attempt)."""
+        self.queued(key)
+        self.started(key, 0.0, cost, False)
+
+    def completed(self, key: Key, served_cost: float | None, charged: float) -> None:
+        """A request's attempt ended and the request completed: :meth:`attempt_ended`, then
+        :meth:`ended` (``completed``)."""
+        self.attempt_ended(key, served_cost=served_cost, charged=charged)
+        self.ended(key, "completed")
+
     def attempt_ended(self, key: Key, *, served_cost: float | None = None, upstream_429: bool = False,
                       timeout: bool = False, charged: float | None = None) -> None:
         """An attempt ended: ``served_cost`` is what it delivered, ``charged`` what the engine
