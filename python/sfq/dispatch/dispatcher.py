@@ -67,6 +67,9 @@ class FleetPolicy(Policy):
         w = self.weights.get(name)
         return _weighted(1.0) if w is None else _weighted(w)
 
+    def allows(self, flow: tuple[str, ...]) -> bool:
+        return len(flow) == 3 and flow[1] in self.classes and flow[2] in self.pools  # (every org: the caller's)
+
     def flow_weight(self, org: str, cls: str) -> float:
         c = self.classes[cls]  # (KeyError for another class, as Policy.flow_weight)
         w = self.weights.get(org)

@@ -516,6 +516,8 @@ class PolicyEngine:
                 if not q.n_waiting:
                     q.stalled = None
                     break
+                if q.full():  # every slot taken: another pop would start nothing, and it dropped
+                    break     # what had run out of time as it started this one (what frees a slot polls)
         return starts
 
     def next_start(self, fits: Fits | None = None) -> Request | None:
@@ -562,8 +564,12 @@ class PolicyEngine:
 
     def wake_at(self) -> float | None:
         """The clock time by which :meth:`poll` must run again even if nothing else happens."""
-        ts = [t for t in (q.wake_at() for q in self.queues.values()) if t is not None]
-        return min(ts) if ts else None
+        best = None
+        for q in self.queues.values():
+            t = q.wake_at()
+            if t is not None and (best is None or t < best):
+                best = t
+        return best
 
     # ------------------------------------------------------------ endings
     def _end(self, r: Request, outcome: str, reason: str | None = None, counted: bool = False) -> None:

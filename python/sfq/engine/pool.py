@@ -221,7 +221,7 @@ class _FlowQ:
     def preferred(self) -> Request | None:
         """The request that goes when the flow next wins (does not remove it)."""
         s = self._head(self.small)
-        big = self._head(self.large)
+        big = self._head(self.large) if self.large else None
         if s is None:
             return big
         if big is None or self.run < self.spec.small_picks:
@@ -346,7 +346,7 @@ class PolicyQueue:
         if fq is not None:
             return fq
         spec = self.policy.classes[f.cls]
-        fq = self.flows[f] = _FlowQ(f, spec, self.shared.groups(f), self._runs.pop(f, 0))
+        fq = self.flows[f] = _FlowQ(f, spec, () if self._plain else self.shared.groups(f), self._runs.pop(f, 0))
         fq.named = f.org in self.policy.orgs and len(f) == 3  # (a team's or user's queue: _drop_nested)
         w = self.policy.flow_weight(f.org, f.cls)
         if fq.named or w != 1.0:  # (the core's default weight is 1: nothing to tell it)
@@ -479,7 +479,7 @@ class PolicyQueue:
         age = spec.max_queue_age_seconds
         at_age = now + age if age is not None else _INF
         at_deadline = r.deadline if r.deadline is not None else _INF
-        r.drop_at = min(at_age, at_deadline)
+        r.drop_at = at_age if at_age < at_deadline else at_deadline
         r.drop_reason = "deadline" if at_deadline <= at_age else "queue_timeout"
         if spec.strict:
             self.strict[flow.cls].append(r)
@@ -700,7 +700,8 @@ class PolicyQueue:
         A :meth:`pop` now would start nothing and drop only what :meth:`wake_at` names."""
         if self.down_since is not None:
             return False
-        if self.slots.full:
+        sl = self.slots
+        if sl.limit is not None and sl.used >= sl.limit:  # (sl.full)
             return True
         for b in self.backends.values():
             if b.in_flight < b.limit:
@@ -708,7 +709,8 @@ class PolicyQueue:
         return True
 
     def _pool_room(self, now: float) -> bool:
-        if self.slots.full:
+        sl = self.slots
+        if sl.limit is not None and sl.used >= sl.limit:  # (sl.full)
             return False
         if self.rpm is not None and not self.rpm.can_take(1, now):
             self.blocked_until = now + self.rpm.wait(1, now)
@@ -1070,9 +1072,11 @@ class PolicyQueue:
     def wake_at(self) -> float | None:
         """The earliest clock time at which :meth:`pop` or :meth:`expire` may have something new
         without any other event (a bucket refills, a pause ends, a request runs out of time)."""
-        t = self.next_drop()
-        cands = [x for x in (t, self.blocked_until if self.blocked_until > -_INF else None) if x is not None]
-        return min(cands) if cands else None
+        t = self.next_drop() if self._drops or self.down_since is not None else None  # (else: none)
+        b = self.blocked_until
+        if b > -_INF and (t is None or b < t):
+            return b
+        return t
 
     def held(self, flow: Flow) -> int:
         """Requests of ``flow`` first in line that fit no backend with room (stalled or set aside)."""
