@@ -743,7 +743,9 @@ class PolicyQueue:
             self.blocked_until = -_INF
             return None
         now = self.clock()
-        self._drop_expired(now)
+        drops = self._drops
+        if (drops and drops[0][0] <= now) or self.down_since is not None:  # (_drop_expired's own tests)
+            self._drop_expired(now)
         self.blocked_until = -_INF
         if not self._pool_room(now):
             return None
@@ -776,7 +778,7 @@ class PolicyQueue:
             fq: _FlowQ = peek.item
             head = fq.preferred()
             assert head is not None, "a flow in the core has a waiting request"
-            if not self._tokens_ok(head, now):
+            if self.tpm is not None and not self._tokens_ok(head, now):
                 return None
             b = self._backend_for(head, now, fits)
             if b is not None:
@@ -798,7 +800,7 @@ class PolicyQueue:
         v, alone = sched.virtual_time, sched.waiting_flows == 1 and self._guessed(r)
         disp = sched.dispatch()
         assert disp is not None and disp.item is fq
-        if r.work_flow is not None and self.refund_floors and (self._floors or (alone and disp.start > v)):
+        if r.work_flow is not None and self.refund_floors and (self._floors.flows or (alone and disp.start > v)):
             self._floors.dispatched(r, disp.start, v, alone)  # how far its earlier work may be refunded
         fq.take(r)
         fq.token = None
