@@ -12,6 +12,12 @@ acquire-1000   1,000 flows each wait for one permit of a pool with one slot; eac
                releases at once, so every release grants the next: the cost per grant with
                1,000 waiting (``asyncio.Semaphore(1)`` with 1,000 waiters is the floor).
 
+Where the time goes: each group also runs the parts alone. ``async_with`` is an ``async with``
+of an object that does nothing (the event loop's share of any permit); ``engine_only`` is the
+request engine that the ``Dispatcher`` drives, called directly without asyncio (the same
+``submit(cost=, start=True)`` + ``complete``; with 1,000 waiting, 1,000 submits then a
+completion and a poll per grant). A permit's time less those two is the asyncio driver's.
+
 Run: ``PYTHONPATH=python python -m pytest benchmarks/bench_acquire.py --benchmark-only``; the
 same file runs against an older tree (its ``python/`` on ``PYTHONPATH``) for a side-by-side:
 ``benchmarks/compare_acquire.sh OLD_TREE`` interleaves the two.
@@ -29,6 +35,7 @@ import pytest
 import sfq
 from sfq.backends import Backend
 from sfq.dispatch import Dispatcher, PolicyDispatcher
+from sfq.engine import PolicyEngine
 from sfq.policy.config import policy_from_mapping
 
 N = 5_000
@@ -121,6 +128,39 @@ def test_seq_policy_dispatcher(benchmark: Any) -> None:
     _bench(benchmark, lambda: _run(run), N, "semaphore")
 
 
+@pytest.mark.benchmark(group="acquire-seq")
+def test_seq_async_with(benchmark: Any) -> None:
+    class Nop:
+        async def __aenter__(self) -> None:
+            return None
+
+        async def __aexit__(self, *exc: object) -> None:
+            return None
+
+    async def run() -> None:
+        for _ in range(N):
+            async with Nop():
+                pass
+
+    _bench(benchmark, lambda: _run(run), N, "semaphore")
+
+
+@pytest.mark.benchmark(group="acquire-seq")
+def test_seq_engine_only(benchmark: Any) -> None:
+    if "start" not in inspect.signature(PolicyEngine.submit).parameters:
+        pytest.skip("submit(start=True) is not in this tree")
+    d = Dispatcher([Nothing("b", max_in_flight=8)])
+    e = d.engine
+    flow = sfq.Flow("team-a", "default", next(iter(e.queues)))
+
+    def run() -> None:
+        for _ in range(N):
+            r = e.submit(flow, cost=100.0, start=True)
+            e.complete(r)
+
+    _bench(benchmark, run, N, "semaphore")
+
+
 # ------------------------------------------------------------------ 1,000 waiting
 @pytest.mark.benchmark(group="acquire-1000")
 def test_waiting_semaphore(benchmark: Any) -> None:
@@ -148,3 +188,21 @@ def test_waiting_dispatcher(benchmark: Any) -> None:
             await asyncio.gather(*(one(f) for f in range(WAITING)))
 
     _bench(benchmark, lambda: _run(run), WAITING, "semaphore", rounds=9)
+
+
+@pytest.mark.benchmark(group="acquire-1000")
+def test_waiting_engine_only(benchmark: Any) -> None:
+    if "start" not in inspect.signature(PolicyEngine.submit).parameters:
+        pytest.skip("submit(start=True) is not in this tree")
+
+    def run() -> None:
+        d = Dispatcher([Nothing("b", max_in_flight=1)])
+        e = d.engine
+        pool = next(iter(e.queues))
+        running = [r for r in (e.submit(sfq.Flow(f, "default", pool), cost=100.0, start=True) for f in range(WAITING))
+                   if r.state == "running"]
+        while running:
+            e.complete(running.pop())
+            running.extend(e.poll())
+
+    _bench(benchmark, run, WAITING, "semaphore", rounds=9)

@@ -456,7 +456,14 @@ class PolicyDispatcher:
                    streaming: bool | None, cost: float | None = None) -> Request:
         """:meth:`_admit` of a started dispatcher on its own state: nothing to await (the
         uncontended request's path: it returns running, on ``r.backend``)."""
-        flow, deadline, est, streaming = self._checks(flow, body, timeout, streaming, cost)
+        if body is None and cost is not None and timeout is None:  # a permit's cost: _checks in short
+            flow = self._checked(flow)
+            if self._closed:
+                self.engine.refuse(flow, "closed")
+                raise DispatcherClosed()
+            deadline, est, streaming = None, None, False
+        else:
+            flow, deadline, est, streaming = self._checks(flow, body, timeout, streaming, cost)
         try:
             r = self.engine.submit(flow, cost=cost, estimate=est, streaming=streaming, deadline=deadline,
                                    idempotency_key=key, start=True)
