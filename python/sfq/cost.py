@@ -188,7 +188,7 @@ def _count(name: str, value: object, minimum: int) -> int:
 def cached_tokens_of(usage: Mapping[str, Any]) -> int:
     """``usage.prompt_tokens_details.cached_tokens`` (0 when absent or not an integer >= 0)."""
     d = usage.get("prompt_tokens_details")
-    if type(d) is not dict and not isinstance(d, Mapping):
+    if d is None or (type(d) is not dict and not isinstance(d, Mapping)):
         return 0
     c = d.get("cached_tokens")
     return c if type(c) is int and c > 0 else 0

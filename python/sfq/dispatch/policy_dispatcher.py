@@ -618,7 +618,7 @@ class PolicyDispatcher:
             return
         assert r.backend is not None
         self._monitors[r.backend].replied(r.flow, None)
-        if usage is not None and not isinstance(usage, Mapping):
+        if usage is not None and type(usage) is not dict and not isinstance(usage, Mapping):
             usage = None
         self.engine.complete(r, usage, output_text_chars=None if usage is not None else text_chars)
         self._settled()
@@ -833,7 +833,8 @@ class PolicyDispatcher:
                     failed = exc
                     continue
                 usage = reply.get("usage")
-                self._completed(r, usage if isinstance(usage, Mapping) else None, _text_chars(reply.get("choices")))
+                self._completed(r, usage if type(usage) is dict or isinstance(usage, Mapping) else None,
+                                _text_chars(reply.get("choices")))
                 return reply
         except asyncio.CancelledError:
             self._gave_up(r)

@@ -736,7 +736,7 @@ class PolicyEngine:
             tokens, served = self._actual(r, usage, output_text_chars, spend=True)
         if served is not None:
             self.queues[r.flow.pool].settle(r, served)
-        if r.est is not None and usage is not None and isinstance(usage, Mapping):
+        if r.est is not None and usage is not None and (type(usage) is dict or isinstance(usage, Mapping)):
             try:
                 self.estimator.observe(r.est, usage, r.flow)
             except Exception:  # a bad usage report must not fail a served request
