@@ -465,3 +465,84 @@ async def test_429_carries_status_headers_and_retry_after_and_pauses_one_backend
     assert parse_retry_after("-5") == 0.0 and parse_retry_after(None) is None
 
 
+
+
+# ------------------------------------------------------------------ a flow id of the caller's own type
+class _FailingHash:
+    """A flow id whose ``__hash__`` raises on its ``k``-th call (and is fine before and after)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.calls = 0
+
+    def __hash__(self) -> int:
+        self.calls += 1
+        if self.calls == self.k:
+            raise RuntimeError(f"hash call #{self.k}")
+        return 7
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+
+@pytest.mark.parametrize("k", range(1, 25))
+async def test_a_flow_id_whose_hash_fails_later_leaves_nothing_half_done(k: int):
+    """Whichever call of its ``__hash__`` raises, a permit of that id gets the error or its turn,
+    and the engine is left whole: no slot held, no flow in the core that no queue knows, no
+    live request; two other flows then take both slots at once (they would wait forever behind
+    a slot held by a request nobody tracks). The id is hashed only on entry (``_Id``)."""
+    async with Dispatcher([GateBackend("b", max_in_flight=2)]) as d:
+        bad = _FailingHash(k)
+        served = False
+        try:
+            async with d.acquire(bad, cost=10.0):
+                served = True
+        except RuntimeError as exc:
+            assert str(exc) == f"hash call #{k}" and not served
+        q = next(iter(d.engine.queues.values()))
+        assert (q.n_waiting, len(q.sched), q.in_flight, d.engine.live) == (0, 0, 0, {})
+
+        async def both() -> None:
+            async with d.acquire("x", cost=10.0):
+                async with d.acquire("y", cost=10.0):
+                    pass
+
+        await asyncio.wait_for(both(), 5)
+        if served:  # hashed on entry only (the memo's and the stand-ins' lookups and stores)
+            assert bad.calls == 4
+
+
+class _Team:
+    """A flow id of a class of the caller's own: equal, with equal hashes, when its name is."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __hash__(self) -> int:
+        return hash(("team", self.name))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Team) and other.name == self.name
+
+    def __str__(self) -> str:
+        return f"team:{self.name}"
+
+
+async def test_equal_flow_ids_of_a_class_of_ones_own_are_one_flow():
+    """Ids made afresh for every call, equal by value, are one flow: one meter (a weight set on
+    one instance applies to the others), one row of statistics keyed by the id's ``str``,
+    ``flow_stats`` of any equal instance, and ``on_dispatch`` hands back an equal id."""
+    seen: list[DispatchRecord] = []
+    async with Dispatcher([GateBackend("b", max_in_flight=2)], on_dispatch=seen.append) as d:
+        d.set_weight(_Team("a"), 2.0)
+        before = d.meter(_Team("a"))
+        for _ in range(3):
+            async with d.acquire(_Team("a"), cost=100.0):
+                pass
+        assert d.meter(_Team("a")) == pytest.approx(before + 3 * 100.0 / 2.0)
+        assert d.stats()["flows"]["team:a"]["completed"] == 3
+        row = d.flow_stats(_Team("a"))
+        assert row is not None and row["dispatched"] == 3
+        assert d.flow_stats(_Team("nobody")) is None
+        assert [r.flow for r in seen] == [_Team("a")] * 3
+        assert d.flow_key(_Team("a")) == d.flow_key(_Team("a"))

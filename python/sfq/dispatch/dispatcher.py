@@ -16,6 +16,7 @@ import functools
 import math
 import random
 import time
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -272,7 +273,37 @@ def _quantile(xs: list[float], q: float) -> float:
 
 def _json_key(flow: Hashable) -> str | int | float | bool | None:
     """A flow id as a ``stats()`` key that ``json.dumps`` takes (other ids: their ``str``)."""
+    if type(flow) is _Id:
+        flow = flow.id
     return flow if flow is None or isinstance(flow, (str, int, float, bool)) else str(flow)
+
+
+#: flow ids whose hash and equality are the interpreter's own (and a tuple of them): the engine
+#: may hash and compare them as often as it needs, and no code of the caller's runs
+_PLAIN = frozenset({str, int, float, bool, bytes, type(None)})
+
+
+class _Id:
+    """The engine's stand-in for a caller's flow id of any other type (an object of a class of
+    its own, a tuple holding one). There is one per id while the engine holds anything of the
+    flow (``Dispatcher._ids`` keeps them weakly, keyed by the id: the id's own ``__hash__`` and
+    ``__eq__`` run there, on entry, where an exception changes nothing). Inside the engine, in
+    the core and in the statistics the stand-in is hashed and compared by identity, so an id
+    whose ``__hash__`` or ``__eq__`` raises, re-enters or changes between calls cannot leave an
+    operation half done (a slot held, a flow in the core that no queue knows)."""
+
+    __slots__ = ("id", "__weakref__")
+
+    def __init__(self, flow: Hashable) -> None:
+        self.id = flow  # the caller's id
+
+    def __repr__(self) -> str:  # (never the id's own repr: no code of the caller's runs)
+        return f"<flow id of type {type(self.id).__name__}>"
+
+
+def _caller_id(org: Any) -> Hashable:
+    """The caller's flow id of an engine flow's org (its stand-in's id, or the id itself)."""
+    return org.id if type(org) is _Id else org
 
 
 class Dispatcher(PolicyDispatcher):
@@ -410,6 +441,8 @@ class Dispatcher(PolicyDispatcher):
         self._default = self._pool_names.get(None)
         self._only = self._default if len(self._pool_names) == 1 else None  # one default pool takes every model
         self._made: dict[Hashable, Flow] = {}  # the caller's flow id -> its Flow in the one pool (_only)
+        #: the stand-ins of the flow ids that are not plain (``_Id``), while the engine holds them
+        self._ids: weakref.WeakValueDictionary[Hashable, _Id] = weakref.WeakValueDictionary()
 
     # ------------------------------------------------------------ the caller's flow -> the driver's
     def _flow(self, flow: Hashable, body: object, model: str | None = None) -> Flow:
@@ -422,16 +455,14 @@ class Dispatcher(PolicyDispatcher):
             if f is None:
                 if len(made) >= _MADE:  # (ids are the caller's, unbounded: a bounded memo, never a leak)
                     made.clear()
-                f = made[flow] = Flow(flow, DEFAULT_CLASS, self._only)  # type: ignore[arg-type]
+                f = Flow(self._key(flow), DEFAULT_CLASS, self._only)  # type: ignore[arg-type]
+                made[flow] = f
             return f
-        try:
-            hash(flow)
-        except TypeError:
-            raise unhashable_flow(flow) from None
+        key = self._key(flow)
         if body is not None and not isinstance(body, Mapping):
             # refused (BadRequest) where every refusal is, on entry (the driver's _admit checks
             # the body before it looks at the flow): any pool will do
-            return Flow(flow, DEFAULT_CLASS, next(iter(self.engine.queues)))  # type: ignore[arg-type]
+            return Flow(key, DEFAULT_CLASS, next(iter(self.engine.queues)))  # type: ignore[arg-type]
         pool = self._only
         if pool is None:
             if model is None and isinstance(body, Mapping):
@@ -442,7 +473,24 @@ class Dispatcher(PolicyDispatcher):
                 if pool is None:
                     raise UnknownModel(f"no backend serves model {model!r}; pools: "
                                        f"{sorted(str(m) for m in self._pool_names)}")
-        return Flow(flow, DEFAULT_CLASS, pool)  # type: ignore[arg-type]  # the caller's flow id is the org
+        return Flow(key, DEFAULT_CLASS, pool)  # type: ignore[arg-type]  # the caller's flow id is the org
+
+    def _key(self, flow: Hashable, make: bool = True) -> Hashable:
+        """The engine's org for the caller's flow id: the id itself when it is plain, else its
+        stand-in (``_Id``; made when ``make``, else ``None`` when it has none). Raises the error
+        of an unhashable id here, before anything changes."""
+        t = type(flow)
+        if t in _PLAIN or (t is tuple and all(type(x) in _PLAIN for x in flow)):  # type: ignore[attr-defined]
+            return flow
+        ids = self._ids
+        try:
+            k = ids.get(flow)
+        except TypeError:
+            raise unhashable_flow(flow) from None
+        if k is None and make:
+            k = _Id(flow)
+            ids[flow] = k
+        return k
 
     def _checked(self, flow: Flow) -> Flow:
         return flow  # made by _flow: its org is the caller's id, its class and pool the fleet's (no refusal)
@@ -491,11 +539,12 @@ class Dispatcher(PolicyDispatcher):
     def set_weight(self, flow: Hashable, weight: float) -> None:
         """Set ``flow``'s weight (> 0, default 1) in every pool, for its future charges."""
         queues = list(self.engine.queues.values())
-        queues[0].sched.set_weight(Flow(flow, DEFAULT_CLASS, queues[0].name), weight)  # type: ignore[arg-type]
+        key = self._key(flow)  # (held by the weights while it is set: the same stand-in meanwhile)
+        queues[0].sched.set_weight(Flow(key, DEFAULT_CLASS, queues[0].name), weight)  # type: ignore[arg-type]
         # (validated: raises before anything changed)
         for q in queues[1:]:
-            q.sched.set_weight(Flow(flow, DEFAULT_CLASS, q.name), weight)  # type: ignore[arg-type]
-        self.policy.weights[flow] = float(weight)  # type: ignore[attr-defined]
+            q.sched.set_weight(Flow(key, DEFAULT_CLASS, q.name), weight)  # type: ignore[arg-type]
+        self.policy.weights[key] = float(weight)  # type: ignore[attr-defined]
 
     def wake(self, *models: str | None) -> None:
         """Pump again (``models``: the pools to look at; every pool when none is given). A model
@@ -519,13 +568,15 @@ class Dispatcher(PolicyDispatcher):
         return self._queue_of(model).sched
 
     def flow_key(self, flow: Hashable, model: str | None = None) -> Flow:
-        """The engine's (and the core's) id of ``flow`` in the pool serving ``model``."""
-        return Flow(flow, DEFAULT_CLASS, self._queue_of(model).name)  # type: ignore[arg-type]
+        """The engine's (and the core's) id of ``flow`` in the pool serving ``model`` (an id
+        that is not a str, number, bytes, ``None`` or a tuple of them is held there by a
+        stand-in, which the returned flow holds)."""
+        return Flow(self._key(flow), DEFAULT_CLASS, self._queue_of(model).name)  # type: ignore[arg-type]
 
     def meter(self, flow: Hashable, model: str | None = None) -> float:
         """``flow``'s meter (cost units) in the pool serving ``model`` (``None``: the default pool)."""
         q = self._queue_of(model)
-        return float(q.sched.meter(Flow(flow, DEFAULT_CLASS, q.name)))  # type: ignore[arg-type]
+        return float(q.sched.meter(Flow(self._key(flow), DEFAULT_CLASS, q.name)))  # type: ignore[arg-type]
 
     def _dispatched(self, r: Request) -> None:
         assert self.on_dispatch is not None and r.backend is not None and r.started_at is not None
@@ -533,7 +584,7 @@ class Dispatcher(PolicyDispatcher):
         w = self.policy.flow_weight(r.flow.org, r.flow.cls)
         q = self.engine.queues[r.flow.pool]
         model = q.spec.models[0] if q.spec.models else None
-        self.on_dispatch(DispatchRecord(r.flow.org, r.id, r.charged, start, start + r.charged / w, model, r.backend,
+        self.on_dispatch(DispatchRecord(_caller_id(r.flow.org), r.id, r.charged, start, start + r.charged / w, model, r.backend,
                                         r.started_at - r.queued_at))
 
     def stats(self) -> dict[str, Any]:
@@ -574,10 +625,11 @@ class Dispatcher(PolicyDispatcher):
         """One flow's row of :meth:`stats` (``None`` when it has none), in O(1) plus its wait
         percentiles: for a proxy's per-request look, where ``stats()`` walks every flow."""
         t = self.tally
-        row = t.rows.get(flow)
+        key = self._key(flow, make=False)
+        row = None if key is None else t.rows.get(key)
         if row is None:
             return None
-        return t.row(flow, self._held(flow) if row.waiting else 0)
+        return t.row(key, self._held(key) if row.waiting else 0)
 
     def _held(self, flow: Hashable) -> int:
         """Requests of ``flow`` first in line that fit no backend with room, in every pool."""
