@@ -833,8 +833,10 @@ class PolicyDispatcher:
                     failed = exc
                     continue
                 usage = reply.get("usage")
-                self._completed(r, usage if type(usage) is dict or isinstance(usage, Mapping) else None,
-                                _text_chars(reply.get("choices")))
+                if type(usage) is dict or isinstance(usage, Mapping):  # (the text is counted only without usage)
+                    self._completed(r, usage, None)
+                else:
+                    self._completed(r, None, _text_chars(reply.get("choices")))
                 return reply
         except asyncio.CancelledError:
             self._gave_up(r)
