@@ -925,13 +925,14 @@ class PolicyQueue:
         r.drop_at = drop_at
         r.drop_reason = "deadline" if at_deadline <= at_age else "queue_timeout"
         small = r.small = spec.small_cost is None or r.cost <= spec.small_cost
+        named = len(f) == 3 and f.org in self.policy.orgs  # (its _FlowQ's ``named``)
         run = self._runs.pop(f, 0)
         run = run + 1 if small else 0
-        if run and len(f) == 3 and f.org in self.policy.orgs:
+        if run and named:
             self._runs[f] = run
         sched = self.sched
         w = self.policy.flow_weight(f.org, f.cls)
-        if w != 1.0 or (len(f) == 3 and f.org in self.policy.orgs):
+        if w != 1.0 or named:
             sched.set_weight(f, w)
         e = r.est
         if e is None or r.fixed:
@@ -1042,7 +1043,6 @@ class PolicyQueue:
         429) pauses its backend that long."""
         if r.state != RUNNING or r.flow.pool != self.name or r.backend is None:
             raise ValueError(f"finish({r!r}): the request is not running in pool {self.name!r}")
-        now = self.clock()
         b = self.backends[r.backend]
         b.in_flight -= 1
         self.in_flight -= 1
@@ -1054,6 +1054,7 @@ class PolicyQueue:
         r.state = ENDED
         if actual_tokens is not None and self.tpm is not None and math.isfinite(actual_tokens) and actual_tokens >= 0:
             diff = actual_tokens - r.tokens
+            now = self.clock()
             if diff < 0:
                 self.tpm.credit(-diff, now)
             elif diff > 0:
