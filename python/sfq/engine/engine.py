@@ -380,11 +380,7 @@ class PolicyEngine:
         if start and victim is None and q.start_alone(r, now, spec):
             # nothing waited in its pool and nothing bound: it started at once, as the pair
             # queue_new + pop would have started it (PolicyQueue.start_alone)
-            self.submitted += 1
-            self.live[r.id] = r
-            if user is not None:
-                live = self.users.setdefault((flow.org, flow.team), {})
-                live[user] = live.get(user, 0) + 1
+            self._accepted(r, user)
             self.retry.first_attempt(key, now)
             if self._began is not None and not self.defer_start:
                 self._began(key, r.cost)
@@ -396,11 +392,7 @@ class PolicyEngine:
         if victim is not None:
             self.evict(victim)
         q.queue_new(r, now)  # (checked above: the flow, its need, its cost, its class's room)
-        self.submitted += 1
-        self.live[r.id] = r
-        if user is not None:
-            live = self.users.setdefault((flow.org, flow.team), {})
-            live[user] = live.get(user, 0) + 1
+        self._accepted(r, user)
         self.metrics.queued(key)
         self.retry.first_attempt(key, now)  # (the retry budget is the (org, class, pool)'s: invented users add none)
         if start and alone:
@@ -409,6 +401,15 @@ class PolicyEngine:
             if q.pop() is not None:  # (r: nothing else waits)
                 self._started(r)
         return r
+
+    def _accepted(self, r: Request, user: str | None) -> None:
+        """``r`` is accepted: counted, live, and its user (nested shares) live in its team."""
+        self.submitted += 1
+        self.live[r.id] = r
+        if user is not None:
+            f = r.flow
+            live = self.users.setdefault((f.org, f.team), {})
+            live[user] = live.get(user, 0) + 1
 
     @staticmethod
     def _figures(cost: float | None, tokens: float | None, need: float | None,

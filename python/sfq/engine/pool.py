@@ -503,16 +503,17 @@ class PolicyQueue:
         changes no order, and the dispatch corrects the meter at once). A fixed cost as given."""
         head = fq.preferred()
         assert head is not None
-        e = head.est
-        if e is None or head.fixed:
-            c = head.cost
-        else:
-            est = self.estimator
-            c = est.input_weight * e.charged_prompt
-            if c < est.min_cost:
-                c = est.min_cost
-        fq.token_cost = c
+        c = fq.token_cost = self._entry_cost(head)
         fq.token = self.sched.enqueue(fq.flow, c, fq)
+
+    def _entry_cost(self, r: Request) -> float:
+        """What ``r`` enters the core at (:meth:`_enter`): its prompt's cost, or a fixed cost."""
+        e = r.est
+        if e is None or r.fixed:
+            return r.cost
+        est = self.estimator
+        c = est.input_weight * e.charged_prompt
+        return est.min_cost if c < est.min_cost else c
 
     def _unqueue(self, r: Request) -> None:
         """Bookkeeping for a waiting request that leaves without starting."""
@@ -935,13 +936,7 @@ class PolicyQueue:
         if w != 1.0 or named:
             sched.set_weight(f, w)
         e = r.est
-        if e is None or r.fixed:
-            c = r.cost
-        else:
-            est = self.estimator
-            c = est.input_weight * e.charged_prompt
-            if c < est.min_cost:
-                c = est.min_cost
+        c = self._entry_cost(r)
         sched.enqueue(f, c, r)
         work = r.work_flow = None if self.charge is ChargeMode.SEED else f
         sched.work_started(work)
