@@ -464,9 +464,8 @@ class PolicyDispatcher:
             deadline, est, streaming = None, None, False
         else:
             flow, deadline, est, streaming = self._checks(flow, body, timeout, streaming, cost)
-        try:
-            r = self.engine.submit(flow, cost=cost, estimate=est, streaming=streaming, deadline=deadline,
-                                   idempotency_key=key, start=True)
+        try:  # (engine.submit, its arguments in order)
+            r = self.engine._submit(flow, cost, None, None, deadline, None, key, est, streaming, True, None)
         except OverflowError as exc:  # a figure too large for the scheduler: the body's fault
             self.engine.refuse(flow, "bad_request")
             raise BadRequest(f"the request is too large to schedule: {exc}") from None
@@ -620,7 +619,7 @@ class PolicyDispatcher:
         self._monitors[r.backend].replied(r.flow, None)
         if usage is not None and type(usage) is not dict and not isinstance(usage, Mapping):
             usage = None
-        self.engine.complete(r, usage, output_text_chars=None if usage is not None else text_chars)
+        self.engine.complete(r, usage, None if usage is not None else text_chars)  # (output_text_chars)
         self._settled()
 
     def _deadline_hit(self, r: Request, what: str) -> DeadlineExceeded:

@@ -309,6 +309,13 @@ class PolicyEngine:
         (:class:`~sfq.policy.spend.SpendBook`); ``hold``: a reservation the caller already made
         in a shared ledger (``sfq.state``), the request's from now on (given back if refused).
         """
+        return self._submit(flow, cost, tokens, need, deadline, item, idempotency_key, estimate, streaming, start,
+                            hold)
+
+    def _submit(self, flow: Flow, cost: float | None, tokens: float | None, need: float | None,
+                deadline: float | None, item: Any, idempotency_key: str | None, estimate: Estimate | None,
+                streaming: bool, start: bool, hold: Hold | None) -> Request:
+        """:meth:`submit` with its arguments in order (the driver's call, without keywords)."""
         if type(flow) is not Flow:
             flow = Flow(*flow)
         q = self.queues.get(flow.pool)
@@ -372,9 +379,8 @@ class PolicyEngine:
             raise Refused("too_many_users", f"{where} already has {self._max_users(flow)} users with requests "
                                             "waiting or running (max_users); this user's request is refused until "
                                             "one of them is done", retry_after=q.place_frees_in(flow.cls))
-        r = Request(flow, float(cost), float(tokens), now, deadline=deadline, item=item, need=float(need),
-                    idempotency_key=idempotency_key, est=estimate,
-                    epoch=self.estimator.epoch if estimate is not None else -1, streaming=bool(streaming))
+        r = Request(flow, float(cost), float(tokens), now, deadline, item, float(need), idempotency_key, estimate,
+                    self.estimator.epoch if estimate is not None else -1, bool(streaming))  # (in order: no keywords)
         r.fixed = fixed
         r.hold = hold
         if start and victim is None and q.start_alone(r, now, spec):
@@ -652,7 +658,7 @@ class PolicyEngine:
         cpt = r.cpt = self.estimator.chars_per_token_of(r.est.model if r.est is not None else "")
         return cpt
 
-    def _actual(self, r: Request, usage: Mapping[str, Any] | None, text_chars: int | None, *,
+    def _actual(self, r: Request, usage: Mapping[str, Any] | None, text_chars: int | None,
                 spend: bool = False) -> tuple[float | None, float | None]:
         """:meth:`_used` as ``(tokens, cost units)``; ``spend``: the attempt's spend is these
         tokens (its budget's hold is told; once per attempt, by the call that settles it)."""
@@ -718,7 +724,7 @@ class PolicyEngine:
             if used is not None:
                 self.spend.used(r.hold, *used)
 
-    def complete(self, r: Request, usage: Mapping[str, Any] | None = None, *,
+    def complete(self, r: Request, usage: Mapping[str, Any] | None = None,
                  output_text_chars: int | None = None) -> None:
         """A running request completed. Its charge is settled as the charge mode says (not in
         ``seed``, not for a fixed cost) to what it really cost: from ``usage`` (OpenAI
@@ -734,7 +740,7 @@ class PolicyEngine:
         if usage is None and output_text_chars is None and r.delivered <= 0:
             tokens = served = None  # nothing known of what it used: the charge at dispatch stands
         else:
-            tokens, served = self._actual(r, usage, output_text_chars, spend=True)
+            tokens, served = self._actual(r, usage, output_text_chars, True)  # (spend: this attempt's)
         if served is not None:
             self.queues[r.flow.pool].settle(r, served)
         if r.est is not None and usage is not None and (type(usage) is dict or isinstance(usage, Mapping)):
@@ -748,13 +754,13 @@ class PolicyEngine:
             self._end(r, "completed")
             return
         # _attempt_over then _end, with the metrics' two calls in one (metrics.completed)
-        self.queues[r.flow.pool].finish(r, actual_tokens=tokens)
+        self.queues[r.flow.pool].finish(r, tokens)
         r.charged_total += r.charged
         if self.on_attempt_over is not None:
             self.on_attempt_over(r, tokens)
         flow = r.flow
         done(flow if len(flow) == 3 else flow[:3], served, r.charged)
-        self._end(r, "completed", counted=True)
+        self._end(r, "completed", None, True)  # (counted)
 
     def usage_cost(self, usage: Mapping[str, Any] | None) -> tuple[float | None, float | None]:
         """``(tokens, cost units)`` of an OpenAI ``usage`` report as it stands (``None`` when

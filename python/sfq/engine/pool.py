@@ -81,7 +81,7 @@ class Request:
                  "work_flow", "working", "in_core", "avoid", "start_tag", "fixed", "hold",
                  "charged_total")
 
-    def __init__(self, flow: Flow, cost: float, tokens: float, arrival: float, *, deadline: float | None = None,
+    def __init__(self, flow: Flow, cost: float, tokens: float, arrival: float, deadline: float | None = None,
                  item: Any = None, need: float = 0.0, idempotency_key: str | None = None,
                  est: Estimate | None = None, epoch: int = -1, streaming: bool = False) -> None:
         self.id = next(_ids)
@@ -816,7 +816,7 @@ class PolicyQueue:
             fq.small.clear()
             fq.large.clear()
             self._emptied(fq)
-        return self._start(r, b, now, core=True)
+        return self._start(r, b, now, True)  # (core)
 
     # ------------------------------------------------------------ the charge
     def _dispatch_charge(self, r: Request) -> float:
@@ -1032,7 +1032,7 @@ class PolicyQueue:
         self.backends[backend].in_flight += 1
         r.backend = backend
 
-    def finish(self, r: Request, *, actual_tokens: float | None = None, retry_after: float | None = None) -> None:
+    def finish(self, r: Request, actual_tokens: float | None = None, retry_after: float | None = None) -> None:
         """A started request's attempt ended (any outcome): free its slots; correct the token
         bucket by ``actual_tokens`` (the usage report) when given; ``retry_after`` (an upstream
         429) pauses its backend that long."""
