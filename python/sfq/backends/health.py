@@ -231,11 +231,7 @@ class BackendMonitor:
             self.completed += 1
             self.transport_failures = 0
             self.backoff = self.options.backoff
-            w = self.window
-            replies = w.replies
-            if len(replies) == replies.maxlen and replies[0][1]:  # (w.record(flow, False), without the call)
-                w.errors -= 1
-            replies.append((flow, False))
+            self.window.record(flow, False)
             return
         self.errors += 1
         self.last_error = str(error) or type(error).__name__

@@ -685,8 +685,8 @@ class PolicyQueue:
         load = 2.0
         avoided: _Backend | None = None
         for b in self.backends.values():
-            if (b.healthy and not b.saturated and b.in_flight < b.limit and b.paused_until <= now  # (b.open(now))
-                    and (b.max_context is None or r.need <= b.max_context) and (fits is None or fits(r, b.name))):
+            if b.open(now) and (b.max_context is None or r.need <= b.max_context) and (
+                    fits is None or fits(r, b.name)):
                 if b.name == r.avoid:
                     avoided = b
                     continue
