@@ -9,14 +9,19 @@ acquire-seq    one caller, one permit at a time, nothing else waiting: ``async w
                ``grant.finish(usage)``, ``Dispatcher.acquire(flow, cost=...)`` (no body),
                ``PolicyDispatcher.acquire(Flow, body)``.
 acquire-1000   1,000 flows each wait for one permit of a pool with one slot; each holder
-               releases at once, so every release grants the next: the cost per grant with
-               1,000 waiting (``asyncio.Semaphore(1)`` with 1,000 waiters is the floor).
+               releases at once, so every release grants the next: the cost per request end
+               to end (its task, its submit, its wait, its grant, its release) with 1,000
+               waiting (``asyncio.Semaphore(1)`` with 1,000 waiters is the floor).
+grant-1000     the grants alone: 1,000 flows already wait (tasks made, requests queued, outside
+               the timing) behind one holder; the timing starts as the holder releases and
+               ends when the last has held its permit and released it: per grant, the release
+               that hands the slot on, the wake-up of the next holder and its ``async with``.
 
 Where the time goes: each group also runs the parts alone. ``async_with`` is an ``async with``
 of an object that does nothing (the event loop's share of any permit); ``engine_only`` is the
 request engine that the ``Dispatcher`` drives, called directly without asyncio (the same
 ``submit(cost=, start=True)`` + ``complete``; with 1,000 waiting, 1,000 submits then a
-completion and a poll per grant). A permit's time less those two is the asyncio driver's.
+completion and a poll per grant; for the grants alone, only the completions and polls). A permit's time less those two is the asyncio driver's.
 
 Run: ``PYTHONPATH=python python -m pytest benchmarks/bench_acquire.py --benchmark-only``; the
 same file runs against an older tree (its ``python/`` on ``PYTHONPATH``) for a side-by-side:
@@ -206,3 +211,161 @@ def test_waiting_engine_only(benchmark: Any) -> None:
             running.extend(e.poll())
 
     _bench(benchmark, run, WAITING, "semaphore", rounds=9)
+
+
+@pytest.mark.benchmark(group="acquire-1000")
+def test_waiting_dispatcher_cost(benchmark: Any) -> None:
+    if "cost" not in inspect.signature(Dispatcher.acquire).parameters:
+        pytest.skip("acquire(flow, cost=...) is not in this tree")
+
+    async def run() -> None:
+        async with Dispatcher([Nothing("b", max_in_flight=1)]) as d:
+            async def one(f: int) -> None:
+                async with d.acquire(f, cost=100.0):
+                    await asyncio.sleep(0)
+
+            await asyncio.gather(*(one(f) for f in range(WAITING)))
+
+    _bench(benchmark, lambda: _run(run), WAITING, "semaphore", rounds=9)
+
+
+# ------------------------------------------------------------------ the grants alone, 1,000 waiting
+class _Drain:
+    """A loop with ``WAITING`` tasks queued behind one holder (made by ``setup``, untimed);
+    ``drain()`` (timed) lets the holder go and runs until every task has held and released."""
+
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.tasks: list[asyncio.Future[Any]] = []
+        self.go: asyncio.Event | None = None
+        self.closer: Any = None
+
+    def close(self) -> None:
+        if self.loop is not None:
+            if self.closer is not None:
+                self.loop.run_until_complete(self.closer())
+            self.loop.close()
+            self.loop = None
+
+    def setup(self, make: Any) -> None:
+        self.close()
+        gc.collect()
+        self.loop = asyncio.new_event_loop()
+        self.loop.run_until_complete(make(self))
+
+    def drain(self) -> None:
+        assert self.loop is not None and self.go is not None
+        self.go.set()
+        self.loop.run_until_complete(asyncio.gather(*self.tasks))
+
+
+def _bench_drain(benchmark: Any, make: Any) -> None:
+    benchmark.extra_info["requests"] = WAITING
+    benchmark.extra_info["floor"] = "semaphore"
+    d = _Drain()
+    try:
+        benchmark.pedantic(d.drain, setup=lambda: d.setup(make), rounds=9, iterations=1, warmup_rounds=1)
+    finally:
+        d.close()
+
+
+async def _until(test: Any) -> None:
+    for _ in range(100_000):  # bounded: the tasks queue within a few loop turns
+        if test():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the waiting tasks did not all queue")
+
+
+@pytest.mark.benchmark(group="grant-1000")
+def test_grant_semaphore(benchmark: Any) -> None:
+    async def make(st: _Drain) -> None:
+        s = asyncio.Semaphore(1)
+        go = st.go = asyncio.Event()
+
+        async def holder() -> None:
+            async with s:
+                await go.wait()
+
+        async def one() -> None:
+            async with s:
+                await asyncio.sleep(0)
+
+        st.tasks = [asyncio.ensure_future(holder())] + [asyncio.ensure_future(one()) for _ in range(WAITING)]
+        await _until(lambda: len(s._waiters or ()) >= WAITING)  # type: ignore[attr-defined]
+
+    _bench_drain(benchmark, make)
+
+
+@pytest.mark.benchmark(group="grant-1000")
+def test_grant_dispatcher_cost(benchmark: Any) -> None:
+    if "cost" not in inspect.signature(Dispatcher.acquire).parameters:
+        pytest.skip("acquire(flow, cost=...) is not in this tree")
+
+    async def make(st: _Drain) -> None:
+        d = Dispatcher([Nothing("b", max_in_flight=1)])
+        await d.start()
+        st.closer = d.close
+        go = st.go = asyncio.Event()
+
+        async def holder() -> None:
+            async with d.acquire(-1, cost=100.0):
+                await go.wait()
+
+        async def one(f: int) -> None:
+            async with d.acquire(f, cost=100.0):
+                await asyncio.sleep(0)
+
+        st.tasks = [asyncio.ensure_future(holder())] + [asyncio.ensure_future(one(f)) for f in range(WAITING)]
+        await _until(lambda: sum(q.n_waiting for q in d.engine.queues.values()) >= WAITING)
+
+    _bench_drain(benchmark, make)
+
+
+@pytest.mark.benchmark(group="grant-1000")
+def test_grant_dispatcher_body(benchmark: Any) -> None:
+    async def make(st: _Drain) -> None:
+        d = Dispatcher([Nothing("b", max_in_flight=1)])
+        await d.start()
+        st.closer = d.close
+        go = st.go = asyncio.Event()
+
+        async def holder() -> None:
+            async with d.acquire(-1, BODY) as grant:
+                await go.wait()
+                grant.finish(USAGE)
+
+        async def one(f: int) -> None:
+            async with d.acquire(f, BODY) as grant:
+                await asyncio.sleep(0)
+                grant.finish(USAGE)
+
+        st.tasks = [asyncio.ensure_future(holder())] + [asyncio.ensure_future(one(f)) for f in range(WAITING)]
+        await _until(lambda: sum(q.n_waiting for q in d.engine.queues.values()) >= WAITING)
+
+    _bench_drain(benchmark, make)
+
+
+@pytest.mark.benchmark(group="grant-1000")
+def test_grant_engine_only(benchmark: Any) -> None:
+    if "start" not in inspect.signature(PolicyEngine.submit).parameters:
+        pytest.skip("submit(start=True) is not in this tree")
+    st: dict[str, Any] = {}
+
+    def setup() -> None:
+        gc.collect()
+        e = Dispatcher([Nothing("b", max_in_flight=1)]).engine
+        pool = next(iter(e.queues))
+        st["e"] = e
+        st["running"] = [r for r in (e.submit(sfq.Flow(f, "default", pool), cost=100.0, start=True)
+                                     for f in range(-1, WAITING)) if r.state == "running"]
+
+    def drain() -> None:
+        e, running = st["e"], st["running"]
+        while running:
+            e.complete(running.pop())
+            running.extend(e.poll())
+
+    benchmark.extra_info["requests"] = WAITING
+    benchmark.extra_info["floor"] = "semaphore"
+    benchmark.pedantic(drain, setup=setup, rounds=9, iterations=1, warmup_rounds=1)
