@@ -81,5 +81,19 @@ def test_slots() -> None:
     for _ in range(1000):
         u.acquire()
     assert not u.full
+    # a request adopted from a policy that allowed more holds its slot past the limit: full
+    # until it is back under
+    h = Slots("x", 1)
+    h.acquire()
+    h.hold()
+    assert h.full and h.used == 2
+    with pytest.raises(RuntimeError, match="no free slot"):
+        h.acquire()
+    h.release()
+    assert h.full and h.used == 1
+    h.release()
+    assert not h.full and h.used == 0
+    h.acquire()
+    assert h.full
     with pytest.raises(ValueError):
         Slots("x", 0)

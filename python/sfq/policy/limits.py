@@ -85,30 +85,40 @@ class TokenBucket:
 
 
 class Slots:
-    """A concurrency counter: ``used`` of ``limit`` (``None`` = unlimited)."""
+    """A concurrency counter: ``used`` of ``limit`` (``None`` = unlimited). ``full`` is a field,
+    kept by the three ways to count (``acquire``, ``hold``, ``release``), so that the hot path
+    reads one attribute; nobody writes ``used`` but them."""
 
-    __slots__ = ("name", "limit", "used")
+    __slots__ = ("name", "limit", "used", "full")
 
     def __init__(self, name: str, limit: int | None) -> None:
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
             raise ValueError(f"{name}: limit must be an integer >= 1 or None, got {limit!r}")
         self.name = name
-        self.limit = limit
-        self.used = 0
-
-    @property
-    def full(self) -> bool:
-        return self.limit is not None and self.used >= self.limit
+        self.limit = limit  # requests at once (None: unlimited)
+        self.used = 0  # requests holding a slot
+        self.full = False  # used >= limit: no slot to acquire (never, unlimited)
 
     def acquire(self) -> None:
+        """Take a free slot (``RuntimeError`` when it is full)."""
         if self.full:
             raise RuntimeError(f"{self.name}: no free slot ({self.used}/{self.limit})")
-        self.used += 1
+        used = self.used = self.used + 1
+        self.full = self.limit is not None and used >= self.limit
+
+    def hold(self) -> None:
+        """Count a request that holds a slot already, even past the limit (one started under a
+        policy that allowed more, adopted by this one): nothing more is acquired until it is
+        back under."""
+        used = self.used = self.used + 1
+        self.full = self.limit is not None and used >= self.limit
 
     def release(self) -> None:
+        """Give a slot back (``RuntimeError`` when none is held)."""
         if self.used <= 0:
             raise RuntimeError(f"{self.name}: release without acquire")
-        self.used -= 1
+        used = self.used = self.used - 1
+        self.full = self.limit is not None and used >= self.limit
 
     def __repr__(self) -> str:
         return f"Slots({self.name!r}, {self.used}/{self.limit})"
