@@ -60,7 +60,7 @@ class Flow(tuple):  # type: ignore[type-arg]
 
     if TYPE_CHECKING:
         @property
-        def org(self) -> str: ...
+        def org(self) -> Any: ...  # a str under a policy; a Dispatcher's flow holds its caller's id there
 
         @property
         def cls(self) -> str: ...
