@@ -1035,10 +1035,10 @@ class PolicyEngine:
                 new.org_rate[org] = b
         for name, q in self.queues.items():
             nq = new.queues[name]
-            for attr in ("rpm", "tpm"):
-                b, nb = getattr(q, attr), getattr(nq, attr)
-                if b is not None and nb is not None and b.capacity == nb.capacity:
-                    setattr(nq, attr, b)
+            for attr in ("rpm", "tpm"):  # (a bucket or None: not ``b``, the org buckets' TokenBucket above)
+                ob, nqb = getattr(q, attr), getattr(nq, attr)
+                if ob is not None and nqb is not None and ob.capacity == nqb.capacity:
+                    setattr(nq, attr, ob)
             for bname, be in q.backends.items():
                 nbe = nq.backends[bname]
                 nbe.healthy, nbe.saturated, nbe.paused_until = be.healthy, be.saturated, be.paused_until
