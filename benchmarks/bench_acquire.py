@@ -297,53 +297,35 @@ def test_grant_semaphore(benchmark: Any) -> None:
     _bench_drain(benchmark, make)
 
 
+async def _queued_on_dispatcher(st: _Drain, body: bool) -> None:
+    """A ``Dispatcher`` with one slot: a holder (flow -1) until ``st.go`` is set, and ``WAITING``
+    flows queued behind it, each holding its permit for one loop turn; ``body``: each permit
+    with a body and ``finish(usage)``, else ``cost=`` alone."""
+    d = Dispatcher([Nothing("b", max_in_flight=1)])
+    await d.start()
+    st.closer = d.close
+    go = st.go = asyncio.Event()
+
+    async def one(f: int) -> None:
+        async with (d.acquire(f, BODY) if body else d.acquire(f, cost=100.0)) as grant:
+            await (go.wait() if f < 0 else asyncio.sleep(0))
+            if body:
+                grant.finish(USAGE)
+
+    st.tasks = [asyncio.ensure_future(one(f)) for f in range(-1, WAITING)]
+    await _until(lambda: sum(q.n_waiting for q in d.engine.queues.values()) >= WAITING)
+
+
 @pytest.mark.benchmark(group="grant-1000")
 def test_grant_dispatcher_cost(benchmark: Any) -> None:
     if "cost" not in inspect.signature(Dispatcher.acquire).parameters:
         pytest.skip("acquire(flow, cost=...) is not in this tree")
-
-    async def make(st: _Drain) -> None:
-        d = Dispatcher([Nothing("b", max_in_flight=1)])
-        await d.start()
-        st.closer = d.close
-        go = st.go = asyncio.Event()
-
-        async def holder() -> None:
-            async with d.acquire(-1, cost=100.0):
-                await go.wait()
-
-        async def one(f: int) -> None:
-            async with d.acquire(f, cost=100.0):
-                await asyncio.sleep(0)
-
-        st.tasks = [asyncio.ensure_future(holder())] + [asyncio.ensure_future(one(f)) for f in range(WAITING)]
-        await _until(lambda: sum(q.n_waiting for q in d.engine.queues.values()) >= WAITING)
-
-    _bench_drain(benchmark, make)
+    _bench_drain(benchmark, lambda st: _queued_on_dispatcher(st, False))
 
 
 @pytest.mark.benchmark(group="grant-1000")
 def test_grant_dispatcher_body(benchmark: Any) -> None:
-    async def make(st: _Drain) -> None:
-        d = Dispatcher([Nothing("b", max_in_flight=1)])
-        await d.start()
-        st.closer = d.close
-        go = st.go = asyncio.Event()
-
-        async def holder() -> None:
-            async with d.acquire(-1, BODY) as grant:
-                await go.wait()
-                grant.finish(USAGE)
-
-        async def one(f: int) -> None:
-            async with d.acquire(f, BODY) as grant:
-                await asyncio.sleep(0)
-                grant.finish(USAGE)
-
-        st.tasks = [asyncio.ensure_future(holder())] + [asyncio.ensure_future(one(f)) for f in range(WAITING)]
-        await _until(lambda: sum(q.n_waiting for q in d.engine.queues.values()) >= WAITING)
-
-    _bench_drain(benchmark, make)
+    _bench_drain(benchmark, lambda st: _queued_on_dispatcher(st, True))
 
 
 @pytest.mark.benchmark(group="grant-1000")
