@@ -200,17 +200,23 @@ def test_waiting_engine_only(benchmark: Any) -> None:
     if "start" not in inspect.signature(PolicyEngine.submit).parameters:
         pytest.skip("submit(start=True) is not in this tree")
 
-    def run() -> None:
-        d = Dispatcher([Nothing("b", max_in_flight=1)])
-        e = d.engine
-        pool = next(iter(e.queues))
-        running = [r for r in (e.submit(sfq.Flow(f, "default", pool), cost=100.0, start=True) for f in range(WAITING))
-                   if r.state == "running"]
-        while running:
-            e.complete(running.pop())
-            running.extend(e.poll())
+    _bench(benchmark, lambda: _engine_drain(*_engine_queued(range(WAITING))), WAITING, "semaphore", rounds=9)
 
-    _bench(benchmark, run, WAITING, "semaphore", rounds=9)
+
+def _engine_queued(flows: range) -> tuple[Any, list[Any]]:
+    """The engine a one-slot ``Dispatcher`` drives, a request (``cost=``, ``start=True``) of
+    each of ``flows`` submitted to it; and the one of them that runs."""
+    e = Dispatcher([Nothing("b", max_in_flight=1)]).engine
+    pool = next(iter(e.queues))
+    submitted = (e.submit(sfq.Flow(f, "default", pool), cost=100.0, start=True) for f in flows)
+    return e, [r for r in submitted if r.state == "running"]
+
+
+def _engine_drain(e: Any, running: list[Any]) -> None:
+    """Complete what runs and poll, until nothing runs: a completion and a poll per grant."""
+    while running:
+        e.complete(running.pop())
+        running.extend(e.poll())
 
 
 @pytest.mark.benchmark(group="acquire-1000")
@@ -259,12 +265,17 @@ class _Drain:
         self.loop.run_until_complete(asyncio.gather(*self.tasks))
 
 
-def _bench_drain(benchmark: Any, make: Any) -> None:
+def _bench_grants(benchmark: Any, drain: Any, setup: Any) -> None:
+    """``drain()`` timed, after an untimed ``setup()`` each round: per grant, ``WAITING`` of them."""
     benchmark.extra_info["requests"] = WAITING
     benchmark.extra_info["floor"] = "semaphore"
+    benchmark.pedantic(drain, setup=setup, rounds=9, iterations=1, warmup_rounds=1)
+
+
+def _bench_drain(benchmark: Any, make: Any) -> None:
     d = _Drain()
     try:
-        benchmark.pedantic(d.drain, setup=lambda: d.setup(make), rounds=9, iterations=1, warmup_rounds=1)
+        _bench_grants(benchmark, d.drain, lambda: d.setup(make))
     finally:
         d.close()
 
@@ -336,18 +347,6 @@ def test_grant_engine_only(benchmark: Any) -> None:
 
     def setup() -> None:
         gc.collect()
-        e = Dispatcher([Nothing("b", max_in_flight=1)]).engine
-        pool = next(iter(e.queues))
-        st["e"] = e
-        st["running"] = [r for r in (e.submit(sfq.Flow(f, "default", pool), cost=100.0, start=True)
-                                     for f in range(-1, WAITING)) if r.state == "running"]
+        st["e"], st["running"] = _engine_queued(range(-1, WAITING))
 
-    def drain() -> None:
-        e, running = st["e"], st["running"]
-        while running:
-            e.complete(running.pop())
-            running.extend(e.poll())
-
-    benchmark.extra_info["requests"] = WAITING
-    benchmark.extra_info["floor"] = "semaphore"
-    benchmark.pedantic(drain, setup=setup, rounds=9, iterations=1, warmup_rounds=1)
+    _bench_grants(benchmark, lambda: _engine_drain(st["e"], st["running"]), setup)
