@@ -86,7 +86,7 @@ def machine(make):  # one state machine per twin
                 assert r.drop_at > now  # never started past its queue age or deadline
             for r in self.e.dropped:  # ran out of time, or gave its place up to another org's (never started)
                 assert (r.outcome in ("refused", "failed") and r.reason in ("queue_timeout", "deadline")
-                        or r.outcome == "refused" and r.reason == "queue_full" and r.tries == 0)
+                        or r.reason == "queue_full" and r.outcome == ("refused" if r.tries == 0 else "failed"))
             # nothing waiting is past its time after a poll
             for r in self.e.live.values():
                 if r.state == WAITING:
@@ -434,3 +434,35 @@ def test_an_uncontended_start_keeps_the_refund_floor_of_its_flow() -> None:
 
     plain, at_once = _twins_of_start(steps)
     assert plain == at_once
+
+
+@pytest.mark.parametrize("make", TWINS)
+def test_a_retry_keeps_its_class_queue_bound(make) -> None:
+    """A retry put back after its backoff is bound by its class's ``max_queue_length`` as an
+    arrival is (found by the state machine above): its own org holding the most places, it
+    ends as failed (``queue_full``); a retry that waits and gives its place up to another
+    org's arrival ends as failed too (it started once), never as refused."""
+    api = lambda org: Flow(org, "system", "api")  # noqa: E731  (strict: max_queue_length 3)
+    e = PolicyEngine(POLICY, clock=Clock(), scheduler=make, rng=random.Random(0))
+    r = e.submit(api("b"), cost=1)
+    e.poll()
+    assert e.fail(r, BackendHTTPError("429", status=429, retry_after=1.0)).retry
+    for _ in range(3):
+        e.submit(api("b"), cost=1)
+    e.requeue(r)
+    assert (r.outcome, r.reason) == ("failed", "queue_full")
+    assert e.queues["api"].waiting_by_class["system"] == 3
+
+    e = PolicyEngine(POLICY, clock=Clock(), scheduler=make, rng=random.Random(0))
+    r = e.submit(api("b"), cost=1)
+    e.poll()
+    assert e.fail(r, BackendHTTPError("429", status=429, retry_after=1.0)).retry
+    for _ in range(2):
+        e.submit(api("b"), cost=1)
+    e.requeue(r)  # room: it waits again, the newest of org b
+    assert r.state == WAITING
+    e.submit(api("c"), cost=1)  # the class is full and b holds the most: b's newest gives way
+    assert (r.outcome, r.reason) == ("failed", "queue_full")
+    assert e.queues["api"].waiting_by_class["system"] == 3
+    e.poll()
+    assert r in e.dropped  # handed to the driver as any eviction is

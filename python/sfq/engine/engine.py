@@ -906,8 +906,11 @@ class PolicyEngine:
     def requeue(self, r: Request) -> None:
         """Put a request waiting out its backoff back into its own flow's queue (its place is
         taken anew: a retry does not jump the queue). Ends it as failed (``deadline``) when
-        its deadline has passed meanwhile (reason ``deadline``), or when a reload took its flow
-        away (``unauthenticated``: its org is gone; ``class_not_allowed``)."""
+        its deadline has passed meanwhile (reason ``deadline``), when a reload took its flow
+        away (``unauthenticated``: its org is gone; ``class_not_allowed``), or when its class
+        is at its ``max_queue_length`` and its org holds the most places (``queue_full``; when
+        another org holds the most, that org's newest request gives its place up, as for an
+        arrival)."""
         if r.state != BACKOFF:
             raise ValueError(f"requeue({r!r}): the request is not waiting for a retry")
         if r.deadline is not None and r.deadline <= self.clock():
@@ -921,6 +924,13 @@ class PolicyEngine:
         if not q.available and q.unavailable_timeout <= 0:
             self._end(r, "failed", "unavailable")
             return
+        try:  # its class's max_queue_length binds a retry as it binds an arrival (make_room)
+            victim = q.make_room(r.flow)
+        except Refused:  # the class is full and its own org holds the most places
+            self._end(r, "failed", "queue_full")
+            return
+        if victim is not None:
+            self.evict(victim)
         q.push(r)
         self.metrics.queued(r.flow[:3])
 
@@ -944,11 +954,12 @@ class PolicyEngine:
     def evict(self, r: Request) -> None:
         """The waiting request ``r`` gives its place up to another org's request (its class was
         full and its org held the most places, here or, with a shared state, over every
-        gateway): it ends as refused (``queue_full``), uncharged, and is handed to the driver
-        with the next :meth:`poll`'s :attr:`dropped`."""
+        gateway): it ends as refused (``queue_full``; failed when it is a retry, as a drop
+        does), uncharged, and is handed to the driver with the next :meth:`poll`'s
+        :attr:`dropped`."""
         self.queues[r.flow.pool].evict(r)
         self.metrics.left_queue(r.flow[:3])
-        self._end(r, "refused", "queue_full")
+        self._end(r, "refused" if r.tries == 0 else "failed", "queue_full")
         self._evicted.append(r)
 
     def end_retry(self, r: Request, reason: str) -> None:
