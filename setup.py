@@ -1,10 +1,18 @@
-"""Builds the compiled core (src/csfq/*.pyx -> sfq._csfq).
+"""Builds the compiled core (src/csfq/*.pyx -> sfq._csfq) and the compiled request engine.
 
-If the extension cannot be built (no compiler), the install still succeeds and sfq uses
-its pure-Python twin, saying so with a RuntimeWarning at import. Set
+The engine's modules (sfq._compiled.MODULES: the engine, its pool, the policy's limits and
+retries, the backends' health) are compiled by mypyc from their own source, which stays their
+twin; the build records each source's SHA-256 in sfq/_mypyc.json, so that an edited source never
+runs a stale build (sfq/_compiled.py).
+
+If either cannot be built (no compiler, no mypy), the install still succeeds and sfq runs the
+pure-Python twin of what is missing (the core says so with a RuntimeWarning at import). Set
 SFQ_REQUIRE_EXTENSIONS=1 to make a failed build an error instead (CI does).
 """
 
+import ast
+import hashlib
+import json
 import os
 import sys
 
@@ -25,32 +33,89 @@ def _remove(path):
         print(f"removed {path}: it was not built from these sources")
 
 
+def _engine_modules():
+    """sfq._compiled.MODULES, read without importing sfq (its dependencies may be missing)."""
+    tree = ast.parse(open(os.path.join("python", "sfq", "_compiled.py"), encoding="utf-8").read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["MODULES"]:
+            return list(ast.literal_eval(node.value))
+    raise RuntimeError("python/sfq/_compiled.py has no MODULES")
+
+
+ENGINE_MODULES = _engine_modules()
+ENGINE_GROUP = "sfq__mypyc"  # the library the compiled modules share (mypyc's group)
+RECORD = "_mypyc.json"  # sfq._compiled.RECORD
+
+
+def _source(name):
+    return os.path.join("python", *name.split(".")) + ".py"
+
+
 class optional_build_ext(build_ext):
-    """Builds the core; a failed build leaves no extension behind.
+    """Builds the core and the engine; a failed build leaves no extension behind.
 
     A reused tree keeps the previous build's ``.so`` in ``build/``, and setuptools copies
     whatever is there into the wheel: a failed compile would ship that stale module. So a
-    failure removes the target (and, with ``--inplace``, the copy next to the sources).
+    failure removes the target (and, with ``--inplace``, the copy next to the sources). The
+    engine's modules go together (they share one library): if one fails, none is kept, and the
+    build record that lets them run is written only when all were built.
     """
 
+    def finalize_options(self):
+        super().finalize_options()
+        if self.parallel is None:  # the core and the engine's library side by side
+            self.parallel = os.cpu_count() or 1
+
+    def _engine_exts(self):
+        return [e for e in self.extensions if e.name in ENGINE_MODULES or e.name.startswith(ENGINE_GROUP)]
+
+    def _record_path(self):
+        return os.path.join(os.path.dirname(self.get_ext_fullpath("sfq._csfq")), RECORD)
+
+    def _drop_engine(self, why):
+        for ext in self._engine_exts():
+            _remove(self.get_ext_fullpath(ext.name))
+        _remove(self._record_path())
+        if REQUIRE:
+            raise RuntimeError(f"sfq's request engine was not compiled: {why}")
+        print(f"WARNING: sfq's request engine was not compiled ({why}); it will run from its source")
+
     def run(self):
+        self._failed = set()
         try:
             super().run()
         except Exception as exc:  # pragma: no cover - depends on the machine
             for ext in self.extensions:
                 _remove(self.get_ext_fullpath(ext.name))
+            _remove(self._record_path())
             if REQUIRE:
                 raise
             print(f"WARNING: sfq's compiled core was not built ({exc}); the pure-Python twin will be used")
+            return
+        engine = self._engine_exts()
+        if not engine:
+            _remove(self._record_path())  # a record from an earlier build must not vouch for stale modules
+        elif self._failed & {e.name for e in engine}:
+            self._drop_engine("a compile failed")
+        else:
+            record = {"modules": {}}
+            for name in ENGINE_MODULES:
+                with open(_source(name), "rb") as f:
+                    record["modules"][name] = hashlib.sha256(f.read()).hexdigest()
+            os.makedirs(os.path.dirname(self._record_path()), exist_ok=True)
+            with open(self._record_path(), "w", encoding="utf-8") as f:
+                json.dump(record, f, indent=1, sort_keys=True)
 
     def build_extension(self, ext):
         try:
             super().build_extension(ext)
         except Exception as exc:
             _remove(self.get_ext_fullpath(ext.name))
+            self._failed.add(ext.name)
             if REQUIRE:
                 raise
-            print(f"WARNING: building {ext.name} failed ({exc}); the pure-Python twin will be used")
+            what = "the pure-Python twin" if ext.name == "sfq._csfq" else "its source"
+            print(f"WARNING: building {ext.name} failed ({exc}); {what} will be used")
 
 
 def extensions():
@@ -80,4 +145,36 @@ def extensions():
     )
 
 
-setup(ext_modules=extensions(), cmdclass={"build_ext": optional_build_ext})
+def engine_extensions():
+    """The engine's modules compiled by mypyc (generated C in build/mypyc; needs mypy)."""
+    if NO_EXT:
+        return []
+    try:
+        from mypyc.build import mypycify
+    except ImportError as exc:
+        if REQUIRE:
+            raise
+        print(f"WARNING: sfq's request engine was not compiled (mypyc is not installed: {exc}); it will run from its source")
+        return []
+    try:
+        exts = mypycify(
+            # mypy reads the compiled modules' types only, not the whole package's (8 s, not 50):
+            # what they import from elsewhere is Any to mypyc, as it is to Python
+            ["--follow-imports=skip", *map(_source, ENGINE_MODULES)],
+            opt_level="3",
+            debug_level="0",  # as the core: no debug info in what users download
+            group_name=ENGINE_GROUP.removesuffix("__mypyc"),
+            target_dir=os.path.join("build", "mypyc"),
+        )
+    except (Exception, SystemExit) as exc:  # mypy reports type errors by exiting
+        if REQUIRE:
+            raise
+        print(f"WARNING: sfq's request engine was not compiled (mypyc stopped: {exc!r}); it will run from its source")
+        return []
+    for ext in exts:
+        if LINUX:
+            ext.extra_link_args = [*ext.extra_link_args, "-s"]
+    return exts
+
+
+setup(ext_modules=extensions() + engine_extensions(), cmdclass={"build_ext": optional_build_ext})

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "python" / "sfq"
 pytestmark = pytest.mark.skipif(not (PACKAGE / "__init__.py").exists(), reason="needs the source tree")
 #: each layer, lowest first; a module may import its own layer and the ones below
 LAYERS = [
-    {"errors", "_common", "_core", "_csfq", "_scheduler_py", "_optional"},
+    {"errors", "_common", "_core", "_csfq", "_scheduler_py", "_optional", "_compiled"},
     {"policy"},
     {"cost"},
     {"engine"},

@@ -22,6 +22,10 @@ import importlib as _importlib
 import typing as _typing
 import warnings as _warnings
 
+from . import _compiled
+
+_compiled.install()  # the engine's compiled modules, or their source (SFQ_NO_EXTENSIONS=1, a stale build)
+
 from ._common import MAX_COST, MAX_WEIGHT, MIN_WEIGHT
 from ._core import CORE, Dispatch, Scheduler
 from .errors import BackendError, DeadlineExceeded, PolicyError, Refused, SFQError

@@ -280,8 +280,11 @@ class PolicyEngine:
         return (OTHER, cls if cls in p.classes or cls == UNKNOWN else OTHER,
                 pool if pool in p.pools or pool == UNKNOWN else OTHER)
 
-    def submit(self, flow: Flow, *, cost: float | None = None, tokens: float | None = None,
-               need: float | None = None, deadline: float | None = None, item: Any = None,
+    # (cost, tokens, need and deadline are annotated ``object``, not ``float | None``: the engine
+    # checks them itself, with the twin's messages, where the compiled engine would refuse a
+    # string with mypyc's own TypeError before the check; docs/library.md "The engine, compiled")
+    def submit(self, flow: Flow, *, cost: object = None, tokens: object = None,
+               need: object = None, deadline: object = None, item: Any = None,
                idempotency_key: str | None = None, estimate: Estimate | None = None,
                streaming: bool = False, start: bool = False, hold: Hold | None = None) -> Request:
         """Accept a request of ``flow`` (from :meth:`classify`) into its pool's queue.
@@ -312,8 +315,8 @@ class PolicyEngine:
         return self._submit(flow, cost, tokens, need, deadline, item, idempotency_key, estimate, streaming, start,
                             hold)
 
-    def _submit(self, flow: Flow, cost: float | None, tokens: float | None, need: float | None,
-                deadline: float | None, item: Any, idempotency_key: str | None, estimate: Estimate | None,
+    def _submit(self, flow: Flow, cost: object, tokens: object, need: object,
+                deadline: object, item: Any, idempotency_key: str | None, estimate: Estimate | None,
                 streaming: bool, start: bool, hold: Hold | None) -> Request:
         """:meth:`submit` with its arguments in order (the driver's call, without keywords)."""
         if type(flow) is not Flow:
@@ -418,7 +421,7 @@ class PolicyEngine:
             live[user] = live.get(user, 0) + 1
 
     @staticmethod
-    def _figures(cost: float | None, tokens: float | None, need: float | None,
+    def _figures(cost: object, tokens: object, need: object,
                  estimate: Estimate | None) -> tuple[float, float, float]:
         """``submit``'s ``(cost, tokens, need)``: defaulted from ``estimate``, and checked."""
         if estimate is not None:
@@ -434,12 +437,12 @@ class PolicyEngine:
             raise TypeError("submit() needs cost= or estimate=")
         tokens = 0.0 if tokens is None else tokens
         need = 0.0 if need is None else need
-        cost = check_cost(cost)  # the core's own check and message (TypeError, ValueError, OverflowError)
+        checked: float = check_cost(cost)  # the core's own check and message (TypeError, ValueError, OverflowError)
         if not ((type(tokens) is float or type(tokens) is int) and 0 <= tokens < _INF):  # (bool is neither)
             raise ValueError(f"tokens must be a finite number >= 0, got {tokens!r}")
         if not ((type(need) is float or type(need) is int) and 0 <= need < _INF):
             raise ValueError(f"need must be a finite number >= 0, got {need!r}")
-        return cost, tokens, need
+        return checked, tokens, need
 
     # ------------------------------------------------------------ nested shares: live users
     def _max_users(self, flow: Flow) -> int:
@@ -614,7 +617,7 @@ class PolicyEngine:
                                    upstream_429=upstream_429, timeout=timeout, charged=r.charged)
 
     # ------------------------------------------------------------ delivered service
-    def delivered(self, r: Request, tokens: float) -> float:
+    def delivered(self, r: Request, tokens: object) -> float:
         """The running request ``r`` passed ``tokens`` more output tokens to its client (a
         stream's events as they go through). In ``served`` mode the flow is charged them now.
         Capped at the request's ``max_tokens``; returns the tokens counted. ``ValueError`` for

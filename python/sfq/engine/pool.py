@@ -857,7 +857,7 @@ class PolicyQueue:
         if self.on_charge is not None:
             self.on_charge(r, delta)
 
-    def delivered(self, r: Request, tokens: float) -> float:
+    def delivered(self, r: Request, tokens: object) -> float:
         """The running request ``r`` passed ``tokens`` more output tokens to its client; in
         ``served`` mode a stream is charged them now. Capped at what its ``max_tokens`` allows;
         returns the tokens counted."""

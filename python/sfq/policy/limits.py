@@ -25,7 +25,9 @@ class TokenBucket:
 
     __slots__ = ("capacity", "rate", "level", "_t")
 
-    def __init__(self, per_minute: float, now: float) -> None:
+    # (the counts are annotated ``object``: checked here, with one message, where the compiled
+    # module would turn a string away with mypyc's own TypeError, and True into 1.0)
+    def __init__(self, per_minute: object, now: float) -> None:
         if isinstance(per_minute, bool) or not isinstance(per_minute, (int, float)) or not (
                 math.isfinite(per_minute) and per_minute > 0):
             raise ValueError(f"per_minute must be a finite number > 0, got {per_minute!r}")
@@ -44,41 +46,47 @@ class TokenBucket:
         self._refill(now)
         return self.level
 
-    def _need(self, n: float) -> float:
+    @staticmethod
+    def _count(n: object) -> float:
         if isinstance(n, bool) or not isinstance(n, (int, float)) or not (math.isfinite(n) and n >= 0):
             raise ValueError(f"a token count must be a finite number >= 0, got {n!r}")
-        return min(float(n), self.capacity)
+        return float(n)
 
-    def can_take(self, n: float, now: float) -> bool:
+    def _need(self, n: object) -> float:
+        return min(self._count(n), self.capacity)
+
+    def can_take(self, n: object, now: float) -> bool:
         need = self._need(n)
         self._refill(now)
         return self.level >= need - 1e-9
 
-    def take(self, n: float, now: float) -> bool:
+    def take(self, n: object, now: float) -> bool:
         """Debit ``n`` if allowed now; returns whether it was."""
-        if not self.can_take(n, now):
+        count = self._count(n)
+        self._refill(now)
+        if self.level < min(count, self.capacity) - 1e-9:
             return False
-        self.level -= float(n)
+        self.level -= count
         return True
 
-    def wait(self, n: float, now: float) -> float:
+    def wait(self, n: object, now: float) -> float:
         """Seconds from ``now`` until ``take(n)`` would succeed (0 if it would now)."""
         need = self._need(n)
         self._refill(now)
         missing = need - self.level
         return 0.0 if missing <= 1e-9 else missing / self.rate
 
-    def credit(self, n: float, now: float) -> None:
+    def credit(self, n: object, now: float) -> None:
         """Give ``n`` tokens back (capped at the capacity)."""
-        self._need(n)
+        count = self._count(n)
         self._refill(now)
-        self.level = min(self.capacity, self.level + float(n))
+        self.level = min(self.capacity, self.level + count)
 
-    def debit(self, n: float, now: float) -> None:
+    def debit(self, n: object, now: float) -> None:
         """Take ``n`` more tokens unconditionally (a usage report above the estimate)."""
-        self._need(n)
+        count = self._count(n)
         self._refill(now)
-        self.level -= float(n)
+        self.level -= count
 
     def __repr__(self) -> str:
         return f"TokenBucket(per_minute={self.capacity:g}, level={self.level:.3f})"

@@ -1,0 +1,155 @@
+"""The request engine compiled by mypyc, and its source as its twin (sfq/_compiled.py).
+
+The whole suite runs on the compiled engine in CI's main leg and on the source in its
+``SFQ_NO_EXTENSIONS=1`` leg. Here: that the compiled modules really run where they were built
+(a silent fallback must fail CI), that ``SFQ_NO_EXTENSIONS=1`` and a stale build run the
+source, and that the two decide alike on whole simulated workloads.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import sfq
+from sfq import _compiled
+
+NO_EXT = os.environ.get("SFQ_NO_EXTENSIONS", "") not in ("", "0")
+REQUIRE = os.environ.get("SFQ_REQUIRE_EXTENSIONS", "") not in ("", "0")
+SUFFIXES = tuple(importlib.machinery.EXTENSION_SUFFIXES)
+
+
+def _run(code: str, *, path: Path | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+    e = dict(os.environ)
+    e.pop("SFQ_NO_EXTENSIONS", None)
+    e.update(env)
+    if path is not None:
+        e["PYTHONPATH"] = str(path)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=e, capture_output=True, text=True,
+                          timeout=120, cwd=path or None)
+
+
+_REPORT = """
+    import sys, warnings
+    warnings.simplefilter("always")
+    import sfq, sfq._compiled as c, importlib
+    files = [importlib.import_module(m).__file__ for m in c.MODULES]
+    print(c.engine_status())
+    print(" ".join("so" if f.endswith(c.importlib.machinery.EXTENSION_SUFFIXES[0]) else "py" for f in files))
+    print("sfq__mypyc" in sys.modules)
+"""
+
+
+def _compiled_here() -> bool:
+    if NO_EXT:
+        pytest.skip("SFQ_NO_EXTENSIONS=1: the engine runs from its source")
+    status = _compiled.engine_status()
+    if status != "compiled":
+        if REQUIRE:
+            pytest.fail(f"SFQ_REQUIRE_EXTENSIONS=1 but the engine runs from {status}")
+        pytest.skip(f"the engine runs from {status}")
+    return True
+
+
+def test_the_engine_really_runs_compiled() -> None:
+    """Fails in CI (SFQ_REQUIRE_EXTENSIONS=1) when the build silently left the engine as source."""
+    _compiled_here()
+    for name in _compiled.MODULES:
+        mod = importlib.import_module(name)
+        assert mod.__file__ is not None and mod.__file__.endswith(SUFFIXES), (name, mod.__file__)
+    assert "sfq__mypyc" in sys.modules
+
+
+def test_the_env_var_runs_the_engine_from_source() -> None:
+    p = _run(_REPORT, SFQ_NO_EXTENSIONS="1")
+    assert p.returncode == 0, p.stderr
+    status, kinds, shared = p.stdout.splitlines()
+    assert status == "source: SFQ_NO_EXTENSIONS=1"
+    assert set(kinds.split()) == {"py"}
+    assert shared == "False"  # the compiled library is not even loaded
+    assert "RuntimeWarning" not in p.stderr
+
+
+def _copy_of_the_package(tmp_path: Path) -> Path:
+    """The installed package (compiled modules, record and the shared library) in tmp_path."""
+    _compiled_here()
+    site = tmp_path / "site"
+    site.mkdir()
+    shutil.copytree(Path(sfq.__file__).parent, site / "sfq", ignore=shutil.ignore_patterns("__pycache__"))
+    spec = importlib.util.find_spec("sfq__mypyc")
+    assert spec is not None and spec.origin is not None
+    shutil.copy(spec.origin, site)
+    return site
+
+
+def test_a_copy_runs_compiled_and_an_edited_source_runs_as_source(tmp_path: Path) -> None:
+    """An edited .py (an editable install after a change) must not run its stale build: the
+    whole engine then runs from source, and one RuntimeWarning names the file and the fix."""
+    site = _copy_of_the_package(tmp_path)
+    p = _run(_REPORT, path=site)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == ["compiled", " ".join(["so"] * len(_compiled.MODULES)), "True"]
+
+    retry = site / "sfq" / "policy" / "retry.py"
+    retry.write_text(retry.read_text() + "\n# an edit\n")
+    p = _run(_REPORT, path=site)
+    assert p.returncode == 0, p.stderr
+    status, kinds, shared = p.stdout.splitlines()
+    assert status == f"source: {retry} changed since it was compiled"
+    assert set(kinds.split()) == {"py"}  # all of them: they share one library
+    assert shared == "False"
+    assert p.stderr.count("RuntimeWarning") == 1
+    assert "retry.py has changed since it was compiled" in p.stderr and "build_ext --inplace" in p.stderr
+
+
+@pytest.mark.parametrize("damage", ["missing", "garbled", "other modules", "a module gone"])
+def test_without_a_sound_build_record_the_engine_runs_from_source(tmp_path: Path, damage: str) -> None:
+    site = _copy_of_the_package(tmp_path)
+    record = site / "sfq" / _compiled.RECORD
+    if damage == "missing":
+        record.unlink()
+    elif damage == "garbled":
+        record.write_text("{not json")
+    elif damage == "other modules":
+        doc = json.loads(record.read_text())
+        doc["modules"].pop(_compiled.MODULES[0])
+        record.write_text(json.dumps(doc))
+    else:
+        for so in (site / "sfq" / "engine").glob("pool.*"):
+            if so.suffix != ".py":
+                so.unlink()
+    p = _run(_REPORT, path=site)
+    assert p.returncode == 0, p.stderr
+    status, kinds, _ = p.stdout.splitlines()
+    assert status.startswith("source: "), status
+    assert set(kinds.split()) == {"py"}
+
+
+@pytest.mark.parametrize("args", [
+    ["teams"],
+    ["return", "--charge", "served"],
+    ["nested"],
+])
+def test_compiled_and_source_engines_decide_alike(args: list[str]) -> None:
+    """Whole simulated workloads (the engine decides for the simulator): the compiled engine's
+    figures are the source's, byte for byte."""
+    _compiled_here()
+    cmd = [sys.executable, "-m", "sfq", "simulate", *args, "--json", "--no-plots"]
+    outs = []
+    for no_ext in ("0", "1"):
+        env = {**os.environ, "SFQ_NO_EXTENSIONS": no_ext, "MPLBACKEND": "Agg"}
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        outs.append(p.stdout)
+    assert outs[0] == outs[1]
+    assert json.loads(outs[0])  # a real report, not an empty line
