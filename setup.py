@@ -145,9 +145,14 @@ def extensions():
     )
 
 
+#: the commands that build extensions; the others (egg_info, dist_info, sdist: pip runs setup.py
+#: for the metadata first) need no generated C, and mypyc's type analysis takes seconds
+BUILDS = {"build", "build_ext", "bdist_wheel", "bdist", "install", "develop", "editable_wheel"}
+
+
 def engine_extensions():
     """The engine's modules compiled by mypyc (generated C in build/mypyc; needs mypy)."""
-    if NO_EXT:
+    if NO_EXT or not BUILDS.intersection(sys.argv[1:]):
         return []
     try:
         from mypyc.build import mypycify
@@ -160,7 +165,8 @@ def engine_extensions():
         exts = mypycify(
             # mypy reads the compiled modules' types only, not the whole package's (8 s, not 50):
             # what they import from elsewhere is Any to mypyc, as it is to Python
-            ["--follow-imports=skip", *map(_source, ENGINE_MODULES)],
+            # (and the build's own environment has none of sfq's dependencies: those are Any too)
+            ["--follow-imports=skip", "--ignore-missing-imports", *map(_source, ENGINE_MODULES)],
             opt_level="3",
             debug_level="0",  # as the core: no debug info in what users download
             group_name=ENGINE_GROUP.removesuffix("__mypyc"),
