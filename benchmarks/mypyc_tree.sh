@@ -1,25 +1,27 @@
 #!/usr/bin/env bash
-# A copy of this tree's HEAD in DIR with the request engine compiled by mypyc from its own
-# source (the modules below, or those given), beside the compiled core: to measure what
-# compiling the engine would buy before the build does it. Nothing here changes how sfq is
-# built or installed. Then, from DIR, compare it with this tree, interleaved:
-#   benchmarks/mypyc_tree.sh /tmp/sfq-mypyc && (cd /tmp/sfq-mypyc && \
+# A copy of this tree's HEAD in DIR, built (the core, and the engine that the build compiles
+# with mypyc: sfq._compiled.MODULES), with more modules compiled by mypyc from their own source
+# on top: to measure what compiling them would buy before the build does it (the engine's
+# modules were measured this way before setup.py compiled them). Nothing here changes how sfq
+# is built or installed. Then, from DIR, compare it with this tree, interleaved:
+#   benchmarks/mypyc_tree.sh /tmp/sfq-mypyc sfq/dispatch/policy_calls.py && (cd /tmp/sfq-mypyc && \
 #       PYTHON=python bash benchmarks/compare_acquire.sh "$OLDPWD" 5)
-# ("this" is then the compiled engine, "old" the source), or run the suite on it:
+# ("this" is then the copy, "old" this tree), or run the suite on it:
 #   (cd /tmp/sfq-mypyc && PYTHONPATH=python python -m pytest -q -p no:cacheprovider tests)
 # Needs mypy (which ships mypyc) and Cython in the Python that runs it. The copy is of the
-# last commit (git archive): uncommitted changes are not in it.
-# Usage: benchmarks/mypyc_tree.sh DIR [MODULE.py ...]  (modules relative to python/)
+# last commit (git archive): uncommitted changes are not in it. The modules given are compiled
+# together with the engine's (one group), so that their calls into it are native.
+# Usage: benchmarks/mypyc_tree.sh DIR MODULE.py ...  (modules relative to python/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DIR=${1:?usage: benchmarks/mypyc_tree.sh DIR [MODULE.py ...]}
+DIR=${1:?usage: benchmarks/mypyc_tree.sh DIR MODULE.py ...}
 shift
-MODULES=("$@")
-if [ ${#MODULES[@]} -eq 0 ]; then
-    MODULES=(sfq/engine/pool.py sfq/engine/engine.py sfq/policy/limits.py sfq/policy/retry.py
-             sfq/backends/health.py)
-fi
+[ $# -gt 0 ] || { echo "usage: benchmarks/mypyc_tree.sh DIR MODULE.py ... (the engine's are compiled already)"; exit 2; }
 PY=${PYTHON:-python}
+ENGINE=$("$PY" -c "import ast; t = ast.parse(open('python/sfq/_compiled.py').read()); \
+print(' '.join(m.replace('.', '/') + '.py' for n in t.body if isinstance(n, ast.Assign) and n.targets[0].id == 'MODULES' \
+for m in ast.literal_eval(n.value)))")
+MODULES=($ENGINE "$@")
 rm -rf "$DIR"
 mkdir -p "$DIR"
 git archive HEAD | tar -x -C "$DIR"

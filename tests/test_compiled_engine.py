@@ -42,10 +42,11 @@ def _run(code: str, *, path: Path | None = None, **env: str) -> subprocess.Compl
 _REPORT = """
     import sys, warnings
     warnings.simplefilter("always")
-    import sfq, sfq._compiled as c, importlib
+    import importlib, importlib.machinery
+    import sfq, sfq._compiled as c
     files = [importlib.import_module(m).__file__ for m in c.MODULES]
     print(c.engine_status())
-    print(" ".join("so" if f.endswith(c.importlib.machinery.EXTENSION_SUFFIXES[0]) else "py" for f in files))
+    print(" ".join("so" if f.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)) else "py" for f in files))
     print("sfq__mypyc" in sys.modules)
 """
 

@@ -24,11 +24,9 @@ all do. The decision is made once, on the first import of one of them.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
-import json
 import os
 import sys
 import warnings
@@ -57,6 +55,9 @@ def _source_of(name: str) -> str:
 
 
 def _decide() -> str:
+    import hashlib  # (here: `import sfq` alone never decides, and stays light)
+    import json
+
     if os.environ.get("SFQ_NO_EXTENSIONS", "") not in ("", "0"):
         return "source: SFQ_NO_EXTENSIONS=1"
     try:

@@ -443,22 +443,23 @@ def test_a_retry_keeps_its_class_queue_bound(make) -> None:
     ends as failed (``queue_full``); a retry that waits and gives its place up to another
     org's arrival ends as failed too (it started once), never as refused."""
     api = lambda org: Flow(org, "system", "api")  # noqa: E731  (strict: max_queue_length 3)
-    e = PolicyEngine(POLICY, clock=Clock(), scheduler=make, rng=random.Random(0))
-    r = e.submit(api("b"), cost=1)
-    e.poll()
-    assert e.fail(r, BackendHTTPError("429", status=429, retry_after=1.0)).retry
-    for _ in range(3):
-        e.submit(api("b"), cost=1)
+
+    def retry_behind(others: int) -> tuple[PolicyEngine, Request]:
+        """Org b's request fails with a 429 (a retry), then ``others`` more of b's arrive."""
+        e = PolicyEngine(POLICY, clock=Clock(), scheduler=make, rng=random.Random(0))
+        r = e.submit(api("b"), cost=1)
+        e.poll()
+        assert e.fail(r, BackendHTTPError("429", status=429, retry_after=1.0)).retry
+        for _ in range(others):
+            e.submit(api("b"), cost=1)
+        return e, r
+
+    e, r = retry_behind(3)
     e.requeue(r)
     assert (r.outcome, r.reason) == ("failed", "queue_full")
     assert e.queues["api"].waiting_by_class["system"] == 3
 
-    e = PolicyEngine(POLICY, clock=Clock(), scheduler=make, rng=random.Random(0))
-    r = e.submit(api("b"), cost=1)
-    e.poll()
-    assert e.fail(r, BackendHTTPError("429", status=429, retry_after=1.0)).retry
-    for _ in range(2):
-        e.submit(api("b"), cost=1)
+    e, r = retry_behind(2)
     e.requeue(r)  # room: it waits again, the newest of org b
     assert r.state == WAITING
     e.submit(api("c"), cost=1)  # the class is full and b holds the most: b's newest gives way
