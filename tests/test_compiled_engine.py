@@ -154,3 +154,125 @@ def test_compiled_and_source_engines_decide_alike(args: list[str]) -> None:
         outs.append(p.stdout)
     assert outs[0] == outs[1]
     assert json.loads(outs[0])  # a real report, not an empty line
+
+
+# One program per seed, run by the engine in a child process: random arrivals of every flow
+# (fixed costs, estimates, streams), polls, completions with and without usage, tokens
+# delivered, upstream failures and their retries, cancellations and the clock's steps, under
+# the three charge modes. The child prints every decision and figure; the two engines must
+# print the same, byte for byte.
+_PROGRAMS = r'''
+import json, random, sys
+from sfq.cost import CostEstimator
+from sfq.engine import PolicyEngine, BACKOFF, RUNNING, WAITING
+from sfq.errors import BackendHTTPError, BackendUnavailable, Refused
+from sfq.policy import Flow, parse_policy
+
+TEXT = """
+pools:
+  gpu:
+    models: [m1]
+    backends:
+      - {url: "http://127.0.0.1:1", max_in_flight: 2}
+      - {url: "http://127.0.0.1:2", max_in_flight: 3, max_context: 4000}
+    limits: {max_in_flight: 4, requests_per_minute: 30, tokens_per_minute: 20000}
+  api:
+    models: [m2]
+    backends:
+      - {url: "http://127.0.0.1:3", max_in_flight: 2}
+classes:
+  system: {strict: true, max_in_flight: 1, max_queue_length: 3, max_queue_age_seconds: 20}
+  interactive: {weight: 4, max_queue_length: 6, max_queue_age_seconds: 60, small_cost: 100, small_picks: 2}
+  batch: {weight: 1, max_in_flight: 3, max_queue_length: 10}
+orgs:
+  a: {keys: [ka], classes: [batch, interactive], max_in_flight: 2, requests_per_minute: 40}
+  b: {keys: [kb], classes: [interactive, system], weight: 2}
+  c: {keys: [kc], classes: [batch, system], max_in_flight: 3}
+retry: {max_attempts: 3, budget_per_flow_percent: 20}
+cost: {charge: MODE}
+"""
+
+def run(seed, mode):
+    rng = random.Random(seed)
+    policy = parse_policy(TEXT.replace("MODE", mode))
+    flows = [Flow(*f) for f in policy.flows()]
+    now = [0.0]
+    e = PolicyEngine(policy, clock=lambda: now[0], rng=random.Random(seed))
+    est = CostEstimator()
+    log = []
+    def pick(state):
+        rs = sorted((r for r in e.live.values() if r.state == state), key=lambda r: r.id)
+        return rs[rng.randrange(len(rs))] if rs else None
+    for _ in range(120):
+        x = rng.random()
+        if x < 0.35:
+            f = flows[rng.randrange(len(flows))]
+            try:
+                if rng.random() < 0.5:
+                    r = e.submit(f, cost=rng.choice([1, 50, 99, 100, 101, 2000, 9000]),
+                                 tokens=rng.choice([0, 10, 500, 25000]), need=rng.choice([0, 100, 3000, 6000]))
+                else:
+                    body = {"model": "m", "max_tokens": rng.choice([16, 256, 2048]),
+                            "messages": [{"role": "user", "content": "x" * rng.choice([10, 400, 5000])}]}
+                    stream = rng.random() < 0.5
+                    r = e.submit(f, estimate=est.estimate(body), streaming=stream, start=rng.random() < 0.5)
+                log.append(("s", r.id, r.state, r.backend))
+            except Refused as exc:
+                log.append(("refused", exc.reason, exc.retry_after))
+        elif x < 0.55:
+            log.append(("p", [(r.id, r.backend) for r in e.poll()], [(r.id, r.outcome, r.reason) for r in e.dropped]))
+        elif x < 0.7:
+            r = pick(RUNNING)
+            if r is not None:
+                if r.streaming and rng.random() < 0.5:
+                    log.append(("d", r.id, e.delivered(r, rng.choice([1, 7.5, 300]))))
+                else:
+                    e.complete(r, {"prompt_tokens": rng.randrange(1, 3000), "completion_tokens": rng.randrange(0, 3000)}
+                               if rng.random() < 0.7 else None)
+                    log.append(("c", r.id, r.charged, r.charged_total))
+        elif x < 0.8:
+            r = pick(RUNNING)
+            if r is not None:
+                kind = rng.choice(["429", "503", "500", "refused"])
+                err = (BackendUnavailable("cannot connect", never_sent=True) if kind == "refused"
+                       else BackendHTTPError(kind, status=int(kind), retry_after=1.0 if kind == "429" else None))
+                d = e.fail(r, err)
+                log.append(("f", r.id, d.retry, d.delay, r.outcome))
+        elif x < 0.86:
+            r = pick(BACKOFF)
+            if r is not None:
+                e.requeue(r)
+                log.append(("rq", r.id, r.state, r.outcome, r.reason))
+        elif x < 0.9:
+            r = pick(rng.choice([WAITING, RUNNING, BACKOFF]))
+            if r is not None:
+                e.cancel(r)
+                log.append(("x", r.id, r.outcome))
+        else:
+            now[0] += rng.choice([0.0, 0.01, 0.5, 2.0, 7.0, 30.0, 61.0])
+    for name in sorted(e.queues):
+        q = e.queues[name]
+        log.append(("v", name, q.sched.virtual_time, sorted((tuple(f), q.sched.meter(f)) for f in q.flows)))
+    log.append(("stats", e.stats()))
+    return log
+
+print(json.dumps([run(seed, mode) for mode in ("seed", "settle", "served") for seed in range(int(sys.argv[1]))],
+                 sort_keys=True, default=repr))
+'''
+
+
+def test_random_programs_decide_alike() -> None:
+    """Seeded random programs through the compiled engine and through its source: the same
+    starts, backends, drops, refusals, retries, charges, meters and statistics."""
+    _compiled_here()
+    outs = []
+    for no_ext in ("0", "1"):
+        env = {**os.environ, "SFQ_NO_EXTENSIONS": no_ext}
+        p = subprocess.run([sys.executable, "-c", _PROGRAMS, "40"], env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert p.returncode == 0, p.stderr
+        outs.append(p.stdout)
+    programs = json.loads(outs[0])
+    assert len(programs) == 120 and sum(len(p) for p in programs) > 120 * 80
+    assert sum(1 for p in programs for step in p if step[0] == "p" and step[1]) > 500  # real starts happened
+    assert outs[0] == outs[1]
