@@ -168,33 +168,11 @@ from sfq.engine import PolicyEngine, BACKOFF, RUNNING, WAITING
 from sfq.errors import BackendHTTPError, BackendUnavailable, Refused
 from sfq.policy import Flow, parse_policy
 
-TEXT = """
-pools:
-  gpu:
-    models: [m1]
-    backends:
-      - {url: "http://127.0.0.1:1", max_in_flight: 2}
-      - {url: "http://127.0.0.1:2", max_in_flight: 3, max_context: 4000}
-    limits: {max_in_flight: 4, requests_per_minute: 30, tokens_per_minute: 20000}
-  api:
-    models: [m2]
-    backends:
-      - {url: "http://127.0.0.1:3", max_in_flight: 2}
-classes:
-  system: {strict: true, max_in_flight: 1, max_queue_length: 3, max_queue_age_seconds: 20}
-  interactive: {weight: 4, max_queue_length: 6, max_queue_age_seconds: 60, small_cost: 100, small_picks: 2}
-  batch: {weight: 1, max_in_flight: 3, max_queue_length: 10}
-orgs:
-  a: {keys: [ka], classes: [batch, interactive], max_in_flight: 2, requests_per_minute: 40}
-  b: {keys: [kb], classes: [interactive, system], weight: 2}
-  c: {keys: [kc], classes: [batch, system], max_in_flight: 3}
-retry: {max_attempts: 3, budget_per_flow_percent: 20}
-cost: {charge: MODE}
-"""
+TEXT = sys.stdin.read()  # the policy of tests/policy/test_policy_invariants.py
 
 def run(seed, mode):
     rng = random.Random(seed)
-    policy = parse_policy(TEXT.replace("MODE", mode))
+    policy = parse_policy(TEXT + "cost: {charge: %s}\n" % mode)
     flows = [Flow(*f) for f in policy.flows()]
     now = [0.0]
     e = PolicyEngine(policy, clock=lambda: now[0], rng=random.Random(seed))
@@ -265,11 +243,16 @@ def test_random_programs_decide_alike() -> None:
     """Seeded random programs through the compiled engine and through its source: the same
     starts, backends, drops, refusals, retries, charges, meters and statistics."""
     _compiled_here()
+    path = Path(__file__).parent / "policy" / "test_policy_invariants.py"
+    spec = importlib.util.spec_from_file_location("sfq_tests_policy_invariants", path)
+    assert spec is not None and spec.loader is not None
+    invariants = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(invariants)
     outs = []
     for no_ext in ("0", "1"):
         env = {**os.environ, "SFQ_NO_EXTENSIONS": no_ext}
         p = subprocess.run([sys.executable, "-c", _PROGRAMS, "40"], env=env, capture_output=True, text=True,
-                           timeout=300)
+                           input=invariants.POLICY_TEXT, timeout=300)
         assert p.returncode == 0, p.stderr
         outs.append(p.stdout)
     programs = json.loads(outs[0])

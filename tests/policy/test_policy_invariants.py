@@ -18,7 +18,8 @@ from sfq.engine import PolicyEngine, Request
 from sfq.policy import OUTCOMES, Flow, parse_policy
 from sfq.engine import BACKOFF, RUNNING, WAITING
 
-POLICY = parse_policy("""
+#: (tests/test_compiled_engine.py runs its random programs under this policy too)
+POLICY_TEXT = """
 pools:
   gpu:
     models: [m1]
@@ -39,7 +40,8 @@ orgs:
   b: {keys: [kb], classes: [interactive, system], weight: 2}
   c: {keys: [kc], classes: [batch, system], max_in_flight: 3}
 retry: {max_attempts: 3, budget_per_flow_percent: 20}
-""")
+"""
+POLICY = parse_policy(POLICY_TEXT)
 FLOWS = [Flow(o, c, p) for o, c, p in POLICY.flows()]
 TWINS = [sfq.ReferenceScheduler] + ([sfq.Scheduler] if sfq.CORE == "compiled" else [])
 
