@@ -98,7 +98,9 @@ class optional_build_ext(build_ext):
         elif self._failed & {e.name for e in engine}:
             self._drop_engine("a compile failed")
         else:
-            record = {"modules": {}}
+            from mypy.version import __version__ as mypy_version  # (mypyc built them, so it is there)
+
+            record = {"mypy": mypy_version, "modules": {}}
             for name in ENGINE_MODULES:
                 with open(_source(name), "rb") as f:
                     record["modules"][name] = hashlib.sha256(f.read()).hexdigest()

@@ -43,7 +43,7 @@ MODULES = (
     "sfq.policy.retry",
     "sfq.backends.health",
 )
-#: the build's record, next to this file: {"mypyc": version, "modules": {name: sha256 of the .py}}
+#: the build's record, next to this file: {"mypy": the version that compiled them, "modules": {name: sha256 of the .py}}
 RECORD = "_mypyc.json"
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -108,7 +108,10 @@ class _SourceFinder(importlib.abc.MetaPathFinder):
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname not in MODULES or engine_status() == "compiled":
             return None  # the usual finders: the compiled module, or the source where none is
-        return importlib.util.spec_from_file_location(fullname, _source_of(fullname))
+        source = _source_of(fullname)
+        if not os.path.isfile(source):
+            return None  # shipped without its source: the compiled module is all there is
+        return importlib.util.spec_from_file_location(fullname, source)
 
 
 _FINDER = _SourceFinder()
