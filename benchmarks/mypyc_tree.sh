@@ -18,9 +18,7 @@ DIR=${1:?usage: benchmarks/mypyc_tree.sh DIR MODULE.py ...}
 shift
 [ $# -gt 0 ] || { echo "usage: benchmarks/mypyc_tree.sh DIR MODULE.py ... (the engine's are compiled already)"; exit 2; }
 PY=${PYTHON:-python}
-ENGINE=$("$PY" -c "import ast; t = ast.parse(open('python/sfq/_compiled.py').read()); \
-print(' '.join(m.replace('.', '/') + '.py' for n in t.body if isinstance(n, ast.Assign) and n.targets[0].id == 'MODULES' \
-for m in ast.literal_eval(n.value)))")
+ENGINE=$(PYTHONPATH=python "$PY" -c "from sfq._compiled import MODULES; print(' '.join(m.replace('.', '/') + '.py' for m in MODULES))")
 MODULES=($ENGINE "$@")
 rm -rf "$DIR"
 mkdir -p "$DIR"

@@ -70,18 +70,15 @@ cost: {{input_weight: 1, output_weight: 2}}
         # compiled, whose methods cannot be replaced
         order: list[str] = []
         metrics = pd.engine.metrics
-        started, began = metrics.started, metrics.began
 
-        def recording_started(key, *args):
-            order.append(key[0])
-            return started(key, *args)
+        def recording(count):
+            def record(key, *args):
+                order.append(key[0])
+                return count(key, *args)
+            return record
 
-        def recording_began(key, *args):
-            order.append(key[0])
-            return began(key, *args)
-
-        metrics.started = recording_started  # type: ignore[method-assign]
-        metrics.began = recording_began  # type: ignore[method-assign]
+        metrics.started = recording(metrics.started)  # type: ignore[method-assign]
+        metrics.began = recording(metrics.began)  # type: ignore[method-assign]
         q = pd.engine.queues["gpu"]
         fa_flow = Flow("team-a", "batch", "gpu")
 
