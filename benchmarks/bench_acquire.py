@@ -17,7 +17,8 @@ grant-1000     the grants alone: 1,000 flows already wait (tasks made, requests 
                ends when the last has held its permit and released it: per grant, the release
                that hands the slot on, the wake-up of the next holder and its ``async with``.
 
-Where the time goes: each group also runs the parts alone. ``async_with`` is an ``async with``
+Where the time goes: each group also runs the parts alone (and ``grant-1000`` the leanest
+asyncio driver of the same engine, ``lean_driver``: plain futures in a dict). ``async_with`` is an ``async with``
 of an object that does nothing (the event loop's share of any permit); ``engine_only`` is the
 request engine that the ``Dispatcher`` drives, called directly without asyncio (the same
 ``submit(cost=, start=True)`` + ``complete``; with 1,000 waiting, 1,000 submits then a
@@ -41,6 +42,7 @@ import sfq
 from sfq.backends import Backend
 from sfq.dispatch import Dispatcher, PolicyDispatcher
 from sfq.engine import PolicyEngine
+from sfq.engine.pool import RUNNING
 from sfq.policy.config import policy_from_mapping
 
 N = 5_000
@@ -337,6 +339,40 @@ def test_grant_dispatcher_cost(benchmark: Any) -> None:
 @pytest.mark.benchmark(group="grant-1000")
 def test_grant_dispatcher_body(benchmark: Any) -> None:
     _bench_drain(benchmark, lambda st: _queued_on_dispatcher(st, True))
+
+
+async def _queued_on_a_lean_driver(st: _Drain) -> None:
+    """The leanest asyncio driver of the same engine an embedder could write (the floor for
+    any driver of it): a dict of plain futures by request id; a release completes the request,
+    polls the engine and sets the futures of what started. No permit object, no grant, no
+    health count, no statistics, no timer, no cancellation handling: what ``Dispatcher``
+    adds to a grant is its time less this one's."""
+    d = Dispatcher([Nothing("b", max_in_flight=1)])
+    e = d.engine
+    pool = next(iter(e.queues))
+    loop = asyncio.get_running_loop()
+    waiters: dict[int, asyncio.Future[None]] = {}
+    go = st.go = asyncio.Event()
+
+    async def one(f: int) -> None:
+        r = e.submit(sfq.Flow(str(f), "default", pool), cost=100.0, start=True)
+        if r.state != RUNNING:
+            fut = waiters[r.id] = loop.create_future()
+            await fut
+        await (go.wait() if f < 0 else asyncio.sleep(0))
+        e.complete(r)
+        for s in e.poll():
+            waiters.pop(s.id).set_result(None)
+
+    st.tasks = [asyncio.ensure_future(one(f)) for f in range(-1, WAITING)]
+    await _until(lambda: len(waiters) >= WAITING)
+
+
+@pytest.mark.benchmark(group="grant-1000")
+def test_grant_lean_driver(benchmark: Any) -> None:
+    if "start" not in inspect.signature(PolicyEngine.submit).parameters:
+        pytest.skip("submit(start=True) is not in this tree")
+    _bench_drain(benchmark, _queued_on_a_lean_driver)
 
 
 @pytest.mark.benchmark(group="grant-1000")

@@ -71,6 +71,80 @@ def test_the_engine_really_runs_compiled() -> None:
     assert "sfq__mypyc" in sys.modules
 
 
+#: bases mypyc knows without analysing their module (Generic and Protocol: typing's own forms)
+_KNOWN_BASES = {"builtins", "typing"}
+
+
+def test_compiled_classes_derive_only_from_classes_mypyc_sees() -> None:
+    """mypyc analyses the compiled modules alone (``--follow-imports=skip``): a class there whose
+    base lives in another module is compiled as if its base were ``Any``, and crashed the
+    interpreter when tried (a dataclass deriving from the policy's ``Policy``; a subclass of
+    ``asyncio.Future``). Such a class stays in a module that is not compiled. (A property
+    of the source: checked on either engine.)"""
+    compiled = set(_compiled.MODULES)
+    wrong = []
+    for name in _compiled.MODULES:
+        mod = importlib.import_module(name)
+        for attr, cls in vars(mod).items():
+            if isinstance(cls, type) and cls.__module__ == name:
+                wrong += [f"{name}.{attr} derives from {b.__module__}.{b.__qualname__}" for b in cls.__mro__[1:]
+                          if b.__module__ not in compiled and b.__module__ not in _KNOWN_BASES]
+    assert not wrong
+
+
+_PERMIT_INPUTS = r'''
+import asyncio, sfq
+from sfq.backends import Backend
+
+class Nobody(Backend):  # acquire() calls no backend: the embedder's client would
+    async def complete(self, endpoint, body): raise AssertionError
+    async def stream(self, endpoint, body): raise AssertionError; yield {}
+
+BODY = {"model": "m", "prompt": "x", "max_tokens": 5}
+
+async def main():
+    async with sfq.Dispatcher([Nobody("b", max_in_flight=4)]) as d:
+        for flow, body, kw in [("f", None, {"cost": "3"}), ("f", None, {"cost": True}), ("f", None, {"cost": -1.0}),
+                               ("f", None, {"cost": None}), ("f", None, {"cost": 1.0, "timeout": "1"}),
+                               ("f", None, {"cost": 1.0, "timeout": True}), ("f", [1, 2], {}), ("f", "text", {}),
+                               (["unhashable"], BODY, {}), ("f", {**BODY, "max_tokens": "5"}, {})]:
+            try:
+                async with d.acquire(flow, body, **kw):
+                    print("entered")
+            except Exception as exc:
+                print(type(exc).__name__, exc)
+        for call in ["g.fail(1.5)", "g.fail(True)", "g.fail('500')", "g.fail(500, '1')", "g.fail(500, True)",
+                     "g.delivered('3')", "g.delivered(True)", "g.delivered(None)",
+                     "g.finish(None, output_text_chars='3')", "g.finish(None, output_text_chars=True)",
+                     "g.finish(None, output_text_chars=-1)"]:
+            async with d.acquire("f", BODY) as g:
+                try:
+                    print(call, eval(call))
+                except Exception as exc:
+                    print(call, type(exc).__name__, exc)
+        f = d.stats()["flows"]["f"]
+        print("completed", f["completed"], "in flight", f["in_flight"])  # every grant left its block: ended
+
+asyncio.run(main())
+'''
+
+
+def test_bad_input_to_a_permit_gets_the_twins_messages() -> None:
+    """mypyc checks (and converts) what a compiled function's annotations say before the
+    function's own checks run: a compiled ``acquire``/``Grant`` path must still answer bad
+    input with the twin's errors and messages, not mypyc's ("float object expected")."""
+    _compiled_here()
+    outs = []
+    for no_ext in ("0", "1"):
+        p = subprocess.run([sys.executable, "-c", _PERMIT_INPUTS], env={**os.environ, "SFQ_NO_EXTENSIONS": no_ext},
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        outs.append(p.stdout)
+    assert outs[0] == outs[1]
+    assert "object expected" not in outs[0] and outs[0].count("ValueError") >= 10, outs[0]
+    assert outs[0].splitlines()[-1] == "completed 11 in flight 0"  # a refused finish() left its grant open
+
+
 def test_the_env_var_runs_the_engine_from_source() -> None:
     p = _run(_REPORT, SFQ_NO_EXTENSIONS="1")
     assert p.returncode == 0, p.stderr

@@ -1,11 +1,12 @@
 """The request engine's modules compiled by mypyc, and the switch back to their source.
 
 The engine (``sfq.engine``'s pool and engine, the policy's limits and retries, the backends'
-health) is plain, annotated Python. ``setup.py`` also compiles those modules with mypyc
-(https://mypyc.readthedocs.io): the same source as C, its classes native, a few times faster
-on the dispatch path. The ``.py`` files stay the twin, as ``_scheduler_py.py`` is the core's:
-one implementation, run two ways, and the suite runs on both (CI's ``SFQ_NO_EXTENSIONS=1``
-leg).
+health; and what every permit of the asyncio driver runs through: ``acquire``'s ``Permit``
+and a ``Dispatcher``'s per-flow statistics) is plain, annotated Python. ``setup.py`` also
+compiles those modules with mypyc (https://mypyc.readthedocs.io): the same source as C, its
+classes native, a few times faster on the dispatch path. The ``.py`` files stay the twin, as
+``_scheduler_py.py`` is the core's: one implementation, run two ways, and the suite runs on
+both (CI's ``SFQ_NO_EXTENSIONS=1`` leg).
 
 A compiled module (``pool.cpython-311-x86_64-linux-gnu.so``) sits next to its ``.py`` and
 Python's import system prefers it. This module's finder, first on ``sys.meta_path`` once sfq
@@ -42,6 +43,8 @@ MODULES = (
     "sfq.policy.limits",
     "sfq.policy.retry",
     "sfq.backends.health",
+    "sfq.dispatch.tally",  # a Dispatcher's per-flow statistics: the engine calls them for every request
+    "sfq.dispatch.permit",  # acquire()'s Permit: every permit enters and leaves through it
 )
 #: the build's record, next to this file: {"mypy": the version that compiled them, "modules": {name: sha256 of the .py}}
 RECORD = "_mypyc.json"

@@ -43,6 +43,25 @@ async def test_an_exception_inside_acquire_is_a_failure_that_frees_the_slot(fake
             grant.finish({"prompt_tokens": 2, "completion_tokens": 4})
 
 
+async def test_a_refused_finish_leaves_the_grant_open_and_its_slot_held_only_until_the_block_ends(
+        fake: FakeServer) -> None:
+    """Bad input to ``finish`` raises and changes nothing: the grant stays open (it used to be
+    marked ended while its request still ran, so its slot stayed taken until close())."""
+    async with Dispatcher([OpenAIBackend(fake.url, max_in_flight=1)]) as d:
+        async with d.acquire("a", BODY) as grant:
+            for bad in ("3", True, -1):
+                with pytest.raises(ValueError, match="output_text_chars must be an integer >= 0"):
+                    grant.finish(None, output_text_chars=bad)
+            assert d.stats()["flows"]["a"]["in_flight"] == 1
+            grant.finish(None, output_text_chars=12)  # still open: this one ends it
+        s = d.stats()
+        assert s["flows"]["a"]["completed"] == 1 and s["backends"][fake.url]["in_flight"] == 0
+        async with d.acquire("a", BODY, timeout=5) as grant:  # the one slot is free again
+            pass
+        assert d.stats()["flows"]["a"]["completed"] == 2
+        assert d.monitor_of(fake.url).completed == 2  # the refused calls counted no reply
+
+
 async def test_acquire_waits_its_turn_and_its_deadline_refuses_it(fake: FakeServer) -> None:
     async with Dispatcher([OpenAIBackend(fake.url, max_in_flight=1)]) as d:
         async with d.acquire("a", BODY) as held:

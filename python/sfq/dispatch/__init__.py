@@ -6,7 +6,8 @@ request goes next and on which backend, what it is charged and how the charge is
 retries and deadlines. One asyncio driver carries its answers out
 (:class:`PolicyDispatcher`, in ``policy_dispatcher``; what it hands out for one request, the
 ``Grant`` of ``acquire`` and the ``EventStream`` of ``open_stream``/``stream``, in
-``policy_calls``), for ``sfq serve`` and for embedders alike.
+``policy_calls``; the ``Permit`` that waits for a grant, in ``permit``), for ``sfq serve``
+and for embedders alike.
 
 :class:`Dispatcher` is that driver's face for a fleet without a policy file (``dispatcher``):
 the policy its fleet makes (one pool per model, one class, each flow id its own org), the
@@ -16,8 +17,10 @@ from the call; errors are :class:`sfq.SFQError` s.
 
 =====================  ==============================================================
 ``policy_dispatcher``  the driver: the pump, admission, the turn, retries, endings, close
-``policy_calls``       ``Grant``/``Permit`` (``acquire``), the ``EventStream`` of a stream
-``dispatcher``         ``Dispatcher``: the fleet's policy, flow ids, per-flow statistics
+``policy_calls``       ``Grant`` (``acquire``), the ``EventStream`` of a stream
+``permit``             ``Permit``: waits for a grant (``acquire``)
+``dispatcher``         ``Dispatcher``: the fleet's policy, flow ids
+``tally``              ``FlowTally``: a ``Dispatcher``'s per-flow statistics
 ``stream``             ``EventStream``: the protocol every stream offers
 ``_wake``              the one timer that wakes the pump when the engine asks
 =====================  ==============================================================

@@ -1,6 +1,7 @@
 """What a :class:`~sfq.dispatch.PolicyDispatcher` hands out for one request: the
 :class:`Grant` of :meth:`~sfq.dispatch.PolicyDispatcher.acquire` (where to send it, and how
-to report what it delivered) and the :class:`EventStream` of
+to report what it delivered; the ``Permit`` that waits for it is in ``permit``) and the
+:class:`EventStream` of
 :meth:`~sfq.dispatch.PolicyDispatcher.open_stream` and ``stream`` (its events, admitted and
 answered by the upstream before the first one is handed out). Both report to the
 dispatcher's request engine; neither decides anything."""
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from .policy_dispatcher import PolicyDispatcher
 
 
-__all__ = ["BackendAddress", "EventStream", "Grant", "Permit", "PolicyEventStream"]
+__all__ = ["BackendAddress", "EventStream", "Grant", "PolicyEventStream"]
 
 Reply = dict[str, Any]
 Event = dict[str, Any]
@@ -139,11 +140,12 @@ class Grant:
     def finish(self, usage: Mapping[str, Any] | None = None, *, output_text_chars: int | None = None) -> None:
         """The call succeeded: ``usage`` (the reply's OpenAI ``usage``) settles the charge; without
         one, the tokens :meth:`delivered` or ``output_text_chars`` (the returned text's length)
-        do. Frees the slot at once; a second call is a ``RuntimeError``."""
+        do. Frees the slot at once; a second call is a ``RuntimeError``. Bad input raises and
+        leaves the grant as it was (leaving the block still ends it)."""
         if self._ended:
             raise RuntimeError("finish() after the grant ended")
+        self._pd._completed(self.request, usage, output_text_chars)  # (checks its input before it changes anything)
         self._ended = True
-        self._pd._completed(self.request, usage, output_text_chars)
 
     def fail(self, status: int | None = None, retry_after: float | None = None) -> None:
         """The upstream failed: ``status`` its HTTP error status (``None``: no answer, the
@@ -170,56 +172,6 @@ class Grant:
             err = kind(f"backend {name!r}: HTTP {status} (reported by the embedder)", backend=name, status=status,
                        unhealthy=status >= 500, retry_after=retry_after)
         self._pd._attempt_failed(self.request, err, retryable=False)
-
-
-class Permit:
-    """What :meth:`PolicyDispatcher.acquire` returns: an async context manager that waits for
-    the request's turn when entered, yields its :class:`Grant`, and ends the request when left
-    (see ``acquire``). Enter it once."""
-
-    __slots__ = ("_pd", "_flow", "_body", "_cost", "_timeout", "grant")
-
-    def __init__(self, pd: PolicyDispatcher, flow: Flow, body: Mapping[str, Any] | None, cost: float | None,
-                 timeout: float | None) -> None:
-        self._pd = pd
-        self._flow = flow
-        self._body = body
-        self._cost = cost
-        self._timeout = timeout
-        #: the grant, once entered
-        self.grant: Grant | None = None
-
-    async def __aenter__(self) -> Grant:
-        if self.grant is not None:
-            raise RuntimeError("this permit was already entered; call acquire() again")
-        pd = self._pd
-        body = self._body
-        if pd._started and not pd._shared:  # nothing to await unless it must wait its turn
-            r = pd._admit_now(self._flow, body, self._timeout, None, None, self._cost)
-            if r.state != RUNNING:
-                await pd._turn(r)
-        else:
-            r = await pd._admit(self._flow, body, self._timeout, None, None, self._cost)
-            await pd._turn(r)
-        assert r.backend is not None
-        g = self.grant = Grant(pd, r, pd._addresses[r.backend], None if body is None else _endpoint(body))
-        return g
-
-    async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
-        g = self.grant
-        if g is None or g._ended:
-            return
-        g._ended = True
-        pd = self._pd
-        r = g.request
-        if exc is None:
-            pd._completed(r, None, None)
-        elif isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
-            pd._gave_up(r)
-        elif isinstance(exc, BackendError):  # reported: counts toward the backend's health
-            pd._attempt_failed(r, exc, retryable=False)
-        else:  # the embedder's own error: frees the slot, never the backend's fault
-            pd._abort(r, exc)
 
 
 def _fire(ref: weakref.ReferenceType[PolicyEventStream]) -> None:

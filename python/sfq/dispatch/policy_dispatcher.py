@@ -79,7 +79,8 @@ from ..policy.metrics import PolicyMetrics
 from ..policy.retry import IdempotencyIndex
 from ..policy.spend import Hold
 from ..state import SharedState, local_policy, state_for
-from .policy_calls import BackendAddress, Grant, Permit, PolicyEventStream, Reply, _check_body, _endpoint, _Expired, \
+from .permit import Permit
+from .policy_calls import BackendAddress, Grant, PolicyEventStream, Reply, _check_body, _endpoint, _Expired, \
     _text_chars, _within
 from ._wake import WakeTimer
 from .stream import EventStream
@@ -620,11 +621,13 @@ class PolicyDispatcher:
     def _completed(self, r: Request, usage: Mapping[str, Any] | None, text_chars: int | None) -> None:
         if r.state != RUNNING:
             return
-        assert r.backend is not None
-        self._monitors[r.backend].replied(r.flow, None)
+        backend = r.backend
+        assert backend is not None
         if usage is not None and type(usage) is not dict and not isinstance(usage, Mapping):
             usage = None
-        self.engine.complete(r, usage, None if usage is not None else text_chars)  # (output_text_chars)
+        # (output_text_chars; bad input raises there, before anything changed)
+        self.engine.complete(r, usage, None if usage is not None else text_chars)
+        self._monitors[backend].replied(r.flow, None)
         self._settled()
 
     def _deadline_hit(self, r: Request, what: str) -> DeadlineExceeded:

@@ -728,7 +728,7 @@ class PolicyEngine:
                 self.spend.used(r.hold, *used)
 
     def complete(self, r: Request, usage: Mapping[str, Any] | None = None,
-                 output_text_chars: int | None = None) -> None:
+                 output_text_chars: object = None) -> None:  # (object: checked below, with the twin's message)
         """A running request completed. Its charge is settled as the charge mode says (not in
         ``seed``, not for a fixed cost) to what it really cost: from ``usage`` (OpenAI
         ``usage``), or without one from the tokens it :meth:`delivered` or from
