@@ -119,9 +119,9 @@ class Upstream:
 
 def policy_yaml(upstream_url: str, redis_url: str | None, *, pool_limit: int = 4, lease: float = 2.0,
                 prefix: str = "sfq-test:", pool_extra: str = "", orgs_extra: str = "",
-                backend_limit: int = 64, a_rpm: str = "") -> str:
+                backend_limit: int = 64, a_rpm: str = "", on_loss: str = "local") -> str:
     state = "" if redis_url is None else (
-        f'state: {{redis: "{redis_url}", prefix: "{prefix}", lease_seconds: {lease}}}\n')
+        f'state: {{redis: "{redis_url}", prefix: "{prefix}", lease_seconds: {lease}, on_loss: {on_loss}}}\n')
     return f"""\
 pools:
   main:

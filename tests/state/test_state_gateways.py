@@ -111,11 +111,11 @@ def test_a_killed_gateway_frees_its_slots_within_the_lease(redis_server: RedisSe
         up.stop()
 
 
-def test_redis_down_answers_503_and_the_gateways_recover(upstream: Upstream, tmp_path: Path, prefix: str,
-                                                         gateways: list[Gateway]):
+def test_on_loss_refuse_redis_down_answers_503_and_the_gateways_recover(upstream: Upstream, tmp_path: Path,
+                                                                        prefix: str, gateways: list[Gateway]):
     r = RedisServer(free_port())
     p = tmp_path / "p.yaml"
-    p.write_text(policy_yaml(upstream.url, r.url, pool_limit=2, prefix=prefix))
+    p.write_text(policy_yaml(upstream.url, r.url, pool_limit=2, prefix=prefix, on_loss="refuse"))
     try:
         # down at start: the gateway starts, says why, refuses; Redis comes: it recovers by itself
         g = Gateway(p)

@@ -21,7 +21,7 @@ from sfq.state import InMemoryState, RedisState, state_for
 
 def _policy(url: str, prefix: str, *, lease: float = 1.0, limits: str = "max_in_flight: 2",
             orgs: str = "", classes: str = "", backend: str = "http://127.0.0.1:9", extra: str = "",
-            backend_limit: int = 16) -> Any:
+            backend_limit: int = 16, on_loss: str = "local") -> Any:
     return parse_policy(f"""
 pools:
   p:
@@ -35,7 +35,7 @@ orgs:
   a: {{keys: [ka], classes: [batch], weight: 3}}
   b: {{keys: [kb], classes: [batch]}}
 {orgs}
-state: {{redis: "{url}", prefix: "{prefix}", lease_seconds: {lease}}}
+state: {{redis: "{url}", prefix: "{prefix}", lease_seconds: {lease}, on_loss: {on_loss}}}
 {extra}""")
 
 
@@ -350,13 +350,13 @@ async def _until(cond: Any, what: str) -> None:
         await asyncio.sleep(0.01)
 
 
-async def test_waiting_requests_wait_through_an_outage_and_within_their_age(prefix: str):
+async def test_on_loss_refuse_waiting_requests_wait_through_an_outage_and_within_their_age(prefix: str):
     r = RedisServer(free_port()).start()
     up = Upstream(delay=0.0).start()
     try:
         pol = _policy(r.url, prefix, limits="max_in_flight: 1", backend=up.url,
                       classes="  quick: {weight: 1, max_queue_age_seconds: 0.3}",
-                      orgs="  q: {keys: [kq], classes: [quick]}")
+                      orgs="  q: {keys: [kq], classes: [quick]}", on_loss="refuse")
         pd = PolicyDispatcher(pol)
         await pd.start()
         body = {"model": "m", "prompt": "x", "max_tokens": 1}
@@ -387,3 +387,106 @@ async def test_waiting_requests_wait_through_an_outage_and_within_their_age(pref
         up.release()
         up.stop()
         r.stop()
+
+
+# ---------------------------------------------------------------- Redis lost: alone, within a slice
+def test_the_live_gateways_slices_add_up_to_each_limit():
+    from sfq.state._local import Slices
+
+    for n in range(1, 9):
+        for limit in range(0, 40):
+            parts = [Slices(rank, n).count(limit) for rank in range(n)]
+            assert sum(parts) == limit and max(parts) - min(parts) <= 1
+        assert sum(Slices(rank, n).rate(120.0) for rank in range(n)) == pytest.approx(120.0)
+    with pytest.raises(ValueError, match="rank 2 of 2"):
+        Slices(2, 2)
+
+
+async def test_redis_lost_each_gateway_goes_on_alone_within_its_slice_then_rejoins(prefix: str):
+    from prometheus_client import generate_latest
+
+    r = RedisServer(free_port()).start()
+    up = Upstream(delay=0.02).start()
+    body = {"model": "m", "prompt": "x", "max_tokens": 1}
+    try:
+        pol = _policy(r.url, prefix, limits="max_in_flight: 3", backend=up.url, lease=1.0)
+        pds = [PolicyDispatcher(pol), PolicyDispatcher(pol)]
+        for pd in pds:
+            await pd.start()
+        try:
+            await _until(lambda: all(pd.state.stats()["gateways"] == 2 for pd in pds), "both gateways to be named")
+            r.stop()
+            await _until(lambda: all(pd.state.degraded for pd in pds), "both gateways to go on alone")
+            assert all(pd.state.available and "cannot be reached" in (pd.state.reason or "") for pd in pds)
+            assert b"sfq_state_degraded 1.0" in generate_latest(pds[0].registry)
+            up.peak = 0
+            replies = await asyncio.wait_for(asyncio.gather(*(
+                pds[i % 2].submit("ka" if i % 3 else "kb", body) for i in range(24))), LIMIT)
+            assert len(replies) == 24 and all(x["choices"] for x in replies)
+            assert 2 <= up.peak <= 3  # the slices (2 + 1) add up to the pool's limit, and both are used
+            r.start()  # back, empty: the gateways rejoin by themselves, and the limit is Redis's again
+            await _until(lambda: all(pd.state.available and not pd.state.degraded for pd in pds),
+                         "both gateways to rejoin")
+            assert b"sfq_state_degraded 0.0" in generate_latest(pds[0].registry)
+            trips = [pd.state.round_trips for pd in pds]
+            up.peak = 0
+            replies = await asyncio.wait_for(asyncio.gather(*(pds[i % 2].submit("ka", body) for i in range(24))),
+                                             LIMIT)
+            assert len(replies) == 24 and up.peak <= 3
+            assert all(pd.state.round_trips > t for pd, t in zip(pds, trips))
+        finally:
+            for pd in pds:
+                await pd.close()
+    finally:
+        up.release()
+        up.stop()
+        r.stop()
+
+
+async def test_alone_the_gateway_orders_its_flows_by_their_weights(prefix: str):
+    r = RedisServer(free_port()).start()
+    up = Upstream(delay=0.005).start()
+    try:
+        pol = _policy(r.url, prefix, limits="max_in_flight: 1", backend=up.url, lease=1.0)  # a: weight 3, b: 1
+        pd = PolicyDispatcher(pol)
+        await pd.start()
+        try:
+            await _until(lambda: pd.state.stats()["gateways"] == 1, "the gateway to be named")
+            r.stop()
+            await _until(lambda: pd.state.degraded, "the gateway to go on alone")
+            up.hold = True
+            first = asyncio.create_task(pd.submit("ka", {"model": "m", "prompt": "first", "max_tokens": 1}))
+            await _until(lambda: up.now == 1, "the first request to run")
+            tasks = [asyncio.create_task(pd.submit(k, {"model": "m", "prompt": k, "max_tokens": 1}))
+                     for k in ["kb"] * 8 + ["ka"] * 8]  # b floods first
+            await _until(lambda: pd.state.stats()["candidates"] == 16, "the others to wait")
+            up.hold = False
+            up.release()
+            await asyncio.wait_for(asyncio.gather(first, *tasks), LIMIT)
+            served = up.order[1:9]  # the first eight after the first, all sixteen waiting
+            assert served.count("ka") == 6 and served.count("kb") == 2, up.order
+        finally:
+            await pd.close()
+    finally:
+        up.release()
+        up.stop()
+        r.stop()
+
+
+async def test_on_loss_refuse_or_no_gateway_ever_named_refuses(prefix: str):
+    up = Upstream(delay=0.0).start()
+    try:
+        # Redis down at start: no slice is known (how many gateways share the limits?): refused
+        pd = PolicyDispatcher(_policy(f"redis://127.0.0.1:{free_port()}/0", prefix, backend=up.url))
+        await pd.start()
+        try:
+            assert not pd.state.available and not pd.state.degraded
+            with pytest.raises(Refused) as ei:
+                await pd.submit("ka", {"model": "m", "prompt": "x", "max_tokens": 1})
+            assert ei.value.reason == "state_unavailable"
+        finally:
+            await pd.close()
+    finally:
+        up.stop()
+    with pytest.raises(PolicyError, match=r"state\.on_loss.*local, refuse.*'sometimes'"):
+        _policy("redis://127.0.0.1:1/0", prefix, on_loss="sometimes")

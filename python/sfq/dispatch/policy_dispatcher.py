@@ -55,7 +55,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
 from ..backends import Backend, OpenAIBackend
 from ..backends.base import JSONBody
@@ -279,6 +279,10 @@ class PolicyDispatcher:
             state.on_evicted = self._evicted
             self.engine.spend.on_settle = state.settle_spend  # budgets: the shared ledger
             state.estimator = self.estimator  # the refund floor's "a guess" is the engine's
+            if reg is not None:
+                Gauge("sfq_state_degraded", "1 while the shared state (Redis) cannot be reached and this gateway "
+                      "serves alone, within its slice of every global limit (state.on_loss: local)",
+                      registry=reg).set_function(lambda: 1.0 if state.degraded else 0.0)
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:

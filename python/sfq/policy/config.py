@@ -49,6 +49,8 @@ __all__ = [
 
 #: retry backoff shapes: full jitter (uniform in [0, cap]), plain doubling, a constant delay
 BACKOFFS = ("exponential_with_jitter", "exponential", "constant")
+#: what a gateway sharing Redis does while it cannot reach it (``state.on_loss``)
+ON_LOSS = ("local", "refuse")
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
 _URL = re.compile(r"^https?://[^\s/]+(/\S*)?$")
 _REDIS = re.compile(r"^(redis|rediss|unix)://\S+$")
@@ -247,6 +249,9 @@ class StateSpec:
     lease_seconds: float = 10.0
     #: one gateway without Redis: the file its spend (budgets) is kept in across restarts
     file: str | None = None
+    #: what a gateway does while Redis cannot be reached: ``local`` (go on with its own engine
+    #: and its slice of every limit and budget) or ``refuse`` (answer 503 state_unavailable)
+    on_loss: str = "local"
 
 
 @dataclass(frozen=True)
@@ -933,13 +938,13 @@ def _retry(v: object, path: str) -> RetrySpec:
 
 
 def _state(v: object, path: str) -> StateSpec:
-    d = _section(v, path, ("redis", "prefix", "lease_seconds", "file"))
+    d = _section(v, path, ("redis", "prefix", "lease_seconds", "file", "on_loss"))
     if "redis" not in d and "file" not in d:
         raise PolicyError(f"{path}.redis", "is required (a redis:// URL), or file: a path for one gateway's spend")
     if "redis" in d and "file" in d:
         raise PolicyError(f"{path}.file", "a gateway sharing Redis keeps its spend there: give redis or file, not both")
     if "file" in d:
-        _section(d, path, ("file",))  # prefix and lease_seconds are Redis's
+        _section(d, path, ("file",))  # prefix, lease_seconds and on_loss are Redis's
         return StateSpec(None, file=_string(d["file"], f"{path}.file"))
     url = _string(d["redis"], f"{path}.redis")
     if not _REDIS.match(url):
@@ -948,7 +953,10 @@ def _state(v: object, path: str) -> StateSpec:
     if not isinstance(prefix, str):
         raise PolicyError(f"{path}.prefix", f"must be a string, got {_desc(prefix)}")
     lease = _number(d["lease_seconds"], f"{path}.lease_seconds") if "lease_seconds" in d else 10.0
-    return StateSpec(url, prefix, lease)
+    on_loss = d.get("on_loss", "local")
+    if on_loss not in ON_LOSS:
+        raise PolicyError(f"{path}.on_loss", f"must be one of {', '.join(ON_LOSS)}, got {_desc(on_loss)}")
+    return StateSpec(url, prefix, lease, on_loss=str(on_loss))
 
 
 def _server(v: object, path: str, pools: Mapping[str, PoolSpec]) -> ServerSpec:

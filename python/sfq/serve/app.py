@@ -336,6 +336,8 @@ class Gateway:
             body["state"] = s.get("state")
             if not st.available:
                 body["status"], body["reason"], status = "state_unavailable", "the shared state cannot be reached", 503
+            elif st.degraded:  # serving alone, within this gateway's slices of the limits
+                body["status"], body["reason"] = "degraded", f"serving alone: {st.reason}"
         if down and status == 200:
             body["status"], body["reason"], status = "unavailable", "; ".join(down), 503
         if self.draining:

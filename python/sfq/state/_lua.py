@@ -28,6 +28,9 @@ Keys (``P`` = the prefix):
 * ``P seq``: the order of arrival of candidates; ``P wake``: the pub/sub channel that tells
   the other gateways to look again (a slot freed, a turn passed); ``P evict``: the channel
   that names a waiting place taken from the org holding the most (``ADMIT``).
+* ``P gw`` sorted set: the live gateways (their ids, scored by the expiry of their last
+  renewal): how many share each limit, and each one's rank, for the slices a gateway keeps
+  while Redis cannot be reached.
 * ``P policy``: the hash of the policy in force (expires unless a gateway renews it).
 * ``P spend:<org>:<period>`` hash ``s``: what the org spent in the period (currency, settled
   requests); ``... :res`` sorted set: its running requests' reservations (leases, renewed by
@@ -37,7 +40,7 @@ Keys (``P`` = the prefix):
 
 from __future__ import annotations
 
-__all__ = ["ADMIT", "ACQUIRE", "RENEW", "RETRY", "WITHDRAW", "HELLO", "SPEND_RESERVE", "SPEND_SETTLE"]
+__all__ = ["ADMIT", "ACQUIRE", "RENEW", "RETRY", "WITHDRAW", "HELLO", "GATEWAYS", "SPEND_RESERVE", "SPEND_SETTLE"]
 
 _COMMON = r"""
 local P = ARGV[1]
@@ -475,6 +478,15 @@ local cur = redis.call('GET', P .. 'policy')
 if cur and cur ~= A.hash and not A.force then return {0, cur} end
 redis.call('SET', P .. 'policy', A.hash, 'PX', math.ceil(A.lease * 3000))
 return {1}
+"""
+
+#: a gateway is alive (it joined or renewed): {gw, lease} -> the live gateways' ids, sorted
+GATEWAYS = _COMMON + r"""
+local k = P .. 'gw'
+redis.call('ZREMRANGEBYSCORE', k, '-inf', NOW)
+redis.call('ZADD', k, NOW + A.lease, A.gw)
+redis.call('PEXPIRE', k, math.ceil(A.lease * 3000))
+return redis.call('ZRANGE', k, 0, -1)
 """
 
 #: a budget's reservation, atomic over every gateway: spent + live reservations + this one must

@@ -89,8 +89,14 @@ class SharedState:
 
     @property
     def reason(self) -> str | None:
-        """Why not (``None`` when available)."""
+        """Why not (``None`` when available); while :attr:`degraded`, why the store is lost."""
         return None
+
+    @property
+    def degraded(self) -> bool:
+        """The store is lost and this gateway goes on alone, within its slice of every global
+        limit (``available`` stays true)."""
+        return False
 
     async def admit(self, flow: Flow) -> Ticket | None:
         """Admission (org rates, queue lengths): a ticket, or ``Refused`` (``rate_limited``,

@@ -20,10 +20,17 @@ one round trip) grants it only when
   so the next free slot goes to the flow with the smallest meter whichever gateway holds it.
 
 A denied candidate waits for a release (Redis pub/sub) or a short bounded poll. A gateway
-that dies stops renewing: its leases and candidates expire within ``lease_seconds``. While
-Redis cannot be reached the state is *unavailable*: new requests are refused (503,
-``state_unavailable``), running ones finish, waiting ones keep waiting within their limits,
-and a background probe brings it back. Every Redis call has a timeout.
+that dies stops renewing: its leases and candidates expire within ``lease_seconds``. Every
+Redis call has a timeout.
+
+While Redis cannot be reached the gateway is *degraded* (``state.on_loss: local``, the
+default): it goes on alone, admitting, ordering and granting its own requests within its slice
+of every global limit and budget (:mod:`sfq.state._local`: the live gateways' slices add up to
+each limit), and a background probe brings Redis back; then the gateway puts back in Redis what
+it holds (slots, waiting places, reservations) and its candidates rejoin the shared order,
+meters level. With ``on_loss: refuse`` it is *unavailable* instead: new requests are refused
+(503, ``state_unavailable``), running ones finish, waiting ones keep waiting within their
+limits.
 """
 
 from __future__ import annotations
@@ -47,7 +54,9 @@ from ..policy.config import OrgSpec, Policy, StateSpec
 from ..cost import CostEstimator
 from ..engine.pool import Request, guessed
 from ..policy.spend import Hold
+from ..policy.limits import TokenBucket
 from . import _lua
+from ._local import LocalOrder, Slices
 from .base import SharedState, Ticket
 
 __all__ = ["RedisState", "StateUnavailable", "policy_hash"]
@@ -84,7 +93,7 @@ class _Attempt:
     """One attempt's candidacy, then its grant (the lease keys it holds)."""
 
     __slots__ = ("member", "pool", "keys", "granted", "payload", "request", "fut", "inflight", "registered", "flow",
-                 "known")
+                 "known", "local")
 
     def __init__(self, member: str, pool: str) -> None:
         self.member = member
@@ -98,6 +107,8 @@ class _Attempt:
         self.registered = False  # a candidate in Redis (it has a start tag)
         self.known = False  # Redis has its details: later calls send only its name
         self.flow = ""
+        #: the local order that granted it while Redis was lost (``None``: granted by Redis)
+        self.local: LocalOrder | None = None
 
 
 class RedisState(SharedState):
@@ -163,6 +174,16 @@ class RedisState(SharedState):
         self._closed = False
         self._refusing = False
         self.round_trips = 0
+        #: the live gateways (ids, sorted) as Redis last named them: the slices kept without it
+        self._gateways: list[str] = []
+        #: degraded (Redis lost, ``on_loss: local``): each pool's local order, and the local
+        #: buckets (pool rpm / tpm, org rpm) and budget slices, made when first needed
+        self._orders: dict[str, LocalOrder] = {}
+        self._local_buckets: dict[str, TokenBucket] = {}
+        self._budget_left: dict[str, float] = {}  # spend key -> unspent and unreserved, last seen
+        self._budget_slice: dict[str, float] = {}  # spend key -> what this gateway may still reserve alone
+        self._local_holds: dict[str, tuple[str, float]] = {}  # member -> (spend key, amount) reserved alone
+        self.degraded_since: float | None = None
         p = self.prefix
         self._bucket_keys = {name: (f"{p}bucket:pool:{name}:rpm", f"{p}bucket:pool:{name}:tpm")
                              for name in policy.pools}
@@ -180,13 +201,15 @@ class RedisState(SharedState):
             self._client = aioredis.Redis.from_url(
                 self.url, socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
                 retry_on_timeout=False, health_check_interval=0)
-        for name in ("ADMIT", "ACQUIRE", "WITHDRAW", "RENEW", "RETRY", "HELLO", "SPEND_RESERVE", "SPEND_SETTLE"):
+        for name in ("ADMIT", "ACQUIRE", "WITHDRAW", "RENEW", "RETRY", "HELLO", "GATEWAYS", "SPEND_RESERVE",
+                     "SPEND_SETTLE"):
             self._scripts[name] = self._client.register_script(getattr(_lua, name))
         self._up = asyncio.get_running_loop().create_future()
         try:
             await self._hello()
         except StateUnavailable as exc:
-            log.warning("Redis %s cannot be reached (%s); refusing requests until it can", self.spec.redis, exc)
+            log.warning("Redis %s cannot be reached (%s); refusing requests until it can (no slice of the limits "
+                        "is known before it was seen)", self.spec.redis, exc)
             self._go_down(f"Redis {self.spec.redis} cannot be reached: {exc}")
         if self._fatal is not None:
             raise PolicyError("state", self._fatal)
@@ -208,7 +231,7 @@ class RedisState(SharedState):
         self.refuse_waiting()
         for pool in set(self._releases) | set(self._adj):  # give back what ended last, now
             rel, adj = self._releases.get(pool, []), self._take_adj(pool)
-            if (rel or adj) and self.available:
+            if (rel or adj) and self._connected:
                 with contextlib.suppress(StateUnavailable):
                     await self._call("ACQUIRE", {**self._pool_payload(pool), "adj": adj, "rel": rel[:], "c": []})
                 rel.clear()
@@ -237,12 +260,27 @@ class RedisState(SharedState):
             t.cancel()
 
     @property
-    def available(self) -> bool:
+    def _connected(self) -> bool:
+        """Redis answers, and the gateways of the prefix run this policy."""
         return self._available and self._fatal is None
+
+    @property
+    def degraded(self) -> bool:
+        """Redis cannot be reached and this gateway goes on alone, within its slices
+        (``on_loss: local``; the slices need the live gateways, which Redis named at least once)."""
+        return (not self._available and self._fatal is None and not self._closed and self.spec.on_loss == "local"
+                and self.gateway_id in self._gateways)
+
+    @property
+    def available(self) -> bool:
+        return self._connected or self.degraded
 
     @property
     def reason(self) -> str | None:
         return self._fatal or (None if self._available else self._reason)
+
+    def _slices(self) -> Slices:
+        return Slices(self._gateways.index(self.gateway_id), len(self._gateways))
 
     # ------------------------------------------------------------ Redis calls
     async def _call(self, name: str, payload: dict[str, Any]) -> list[Any]:
@@ -268,14 +306,21 @@ class RedisState(SharedState):
             raise
         return [x.decode() if isinstance(x, bytes) else x for x in res]
 
-    async def _hello(self, force: bool = False) -> None:
+    async def _hello(self, force: bool = False, up: bool = True) -> None:
         res = await self._call("HELLO", {"lease": self.lease, "hash": self.hash, "force": force})
         if res[0] != 1:
             self._fatal = self._mismatch(str(res[1]))
             self._available = False
             return
         self._fatal = None
-        self._go_up()
+        await self._alive()
+        if up:
+            self._go_up()
+
+    async def _alive(self) -> None:
+        """This gateway is alive: Redis names the live ones (the slices kept without it)."""
+        res = await self._call("GATEWAYS", {"gw": self.gateway_id, "lease": self.lease})
+        self._gateways = sorted(str(g) for g in res)
 
     def reloaded(self, policy: Policy) -> None:
         """A reload put ``policy`` in force: its limits from now on, and its hash for the prefix
@@ -298,18 +343,33 @@ class RedisState(SharedState):
     def _go_down(self, reason: str) -> None:
         if self._closed:
             return
-        if self._available:
-            log.error("shared state unavailable: %s", reason)
+        was = self._available
         self._available = False
         self._reason = reason
+        if was:
+            if self.degraded:
+                self.degraded_since = self.clock()
+                s = self._slices()
+                log.error("shared state unavailable: %s; going on alone, gateway %d of %d (degraded)", reason,
+                          s.rank + 1, s.n)
+                for pool in list(self._pending):  # the candidates waiting for Redis: this gateway's order now
+                    self._kick(pool)
+            else:
+                log.error("shared state unavailable: %s", reason)
         if self._probe is None or self._probe.done():
             self._probe = asyncio.get_running_loop().create_task(self._probe_loop())
 
     def _go_up(self) -> None:
         if not self._available:
-            log.info("shared state available (Redis %s)", self.spec.redis)
+            log.info("shared state available (Redis %s)%s", self.spec.redis,
+                     "; rejoining the shared order" if self._orders or self.degraded_since is not None else "")
         self._available = True
         self._reason = None
+        self.degraded_since = None
+        # the local order's meters and slices are this gateway's alone: the shared ledger's again
+        self._orders.clear()
+        self._local_buckets.clear()
+        self._budget_slice.clear()
         if self._up is not None and not self._up.done():
             self._up.set_result(None)
         self._up = asyncio.get_running_loop().create_future()
@@ -320,9 +380,12 @@ class RedisState(SharedState):
         while not self._closed and not self._available and self._fatal is None:
             await asyncio.sleep(PROBE)
             with contextlib.suppress(StateUnavailable):
-                await self._hello()
-                if self._available:
-                    await self._renew(add=True)  # Redis may have restarted empty: put back what is held
+                await self._hello(up=False)
+                if self._fatal is None:
+                    # Redis may have restarted empty: put back what is held (slots granted alone
+                    # too) before a candidate asks for one
+                    await self._renew(add=True)
+                    self._go_up()
 
     def _spawn(self, coro: Any) -> None:
         t = asyncio.get_running_loop().create_task(coro)
@@ -354,6 +417,7 @@ class RedisState(SharedState):
             self._unsettled.pop(0)
         items = self._held()
         res = await self._call("RENEW", {"lease": self.lease, "hash": self.hash, "add": add, "items": items})
+        await self._alive()
         if res[0] != 1:
             if self._fatal is None:
                 self._fatal = self._mismatch(str(res[1]))
@@ -422,7 +486,9 @@ class RedisState(SharedState):
         return Refused("state_unavailable", f"the gateways' shared state cannot be used: {self.reason}")
 
     async def admit(self, flow: Flow) -> Ticket | None:
-        if not self.available:
+        if not self._connected:
+            if self.degraded:
+                return self._admit_alone(flow)
             raise self._unavailable()
         cls = self.policy.classes[flow.cls]
         org = self._org(flow.org)
@@ -452,6 +518,40 @@ class RedisState(SharedState):
                                     f"{flow.org!r} holds the most of them",
                       retry_after=float(res[2]))
 
+    def _admit_alone(self, flow: Flow) -> Ticket | None:
+        """:meth:`admit` while Redis is lost: the org's rate and the class's waiting places
+        within this gateway's slices of them."""
+        cls = self.policy.classes[flow.cls]
+        org = self._org(flow.org)
+        sl = self._slices()
+        q = None
+        if cls.max_queue_length is not None:
+            q = f"{self.prefix}queue:{flow.pool}:{flow.cls}"
+            mine = sl.count(cls.max_queue_length)
+            if sum(1 for k, _ in self._queued.values() if k == q) >= mine:
+                raise Refused("queue_full", f"class {flow.cls!r} already has {mine} requests waiting in pool "
+                                            f"{flow.pool!r} at this gateway, its part of max_queue_length "
+                                            f"({cls.max_queue_length}) while the gateways' shared state cannot be "
+                                            "reached", retry_after=1.0)
+        if org.requests_per_minute is not None:
+            b = self._bucket(f"org:{flow.org}", org.requests_per_minute)
+            now = self.clock()
+            if not b.take(1, now):
+                raise Refused("rate_limited", f"org {flow.org!r} is over its requests_per_minute "
+                                              f"({org.requests_per_minute:g}, all gateways together; this gateway's "
+                                              "part while the shared state cannot be reached)",
+                              retry_after=max(b.wait(1, now), 0.001))
+        if q is None:
+            return None
+        return Ticket(f"{self.gateway_id}:t{next(self._tickets)}\t{flow.org}", flow, True)
+
+    def _bucket(self, name: str, per_minute: float) -> TokenBucket:
+        """This gateway's part of a global bucket while Redis is lost (full when first needed)."""
+        b = self._local_buckets.get(name)
+        if b is None:
+            b = self._local_buckets[name] = self._slices().bucket(per_minute, self.clock())
+        return b
+
     def _evicted(self, member: str) -> None:
         """Another admission took the waiting place ``member`` (its org held the most): when it
         is this gateway's and its request has not started, that request ends as refused
@@ -475,7 +575,7 @@ class RedisState(SharedState):
             self._queued[r.id] = (f"{self.prefix}queue:{r.flow.pool}:{r.flow.cls}", ticket.member)
 
     def drop(self, ticket: Ticket | None) -> None:
-        if ticket is not None and ticket.queued and self._available:
+        if ticket is not None and ticket.queued and self._connected:
             self._spawn(self._withdraw(None, [f"{self.prefix}queue:{ticket.flow.pool}:{ticket.flow.cls}",
                                               ticket.member]))
 
@@ -548,11 +648,15 @@ class RedisState(SharedState):
     def _kick(self, pool: str) -> None:
         """Something changed for the pool (a new candidate, a release, a wake-up from another
         gateway, a timer): make a round trip now, unless :data:`MAX_CALLS` are in flight and
-        none is new (then again right after one of them answers)."""
+        none is new (then again right after one of them answers). Degraded: grant what this
+        gateway's slices allow, in its own order."""
         if self._closed:
             return
+        if self.degraded:
+            self._grant_alone(pool)
+            return
         self._dirty[pool] = True
-        if not self.available or self._calls.get(pool, 0) >= MAX_CALLS:
+        if not self._connected or self._calls.get(pool, 0) >= MAX_CALLS:
             return  # _go_up kicks every pool; a call in flight looks again when it answers
         pending = self._pending.get(pool, {})
         releases = self._releases.get(pool, [])
@@ -632,6 +736,80 @@ class RedisState(SharedState):
         if pending:
             self._arm(pool, wait)
 
+    def _grant_alone(self, pool: str) -> None:
+        """Degraded: grant the pool's candidates that this gateway's slices of the global limits
+        allow, in SFQ's order among its own flows (:class:`~sfq.state._local.LocalOrder`)."""
+        pending = self._pending.get(pool)
+        if not pending:
+            return
+        order = self._orders.get(pool)
+        if order is None:
+            order = self._orders[pool] = LocalOrder()
+        for a in pending.values():  # (in arrival order: each flow's head first)
+            if a.member not in order:
+                pl = a.payload
+                order.add(a.member, a.flow, pl["cost"], pl["w"], pl["strict"])
+        sl = self._slices()
+        held: dict[str, int] = {}  # lease key -> this gateway's attempts holding it
+        for x in self._att.values():
+            if x.granted:
+                for k in x.keys:
+                    held[k] = held.get(k, 0) + 1
+        p = self.prefix
+        lim = self.policy.pools[pool].limits
+        pool_key = f"{p}lease:pool:{pool}"
+        rpm = None if not lim.requests_per_minute else self._bucket(f"pool:{pool}:rpm", lim.requests_per_minute)
+        tpm = None if not lim.tokens_per_minute else self._bucket(f"pool:{pool}:tpm", lim.tokens_per_minute)
+        now = self.clock()
+        wait: list[float] = []
+        chosen: dict[str, str] = {}
+
+        def fits(member: str) -> bool:
+            a = pending[member]
+            pl = a.payload
+            if lim.max_in_flight is not None and held.get(pool_key, 0) >= sl.count(lim.max_in_flight):
+                return False
+            for g, n in pl["groups"]:
+                if held.get(f"{p}lease:{g}", 0) >= sl.count(int(n)):
+                    return False
+            best, load = None, math.inf
+            for name, n in pl["backends"]:
+                mine = sl.count(int(n))
+                used = held.get(f"{p}lease:backend:{name}", 0)
+                if used < mine and used / mine < load:
+                    best, load = name, used / mine
+            if best is None:
+                return False
+            if rpm is not None and not rpm.can_take(1, now):
+                wait.append(rpm.wait(1, now))
+                return False
+            if tpm is not None and not tpm.can_take(pl["tokens"], now):
+                wait.append(tpm.wait(pl["tokens"], now))
+                return False
+            chosen[member] = best
+            return True
+
+        while True:
+            m = order.next(fits)
+            if m is None:
+                break
+            a = pending.pop(m)
+            if rpm is not None:
+                rpm.take(1, now)
+            if tpm is not None:
+                tpm.take(a.payload["tokens"], now)
+            assert a.request is not None and a.fut is not None
+            a.local = order
+            self._granted(a.request, a, chosen[m])
+            for k in a.keys:
+                held[k] = held.get(k, 0) + 1
+            if not a.fut.done():
+                a.fut.set_result(chosen[m])
+            else:  # its caller gave up meanwhile: give it back
+                self._release(a, None, a.request)
+        if wait and pending:  # a bucket refills: look again then (a release kicks sooner)
+            self._arm(pool, max(min(wait), 0.001))
+
     def _arm(self, pool: str, wait: float) -> None:
         """Look again in ``wait`` seconds at the latest (a lease of a dead gateway expires, a
         bucket refills, a wake-up was lost)."""
@@ -667,13 +845,16 @@ class RedisState(SharedState):
         """The candidate leaves without a grant (its wait ran out, its caller went away, or the
         gateway closes); a grant in flight is given back by the driver."""
         self._pending.get(a.pool, {}).pop(a.member, None)
+        order = self._orders.get(a.pool)
+        if order is not None:
+            order.remove(a.member)
         if a.request is not None and self._att.get(a.request.id) is a:
             del self._att[a.request.id]
         if a.fut is not None and a.fut.done() and not a.fut.cancelled() and a.fut.exception() is None:
             if a.request is not None:  # granted just now: give it back
                 self._release(a, None, a.request)
             return
-        if not self._closed and a.registered:
+        if not self._closed and a.registered and self._connected:
             self._spawn(self._withdraw(a.pool, None, a.member))
 
     def _over(self, a: _Attempt, actual_tokens: float | None, r: Request) -> None:
@@ -697,7 +878,9 @@ class RedisState(SharedState):
     async def retry_allowed(self, r: Request) -> bool:
         if not self._budgeted:
             return True
-        if not self.available:
+        if self.degraded:
+            return True  # alone, the retry is bounded by max_attempts (the budget is the fleet's)
+        if not self._connected:
             return False  # the budget cannot be checked: no retry rather than one past it
         f = r.flow
         base = f"{self.prefix}rb:%s:{f.org}\t{f.cls}\t{f.pool}"
@@ -728,6 +911,11 @@ class RedisState(SharedState):
         a = self._att.get(r.id)
         if a is None or not a.granted or self._closed:
             return
+        if a.local is not None or not self._connected:  # granted alone, or alone now: the local order's meter
+            order = self._orders.get(a.pool)
+            if order is not None:
+                order.adjust(a.flow, delta)
+            return
         per = self._adj.setdefault(a.pool, {})
         x = per.get(a.member)
         if x is None:
@@ -748,6 +936,11 @@ class RedisState(SharedState):
             diff = float(actual_tokens) - r.tokens
         if self._closed:
             return
+        if a.local is not None and self._orders.get(a.pool) is a.local:
+            a.local.done(a.member)  # its work ends: the local busy period may close
+        if a.local is not None and not self._connected:  # granted alone, ended alone: Redis never had it
+            self._kick(a.pool)
+            return
         rel = {"m": a.member, "keys": a.keys, "diff": diff}
         if a.payload.get("wf"):
             rel["flow"] = a.flow  # its flow's work in flight ends: the refund floor learns it
@@ -755,6 +948,8 @@ class RedisState(SharedState):
         self._kick(a.pool)
 
     async def _withdraw(self, pool: str | None, q: list[str] | None, member: str = "") -> None:
+        if not self._connected:
+            return  # (what it held expires in Redis by itself)
         with contextlib.suppress(StateUnavailable):
             await self._call("WITHDRAW", {"m": member, "pool": pool, "q": q})
         if pool is not None:
@@ -765,18 +960,39 @@ class RedisState(SharedState):
         """Reserve ``hold.amount`` of ``hold.org``'s budget ``limit`` for period ``hold.key``,
         atomically over every gateway (a lease, renewed while the request runs; freed within
         ``lease_seconds`` if this gateway dies). ``keep``: seconds the period's keys must live.
-        ``Refused("state_unavailable")`` when Redis cannot be reached."""
-        if not self.available:
-            raise self._unavailable()
+        Degraded: this gateway's slice of what was left when Redis was lost;
+        ``Refused("state_unavailable")`` when Redis cannot be reached and this gateway never
+        saw the budget's period (it cannot know what is left)."""
         hold.member = f"{self.gateway_id}:s{next(self._tickets)}"
         key = f"{self.prefix}spend:{hold.org}:{hold.key}"
-        try:
-            res = await self._call("SPEND_RESERVE", {"k": key, "m": hold.member, "a": hold.amount, "lim": limit,
-                                                     "lease": self.lease, "keep": max(1, math.ceil(keep))})
-        except StateUnavailable:
-            raise self._unavailable() from None
-        if res[0] != 1:
+        if self._connected:
+            try:
+                res = await self._call("SPEND_RESERVE", {"k": key, "m": hold.member, "a": hold.amount, "lim": limit,
+                                                         "lease": self.lease, "keep": max(1, math.ceil(keep))})
+            except StateUnavailable:
+                res = None
+            if res is not None:
+                left = limit - float(res[1]) - float(res[2])
+                if res[0] != 1:
+                    self._budget_left[key] = left
+                    return False
+                self._budget_left[key] = left - hold.amount
+                self._spending[hold.member] = (key, hold.member)
+                return True
+        if not self.degraded:
+            raise self._unavailable()
+        part = self._budget_slice.get(key)
+        if part is None:
+            left = self._budget_left.get(key)
+            if left is None:
+                raise Refused("state_unavailable", f"the gateways' shared state cannot be used ({self.reason}) and "
+                                                   f"this gateway has not seen org {hold.org!r}'s budget for "
+                                                   f"{hold.key} yet: what is left of it is unknown here")
+            part = self._budget_slice[key] = max(0.0, left) / self._slices().n
+        if hold.amount > part or (hold.amount <= 0 and part <= 0):
             return False
+        self._budget_slice[key] = part - hold.amount
+        self._local_holds[hold.member] = (key, hold.amount)
         self._spending[hold.member] = (key, hold.member)
         return True
 
@@ -786,6 +1002,9 @@ class RedisState(SharedState):
         entry = self._spending.pop(hold.member, None)
         if entry is None:
             return
+        alone = self._local_holds.pop(hold.member, None)
+        if alone is not None and alone[0] in self._budget_slice:  # reserved alone: the slice keeps the difference
+            self._budget_slice[alone[0]] += alone[1] - actual
         payload = {"k": entry[0], "m": hold.member, "s": actual, "keep": 3 * 86400 + 31 * 86400}
         self._spawn(self._settle(payload))
 
@@ -803,7 +1022,8 @@ class RedisState(SharedState):
 
     # ------------------------------------------------------------ views
     def stats(self) -> dict[str, Any]:
-        return {"kind": "redis", "available": self.available, "reason": self.reason, "gateway": self.gateway_id,
+        return {"kind": "redis", "available": self.available, "degraded": self.degraded, "reason": self.reason,
+                "gateway": self.gateway_id, "gateways": len(self._gateways), "on_loss": self.spec.on_loss,
                 "prefix": self.prefix, "lease_seconds": self.lease, "holding": sum(a.granted for a in self._att.values()),
                 "candidates": sum(not a.granted for a in self._att.values()), "round_trips": self.round_trips,
                 "candidates_by_pool": {p: len(v) for p, v in self._pending.items()}}
