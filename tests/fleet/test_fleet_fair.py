@@ -83,7 +83,9 @@ _reports: dict[str, Report] = {}
 def _report(name: str, request: pytest.FixtureRequest) -> Report:
     if name not in _reports:
         sc = SCENARIOS[name]
-        redis: RedisServer | None = request.getfixturevalue("redis_server") if sc.uses_redis else None
+        # (a scenario that stops Redis runs its own)
+        redis: RedisServer | None = (request.getfixturevalue("redis_server")
+                                     if sc.uses_redis and sc.redis_outage is None else None)
         rep = _reports[name] = run_scenario(sc, redis=redis)
         print("\n" + rep.summary())
         out = os.environ.get("SFQ_FLEET_REPORT")
@@ -112,4 +114,29 @@ def test_every_backlogged_org_gets_its_share(name: str, request: pytest.FixtureR
                 failed.append(f"{org} got {share:.1%} here and {ref.shares[org]:.1%} through one gateway "
                               f"({ref_name}; more than {WITHIN_ONE_GATEWAY:g} points apart)")
     assert sum(rep.completed.values()) > 0 and all(n > 0 for n in rep.engines_served), rep.summary()
+    assert not failed, "\n".join(failed) + "\n" + rep.summary()
+
+
+#: issue 41's fault: Redis killed for 10 s mid-run (restarted empty), three gateways, the
+#: weighted workload on the two unequal engines; 3 s of warm-up, 20 s measured
+REDIS_LOST = Scenario("weighted-3-redis-lost", weighted_orgs(tokens=200, clients=5), gateways=3, routing=ALTERNATING,
+                      speeds=(2.0, 1.0), warmup=WARMUP, seconds=20.0, window=5.0, redis_outage=(5.0, 10.0))
+
+
+def test_redis_lost_for_10_s_fails_no_request_breaks_no_limit_and_keeps_the_shares(
+        request: pytest.FixtureRequest) -> None:
+    SCENARIOS[REDIS_LOST.name] = REDIS_LOST
+    rep = _report(REDIS_LOST.name, request)
+    failed = [f"outcomes: {p}" for p in rep.outcome_problems()]
+    errors = {org: errs[:3] for org, errs in rep.errors.items() if errs}
+    if errors:
+        failed.append(f"requests failed: {errors}")
+    for org, share in rep.shares.items():
+        want = rep.expected[org]
+        if abs(share - want) * 100 > WITHIN_EXPECTED:
+            failed.append(f"{org} got {share:.1%} of the delivered service, its share is {want:.1%}")
+    if max(rep.engines_peak) > rep.slots:
+        failed.append(f"an engine held {rep.engines_peak} requests at once, its max_in_flight is {rep.slots}")
+    if rep.health_in_outage != [(200, "degraded")] * REDIS_LOST.gateways:
+        failed.append(f"/health in the outage: {rep.health_in_outage} (want 200 degraded from each gateway)")
     assert not failed, "\n".join(failed) + "\n" + rep.summary()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import math
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -62,6 +63,9 @@ class Scenario:
     seconds: float = 8.0  # measured, after the warm-up
     window: float = 2.0  # the per-window shares' window, seconds
     charge: str = "served"
+    #: ``(at, for)``: Redis stopped ``at`` seconds into the load, restarted (empty) ``for``
+    #: seconds later; the gateways' ``/health`` is read in the middle of the outage
+    redis_outage: tuple[float, float] | None = None
 
     @property
     def uses_redis(self) -> bool:
@@ -104,6 +108,11 @@ class Report:
     per_gateway: dict[str, list[int]]  # org -> requests sent to each gateway
     engines_served: list[int]
     problems: list[str] = field(default_factory=list)  # outcome problems (must be empty)
+    #: each engine's most requests held at once (waiting for a slot included), and its slots
+    engines_peak: list[int] = field(default_factory=list)
+    slots: int = 0
+    #: the gateways' ``/health`` (status code, ``status``) in the middle of a Redis outage
+    health_in_outage: list[tuple[int, str]] = field(default_factory=list)
 
     def deviation_from(self, other: Report) -> float:
         """The largest |share here - share there| over the backlogged orgs, in points."""
@@ -168,7 +177,8 @@ def measure(sc: Scenario, orgs: Sequence[OrgLoad], res: RunResult, fleet: Fleet,
                   round(dev, 2), [{k: round(v, 4) for k, v in w.items()} for w in windows], round(wdev, 2),
                   round(weighted_jain(sh, expected), 4), round(sum(svc.values()), 1), ttft, dict(res.sent),
                   dict(res.ok), {k: list(v) for k, v in res.errors.items()}, per_gw,
-                  [e.served for e in fleet.engines], outcome_problems(res, fleet))
+                  [e.served for e in fleet.engines], outcome_problems(res, fleet),
+                  [e.max_holding for e in fleet.engines], sc.slots)
 
 
 def outcome_problems(res: RunResult, fleet: Fleet) -> list[str]:
@@ -232,6 +242,29 @@ async def _added_latency(direct: str, urls: Sequence[str], n: int) -> list[float
 LATENCY_ORG = OrgLoad("lat", "sk-lat", backlogged=False)
 
 
+def _faults(sc: Scenario, redis: RedisServer | None, gws: Sequence[Gateway],
+            health: list[tuple[int, str]]) -> list[threading.Timer]:
+    """The scenario's faults, on timers from now (the load's start): Redis stopped, restarted
+    empty; the gateways' ``/health`` read in the middle of the outage (into ``health``)."""
+    if sc.redis_outage is None:
+        return []
+    if redis is None:
+        raise ValueError(f"{sc.name}: a Redis outage needs the gateways to share Redis")
+    at, down = sc.redis_outage
+
+    def read() -> None:
+        for g in gws:
+            code, body = g.health()
+            health.append((code, str(body.get("status"))))
+
+    timers = [threading.Timer(at, redis.stop), threading.Timer(at + down / 2, read),
+              threading.Timer(at + down, redis.start)]
+    for t in timers:
+        t.daemon = True
+        t.start()
+    return timers
+
+
 def run_scenario(sc: Scenario, *, redis: RedisServer | None = None, workdir: Path | None = None,
                  latency_requests: int = 0) -> Report:
     """Run ``sc`` (engines, Redis when it needs one and none is given, gateways, the load) and
@@ -248,6 +281,7 @@ def run_scenario(sc: Scenario, *, redis: RedisServer | None = None, workdir: Pat
     assert where is not None
     fleet = Fleet(sc.speeds, slots=sc.slots, unit=sc.unit, chunk=sc.chunk).start()
     gws: list[Gateway] = []
+    health: list[tuple[int, str]] = []
     try:
         cfg = where / f"{sc.name}-{uuid.uuid4().hex[:6]}.yaml"
         all_orgs = list(orgs) + ([LATENCY_ORG] if latency_requests else [])
@@ -264,7 +298,14 @@ def run_scenario(sc: Scenario, *, redis: RedisServer | None = None, workdir: Pat
             fleet.served_ids.clear()
             for e in fleet.engines:
                 e.served = 0
-        res = asyncio.run(run_workload(urls, orgs, sc.warmup + sc.seconds, fleet.log))
+        faults = _faults(sc, redis, gws, health)
+        try:
+            res = asyncio.run(run_workload(urls, orgs, sc.warmup + sc.seconds, fleet.log))
+        finally:
+            for t in faults:
+                t.cancel()
+            if redis is not None and sc.redis_outage is not None and not redis.ping():
+                redis.start()
     finally:
         for g in gws:
             g.stop()
@@ -274,6 +315,7 @@ def run_scenario(sc: Scenario, *, redis: RedisServer | None = None, workdir: Pat
         if tmp is not None:
             tmp.cleanup()
     rep = measure(sc, orgs, res, fleet, "redis" if sc.uses_redis else "memory")
+    rep.health_in_outage = health
     if latency_requests:
         rep.added_latency = added  # type: ignore[attr-defined]
     return rep

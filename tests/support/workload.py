@@ -77,6 +77,10 @@ class FakeEngine:
         self.slots = asyncio.Semaphore(slots)
         self.running = 0
         self.max_running = 0
+        #: requests the engine holds at once, waiting for one of its slots included: above
+        #: ``slots``, the gateways sent more than the backend's ``max_in_flight``
+        self.holding = 0
+        self.max_holding = 0
         self.served = 0
         self.url = ""
         self._runner: web.AppRunner | None = None
@@ -104,6 +108,14 @@ class FakeEngine:
         self.log.append((time.monotonic(), org, units))
 
     async def _serve(self, request: web.Request) -> web.StreamResponse:
+        self.holding += 1
+        self.max_holding = max(self.max_holding, self.holding)
+        try:
+            return await self._serve_held(request)
+        finally:
+            self.holding -= 1
+
+    async def _serve_held(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         chat = request.path.endswith("chat/completions")
         text = body["messages"][-1]["content"] if chat else body["prompt"]

@@ -199,6 +199,7 @@ for _, s in ipairs(stale) do unregister(s, decode(s)) end
 #: could go instead. A grant charges the flow ``cost / weight`` (the engine's charge at
 #: dispatch) and sets ``v`` to the flow's start tag, as the engine's core does.
 #: {pool, lease, pool_lim (or -1), rpm: [key, cap, rate] | null, tpm: [key, cap, rate] | null,
+#:  bk: [the pool's backends' names],
 #:  adj: [[flow, delta (cost units), weight, member (the attempt)], ...],
 #:  rel: [{m, keys: [lease keys], diff (a usage correction of the tokens bucket),
 #:         flow (when it held a flow lease)}, ...],
@@ -208,8 +209,9 @@ for _, s in ipairs(stale) do unregister(s, decode(s)) end
 #:       first: key | null (a first attempt: counted in its flow's retry-budget window)}
 #:       or just {m} for a candidate registered by an earlier call, ...]}
 #: -> {why the rest wait ('' | pool | bucket | order | group | backend), seconds (a bucket's
-#:     wait), the number granted, member, backend, ..., then the members Redis no longer knew
-#:     (sent as just {m}; the gateway sends them whole again)}
+#:     wait), the number granted, k (1 + the number of backends), the slots the pool holds
+#:     now, those each backend of ``bk`` holds, then member, backend, ... (the grants), then
+#:     the members Redis no longer knew (sent as just {m}; the gateway sends them whole again)}
 ACQUIRE = _COMMON + _LEDGER + r"""
 -- the engine's corrections first (they happened while the attempts ran), then the releases
 for _, a in ipairs(A.adj or {}) do
@@ -415,7 +417,10 @@ end
 if (granted > 0 or released > 0) and redis.call('ZCARD', cexp) > 0 then
   redis.call('PUBLISH', P .. 'wake', pool)  -- someone waits: the others look again
 end
-local head = {stop or why, stopwait, granted}
+-- what the pool and its backends hold now, over every gateway (what is left of each limit,
+-- should Redis be lost before the next call: docs/gateway.md, "When Redis is lost")
+local head = {stop or why, stopwait, granted, 1 + #(A.bk or {}), inpool}
+for _, b in ipairs(A.bk or {}) do head[#head + 1] = count(P .. 'lease:backend:' .. b) end
 for _, x in ipairs(out) do head[#head + 1] = x end
 for _, m in ipairs(lost) do head[#head + 1] = m end
 return head

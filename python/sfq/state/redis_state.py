@@ -73,6 +73,9 @@ MAX_CALLS = 2
 PROBE = 0.25
 #: seconds a correction of a meter (a stream's delivered tokens) waits for a round trip to ride on
 ADJUST_DELAY = 0.05
+#: seconds for which the slots held over every gateway, as a round trip saw them, say what is
+#: left of a limit should Redis be lost (older: nothing is taken to be left)
+SEEN_FRESH = 2.0
 
 
 #: why a request that waited was refused after all (another org's admission took its place)
@@ -184,11 +187,18 @@ class RedisState(SharedState):
         self._budget_slice: dict[str, float] = {}  # spend key -> what this gateway may still reserve alone
         self._local_holds: dict[str, tuple[str, float]] = {}  # member -> (spend key, amount) reserved alone
         self.degraded_since: float | None = None
+        self._rejoining = False  # putting back what was granted alone: nothing more is, until Redis grants
         p = self.prefix
         self._bucket_keys = {name: (f"{p}bucket:pool:{name}:rpm", f"{p}bucket:pool:{name}:tpm")
                              for name in policy.pools}
         #: candidates per flow registered in Redis at once (the rest wait here, in order)
         self._cap = {name: pool.limits.max_in_flight or 8 for name, pool in policy.pools.items()}
+        self._backends_of = {name: [b.name for b in pool.backends] for name, pool in policy.pools.items()}
+        #: lease key -> the slots held over every gateway as this gateway last saw them (its
+        #: round trips): what was left of each limit when Redis was lost
+        self._seen: dict[str, tuple[float, int]] = {}  # lease key -> (when, count)
+        #: degraded: lease key -> the slots this gateway held when Redis was lost
+        self._held_at_loss: dict[str, int] = {}
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -313,14 +323,14 @@ class RedisState(SharedState):
             self._available = False
             return
         self._fatal = None
-        await self._alive()
         if up:
+            self._gateways = await self._alive()
             self._go_up()
 
-    async def _alive(self) -> None:
-        """This gateway is alive: Redis names the live ones (the slices kept without it)."""
+    async def _alive(self) -> list[str]:
+        """This gateway is alive: the live ones, as Redis names them (sorted ids)."""
         res = await self._call("GATEWAYS", {"gw": self.gateway_id, "lease": self.lease})
-        self._gateways = sorted(str(g) for g in res)
+        return sorted(str(g) for g in res)
 
     def reloaded(self, policy: Policy) -> None:
         """A reload put ``policy`` in force: its limits from now on, and its hash for the prefix
@@ -349,6 +359,7 @@ class RedisState(SharedState):
         if was:
             if self.degraded:
                 self.degraded_since = self.clock()
+                self._held_at_loss = self._holding()
                 s = self._slices()
                 log.error("shared state unavailable: %s; going on alone, gateway %d of %d (degraded)", reason,
                           s.rank + 1, s.n)
@@ -377,15 +388,37 @@ class RedisState(SharedState):
             self._kick(pool)
 
     async def _probe_loop(self) -> None:
+        back_at: float | None = None
         while not self._closed and not self._available and self._fatal is None:
             await asyncio.sleep(PROBE)
             with contextlib.suppress(StateUnavailable):
                 await self._hello(up=False)
+                if self._fatal is not None:
+                    continue
+                # Redis answers. Alone (degraded), this gateway goes on within its slices until
+                # every gateway it shared them with is back (or a lease has passed: one that
+                # never comes back is dead, and what it held has expired): the others' slots
+                # granted alone are not in Redis until they put them back themselves
+                live = await self._alive()
+                now = self.clock()
+                back_at = now if back_at is None else back_at
+                waiting = [g for g in self._gateways if g not in live]
+                if self.degraded and waiting and now - back_at < self.lease:
+                    await self._renew(add=True, alive=False)  # what this one holds, in Redis already
+                    continue
+                # Redis may have restarted empty: put back what is held (slots granted alone
+                # too; none is granted meanwhile), and only then ask Redis for anything
+                self._rejoining = True
+                try:
+                    await self._renew(add=True, alive=False)
+                finally:
+                    self._rejoining = False
                 if self._fatal is None:
-                    # Redis may have restarted empty: put back what is held (slots granted alone
-                    # too) before a candidate asks for one
-                    await self._renew(add=True)
+                    self._gateways = live
                     self._go_up()
+            if self.degraded:  # (a round trip failed: alone again)
+                for pool in list(self._pending):
+                    self._kick(pool)
 
     def _spawn(self, coro: Any) -> None:
         t = asyncio.get_running_loop().create_task(coro)
@@ -411,13 +444,14 @@ class RedisState(SharedState):
         items.extend([f"{k}:res", m] for k, m in self._spending.values())
         return items
 
-    async def _renew(self, add: bool = False) -> None:
+    async def _renew(self, add: bool = False, alive: bool = True) -> None:
         while self._unsettled:  # settlements that failed while Redis was away
             await self._call("SPEND_SETTLE", self._unsettled[0])
             self._unsettled.pop(0)
+        if alive:
+            self._gateways = await self._alive()
         items = self._held()
         res = await self._call("RENEW", {"lease": self.lease, "hash": self.hash, "add": add, "items": items})
-        await self._alive()
         if res[0] != 1:
             if self._fatal is None:
                 self._fatal = self._mismatch(str(res[1]))
@@ -585,6 +619,7 @@ class RedisState(SharedState):
         rk, tk = self._bucket_keys[pool]
         return {
             "pool": pool, "lease": self.lease, "pool_lim": -1 if lim.max_in_flight is None else lim.max_in_flight,
+            "bk": self._backends_of[pool],
             "rpm": None if not lim.requests_per_minute else [rk, lim.requests_per_minute,
                                                              lim.requests_per_minute / 60.0],
             "tpm": None if not lim.tokens_per_minute else [tk, lim.tokens_per_minute, lim.tokens_per_minute / 60.0],
@@ -706,6 +741,13 @@ class RedisState(SharedState):
         wait = LIMIT_POLL
         if res:
             why, hint, n = str(res[0]), float(res[1]), int(res[2])
+            k = int(res[3])
+            p = self.prefix
+            at = self.clock()
+            for key, c in zip([f"{p}lease:pool:{pool}", *(f"{p}lease:backend:{b}" for b in self._backends_of[pool])],
+                              res[4:4 + k]):
+                self._seen[key] = (at, int(c))
+            res = res[:3] + res[4 + k:]  # (the grants at 3, as before)
             if why == "order":
                 wait = ORDER_POLL
             elif why == "bucket":
@@ -740,7 +782,7 @@ class RedisState(SharedState):
         """Degraded: grant the pool's candidates that this gateway's slices of the global limits
         allow, in SFQ's order among its own flows (:class:`~sfq.state._local.LocalOrder`)."""
         pending = self._pending.get(pool)
-        if not pending:
+        if not pending or self._rejoining:
             return
         order = self._orders.get(pool)
         if order is None:
@@ -750,32 +792,43 @@ class RedisState(SharedState):
                 pl = a.payload
                 order.add(a.member, a.flow, pl["cost"], pl["w"], pl["strict"])
         sl = self._slices()
-        held: dict[str, int] = {}  # lease key -> this gateway's attempts holding it
-        for x in self._att.values():
-            if x.granted:
-                for k in x.keys:
-                    held[k] = held.get(k, 0) + 1
+        held = self._holding()
         p = self.prefix
+        now = self.clock()
+        first = self.degraded_since is not None and now - self.degraded_since < self.lease
+
+        def part(key: str, limit: int) -> int:
+            """This gateway's part of ``limit`` alone: its slice; in the first lease_seconds, no
+            more than it held when Redis was lost and its slice of what was left then (as its
+            last round trip saw it, within SEEN_FRESH seconds; else nothing was left): the
+            others may still hold more than their slices then."""
+            mine = sl.count(limit)
+            if not first:
+                return mine
+            at, n = self._seen.get(key, (-math.inf, limit))
+            left = limit - n if self.degraded_since is not None and self.degraded_since - at <= SEEN_FRESH else 0
+            return min(mine, self._held_at_loss.get(key, 0) + sl.count(max(0, left)))
+
         lim = self.policy.pools[pool].limits
         pool_key = f"{p}lease:pool:{pool}"
         rpm = None if not lim.requests_per_minute else self._bucket(f"pool:{pool}:rpm", lim.requests_per_minute)
         tpm = None if not lim.tokens_per_minute else self._bucket(f"pool:{pool}:tpm", lim.tokens_per_minute)
-        now = self.clock()
         wait: list[float] = []
         chosen: dict[str, str] = {}
 
         def fits(member: str) -> bool:
             a = pending[member]
             pl = a.payload
-            if lim.max_in_flight is not None and held.get(pool_key, 0) >= sl.count(lim.max_in_flight):
+            if lim.max_in_flight is not None and held.get(pool_key, 0) >= part(pool_key, lim.max_in_flight):
                 return False
             for g, n in pl["groups"]:
-                if held.get(f"{p}lease:{g}", 0) >= sl.count(int(n)):
+                if held.get(f"{p}lease:{g}", 0) >= part(f"{p}lease:{g}", int(n)):
                     return False
             best, load = None, math.inf
             for name, n in pl["backends"]:
-                mine = sl.count(int(n))
-                used = held.get(f"{p}lease:backend:{name}", 0)
+                key = f"{p}lease:backend:{name}"
+                mine = part(key, int(n))
+                used = held.get(key, 0)
                 if used < mine and used / mine < load:
                     best, load = name, used / mine
             if best is None:
@@ -809,6 +862,18 @@ class RedisState(SharedState):
                 self._release(a, None, a.request)
         if wait and pending:  # a bucket refills: look again then (a release kicks sooner)
             self._arm(pool, max(min(wait), 0.001))
+        if first and pending:  # the slices widen when the first lease_seconds are over
+            assert self.degraded_since is not None
+            self._arm(pool, max(self.degraded_since + self.lease - now, 0.001))
+
+    def _holding(self) -> dict[str, int]:
+        """Lease key -> this gateway's granted attempts holding it."""
+        held: dict[str, int] = {}
+        for x in self._att.values():
+            if x.granted:
+                for k in x.keys:
+                    held[k] = held.get(k, 0) + 1
+        return held
 
     def _arm(self, pool: str, wait: float) -> None:
         """Look again in ``wait`` seconds at the latest (a lease of a dead gateway expires, a
