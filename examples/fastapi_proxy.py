@@ -4,8 +4,10 @@ Each user's requests wait their org's turn (sfq.PolicyDispatcher.acquire) while 
 watches for the client leaving (a request nobody waits for is withdrawn, uncharged), then go
 upstream with this proxy's own aiohttp session; streams are admitted, and answered by the
 upstream, before the first byte goes out (open_stream), so every refusal is still an HTTP status.
-Run: python examples/fastapi_proxy.py policy.yaml [--port 8080]   (docs/library.md, "In a
-Starlette or FastAPI app"; the same proxy on aiohttp: examples/proxy.py)
+Run it from the clone (``pip install '.[asgi]'`` brings FastAPI and uvicorn) beside the demo
+engine (``sfq demo-backend``), under its own policy, examples/fastapi_policy.yaml:
+python examples/fastapi_proxy.py [POLICY] [--port 8080]   (docs/library.md, "In a Starlette or
+FastAPI app"; the same proxy on aiohttp: examples/proxy.py)
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -116,7 +119,8 @@ def create_app(policy: str) -> FastAPI:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("policy")
+    ap.add_argument("policy", nargs="?", default=str(Path(__file__).with_name("fastapi_policy.yaml")),
+                    help="the policy file (default: examples/fastapi_policy.yaml, in front of sfq demo-backend)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8080)
     args = ap.parse_args()

@@ -14,12 +14,16 @@ A fenced block is an example by its language:
 * ``text`` and unlabelled blocks are output or diagrams, not examples.
 
 HTML comments right above a block mark it: ``<!-- quickstart -->`` blocks are the README's
-gateway quick start, run together as written by their own test. A table under
-``<!-- from: COMMAND -->`` is output of that deterministic command, row for row.
+gateway quick start, run together as written by their own test; a ``<!-- run-by: TEST -->``
+block (a server that never ends, with what a reader sends it) is run as written by the test
+file it names, and only checked here; ``<!-- expect: CODE -->`` above a shell block: it shows
+a refusal, and every error it prints has that code (a budget's ``budget_exhausted``). A table
+under ``<!-- from: COMMAND -->`` is output of that deterministic command, row for row.
 
 The sandbox is a temporary directory holding ``policy.yaml`` (the last policy block before the
-example in its document, else ``docs/demo-policy.yaml``), the checkout's ``docs`` (its policy
-files copied, the rest linked) and links to its ``benchmarks`` and ``tests``. An example that
+example in its document, else ``docs/demo-policy.yaml``), the checkout's ``docs`` and
+``examples`` (their policy files copied, the rest linked) and links to its ``benchmarks`` and
+``tests``. An example that
 talks to ``127.0.0.1:8001`` (or reads ``policy.yaml``) gets the demo engine there, started as
 the docs tell a reader to start it: ``sfq demo-backend`` with its defaults (:data:`DEMO_MODEL`,
 port 8001), never told the model an example asks for, so an example naming a model the engine
@@ -96,6 +100,16 @@ def blocks(doc: Path) -> list[Block]:
             above.pop()
         out.append(Block(doc, text.count("\n", 0, m.start()) + 1, m.group(1), m.group(2), tuple(marks)))
     return out
+
+
+def run_by(block: Block) -> str | None:
+    """The test file a ``<!-- run-by: TEST -->`` block names (it runs the block as written)."""
+    return next((m.split(":", 1)[1].strip() for m in block.marks if m.startswith("run-by:")), None)
+
+
+def marked_run_by(test_file: str) -> list[Block]:
+    """The blocks of the shipped docs that ``test_file`` (``tests/NAME.py``) is to run."""
+    return [b for b in all_blocks() if run_by(b) == test_file]
 
 
 def all_blocks() -> list[Block]:
@@ -185,12 +199,13 @@ class Sandbox:
         for name in ("benchmarks", "tests"):
             if not (path / name).exists():
                 (path / name).symlink_to(ROOT / name)
-        (path / "docs").mkdir(exist_ok=True)  # the docs' policy files with this sandbox's ports
-        for f in (ROOT / "docs").iterdir():
-            if f.suffix == ".yaml":
-                (path / "docs" / f.name).write_text(self.ports_in(f.read_text(encoding="utf-8")), encoding="utf-8")
-            elif not (path / "docs" / f.name).exists():
-                (path / "docs" / f.name).symlink_to(f)
+        for name in ("docs", "examples"):  # their policy files with this sandbox's ports
+            (path / name).mkdir(exist_ok=True)
+            for f in (ROOT / name).iterdir():
+                if f.suffix == ".yaml":
+                    (path / name / f.name).write_text(self.ports_in(f.read_text(encoding="utf-8")), encoding="utf-8")
+                elif not (path / name / f.name).exists():
+                    (path / name / f.name).symlink_to(f)
         self.policy_text = policy_text if policy_text is not None else DEMO_POLICY.read_text(encoding="utf-8")
         (path / "policy.yaml").write_text(self.ports_in(self.policy_text), encoding="utf-8")
         # `python` is this interpreter, and `sfq` the one under test: this checkout's python/

@@ -29,6 +29,7 @@ from docs_examples import (
     is_policy,
     needs,
     policy_before,
+    run_by,
     words,
 )
 
@@ -79,7 +80,19 @@ def _run_python(block: Block, text: str, tmp_path: Path) -> subprocess.Completed
 
 @pytest.mark.parametrize("block", _ids({"python"}), ids=lambda b: b.id)
 def test_python_example_runs(block: Block, tmp_path: Path):
+    if run_by(block):
+        pytest.skip(f"a server: run as written by {run_by(block)}")
     _ok(_run_python(block, block.text, tmp_path), block.id)
+
+
+def test_every_block_run_by_a_test_is_run_by_it():
+    """A ``run-by`` block names a test file that exists and reads the blocks marked for it."""
+    marked = {run_by(b): b.id for b in BLOCKS if run_by(b)}
+    assert marked, "docs/API.md's FastAPI app and docs/library.md's example proxy are run by their tests"
+    for test, block in marked.items():
+        path = ROOT / test
+        assert path.is_file(), f"{block}: no {test}"
+        assert f'marked_run_by("{test}")' in path.read_text(encoding="utf-8"), f"{test} does not run {block}"
 
 
 # the model names an example sends or a policy maps ("model": "x", model="x", models: [x, y])
@@ -180,7 +193,8 @@ def check_command(cmd: str, block: Block) -> list[str]:
                 to_run.append(part)
             else:  # never ends (serve, demo-backend) or takes its time (simulate): its own parser checks it
                 if w[-1] == "&":
-                    assert "quickstart" in block.marks, f"{block.id}: a background server outside the quick start"
+                    assert "quickstart" in block.marks or run_by(block), \
+                        f"{block.id}: a background server outside the quick start and the blocks a test runs"
                     w = w[:-1]
                 try:
                     build_parser().parse_args(w[1:])
@@ -194,12 +208,14 @@ def check_command(cmd: str, block: Block) -> list[str]:
                 assert (ROOT / target[0]).is_file(), f"{block.id}: no {target[0]}"
             if target == ["-m", "pytest"] and len(w) == 3:
                 continue  # the README's test command (checked against .ci/run)
+            if w[-1] == "&":
+                assert run_by(block), f"{block.id}: a background server outside the blocks a test runs"
             text = _help_of(target + [x for x in w[len(target) + 1:] if not x.startswith("-")][:1]
                             if target == ["-m", "pytest"] else target)
             for opt in (x.split("=")[0] for x in w[len(target) + 1:] if x.startswith("--")):
                 assert opt in text, f"{block.id}: {' '.join(target)} has no option {opt}"
         elif w[0] == "kill":
-            assert "quickstart" in block.marks, part
+            assert "quickstart" in block.marks or run_by(block), part
         else:
             raise AssertionError(f"{block.id}: no rule for {part!r}; tests/test_docs_examples.py must know how "
                                  "to run or check it")
@@ -213,10 +229,16 @@ def test_shell_example(block: Block, tmp_path: Path):
     for cmd in commands(block.text):
         for part in check_command(cmd, block):
             script.append(f"{sb.ports_in(part)} || {{ echo {shlex.quote('FAILED: ' + part)}; exit 1; }}")
-    if not script:
-        return
+    if not script or run_by(block):
+        return  # (a block a test runs: that test runs it as written)
     out = _ok(sb.run("\n".join(script), servers=any("curl" in s for s in script), timeout=120), block.id)
-    assert '"error":' not in out, f"{block.id}: an example answered an error:\n{out[-3000:]}"
+    expect = [m.split(":", 1)[1].strip() for m in block.marks if m.startswith("expect:")]
+    codes = re.findall(r'"error":\s*\{[^{}]*?"code":\s*"([^"]*)"', out)
+    if expect:  # it shows a refusal: there is one, and every error it prints is one
+        assert codes and set(codes) == set(expect) and out.count('"error":') == len(codes), \
+            f"{block.id}: expected only {expect} errors:\n{out[-3000:]}"
+    else:
+        assert '"error":' not in out, f"{block.id}: an example answered an error:\n{out[-3000:]}"
 
 
 def test_the_readme_test_command_is_what_ci_runs():

@@ -3,6 +3,7 @@ serve`` would refuse at start-up (an unset ``api_key_env``); an unreachable Redi
 
 from __future__ import annotations
 
+import re
 import socket
 
 import pytest
@@ -53,6 +54,7 @@ EXPECTED = [
     ("classes.batch.max_queue_lenght", "unknown key"),
     ("pools.gpu.backends[0].url", "must be an http:// or https:// URL"),
     ("pools.cpu.backends[0].max_in_flight", "must be an integer >= 1, got 0"),
+    ("pools.cpu.models[0]", "model 'm' is already served by pool 'gpu'"),  # (both pools bad: still checked)
     ("orgs.a.classes[1]", "unknown class 'nope'"),
     ("orgs.c.keys[0]", "already the key of org 'b'"),
     ("retry.max_attempts", "must be an integer >= 1, got 0"),
@@ -153,3 +155,110 @@ def test_many_orgs_get_a_summary_and_flows_lists_every_one(tmp_path, capsys):
     assert len(rows) == 6000 and sum(line.split()[1] == "org2999" for line in rows) == 2
     assert sum(line.split()[0].startswith("org") and line.split()[1] == "1" for line in out.splitlines()
                if len(line.split()) > 2) == 3000  # the orgs table, whole (its "keys" column: 1)
+
+
+# several bad fields in each entry, a repeated key, a model served by two bad pools, a key of a
+# bad org used again, an unset api_key_env: every one is named in the first run
+SEVERAL = """
+pools:
+  gpu:
+    models: [m, 5]
+    backends:
+      - {url: "ftp://x", max_in_flight: 0, api_key_env: SFQ_TEST_SEVERAL_KEY}
+  cpu:
+    models: [m]
+    backends: [{url: "http://127.0.0.1:8002", max_in_flight: 0}]
+classes:
+  interactive: {weight: -6, max_queue_length: 0}
+  batch: {weight: 1}
+orgs:
+  a: {keys: ["k-a"], classes: [interactive], weight: 0, max_in_flight: -1}
+  b: {keys: ["k-a"], classes: [batch], weight: 2}
+  b: {keys: ["k-x"], classes: [batch]}
+retry: {max_attempts: 0, backoff: linear}
+"""
+
+SEVERAL_EXPECTED = [
+    "orgs.b: appears twice (line 16)",
+    "classes.interactive.weight: must be a number > 0, got -6",
+    "classes.interactive.max_queue_length: must be an integer >= 1, got 0",
+    "pools.gpu.models[1]: must be a non-empty string, got 5",
+    "pools.gpu.backends[0].url: must be an http:// or https:// URL, got 'ftp://x'",
+    "pools.gpu.backends[0].max_in_flight: must be an integer >= 1, got 0",
+    "pools.cpu.backends[0].max_in_flight: must be an integer >= 1, got 0",
+    "pools.cpu.models[0]: model 'm' is already served by pool 'gpu' (a model has one pool)",
+    "orgs.a.weight: must be a number > 0, got 0",
+    "orgs.a.max_in_flight: must be an integer >= 1, got -1",
+    "orgs.b.keys[0]: this key is already the key of org 'a'",
+    "retry.max_attempts: must be an integer >= 1, got 0",
+    "retry.backoff: must be one of exponential_with_jitter, exponential, constant, got 'linear'",
+    "pools.gpu.backends[0].api_key_env: the environment variable 'SFQ_TEST_SEVERAL_KEY' is not set (or empty); "
+    "sfq serve refuses to start",
+]
+
+
+def test_check_config_names_every_error_of_a_file_in_one_run(tmp_path, capsys, monkeypatch):
+    """Two and three errors in one entry, a repeated key, checks across bad entries, sfq serve's
+    own start-up check: all in the first run, and nothing left for a second one."""
+    monkeypatch.delenv("SFQ_TEST_SEVERAL_KEY", raising=False)
+    p = tmp_path / "several.yaml"
+    p.write_text(SEVERAL)
+    assert main(["check-config", str(p), "--plain"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"sfq check-config: {p}: {e}" for e in SEVERAL_EXPECTED] + [
+        f"sfq check-config: {p}: {len(SEVERAL_EXPECTED)} errors"]
+    # each fixed in turn: no error appears that the first run did not name
+    fixed = (SEVERAL.replace("[m, 5]", "[m, m5]").replace('"ftp://x", max_in_flight: 0', '"http://127.0.0.1:8001"')
+             .replace("models: [m]\n    backends: [{url: \"http://127.0.0.1:8002\", max_in_flight: 0}]",
+                      "models: [m2]\n    backends: [{url: \"http://127.0.0.1:8002\"}]")
+             .replace("weight: -6, max_queue_length: 0", "weight: 6").replace(", weight: 0, max_in_flight: -1", "")
+             .replace('  b: {keys: ["k-a"], classes: [batch], weight: 2}\n', "")
+             .replace("max_attempts: 0, backoff: linear", "max_attempts: 2"))
+    p.write_text(fixed)
+    monkeypatch.setenv("SFQ_TEST_SEVERAL_KEY", "sk-upstream")
+    assert main(["check-config", str(p), "--plain"]) == 0, capsys.readouterr().err
+    assert "valid (2 pools, 2 classes, 2 orgs" in capsys.readouterr().out
+
+
+def test_a_check_that_needs_a_bad_field_says_more_may_follow(tmp_path, capsys):
+    """max_seconds is checked against base_seconds: with base_seconds bad it cannot be, and the
+    last line says so; once base_seconds is fixed, that check's error appears."""
+    p = tmp_path / "retry.yaml"
+    p.write_text(BASE + "retry: {base_seconds: -1, max_seconds: 2}\n")
+    assert main(["check-config", str(p), "--plain"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"sfq check-config: {p}: retry.base_seconds: must be a number > 0, got -1",
+                   f"sfq check-config: {p}: 1 error; more may follow once these are fixed, from what could not "
+                   "be checked yet: retry.max_seconds: against base_seconds (at least as long)"]
+    p.write_text(BASE + "retry: {base_seconds: 5, max_seconds: 2}\n")
+    assert main(["check-config", str(p), "--plain"]) == 1
+    assert "retry.max_seconds: must be >= base_seconds (5), got 2" in capsys.readouterr().err
+    with pytest.raises(PolicyErrors) as info:  # the library's exception says the same
+        parse_policy(BASE + "retry: {base_seconds: -1, max_seconds: 2}\n")
+    assert info.value.unchecked == ["retry.max_seconds: against base_seconds (at least as long)"]
+
+
+def test_a_yaml_syntax_error_names_the_file_and_its_line(tmp_path, capsys):
+    p = tmp_path / "broken.yaml"
+    p.write_text(BASE.replace("models: [m]", "models: [m"))
+    assert main(["check-config", str(p), "--plain"]) == 1
+    err = capsys.readouterr().err
+    # (the column is the parser's: libyaml's and PyYAML's differ)
+    assert re.match(rf"^sfq check-config: {re.escape(str(p))}, line 5, column \d+: not valid YAML: ", err), err
+    assert "(while parsing a flow sequence at line 4, column 13)" in err
+    assert "<unicode string>" not in err and len(err.splitlines()) == 1
+    with pytest.raises(PolicyError) as info:
+        parse_policy("pools: [unclosed", source="x.yaml")
+    assert re.match(r"^x\.yaml, line \d+, column \d+: not valid YAML: .*\(while parsing a flow sequence at line 1, "
+                    r"column 8\)$", str(info.value)), str(info.value)
+
+
+def test_the_state_row_says_who_shares_it(tmp_path, capsys):
+    """A PolicyDispatcher started with a file's state.redis shares it too (API.md): the row does
+    not say the library keeps its state in memory."""
+    p = tmp_path / "policy.yaml"
+    p.write_text(BASE + 'state: {redis: "redis://127.0.0.1:1/0"}\n')
+    main(["check-config", str(p), "--plain"])
+    out = capsys.readouterr().out
+    assert "shared by every sfq serve and PolicyDispatcher started with this file" in out
+    assert "in memory" not in out

@@ -3,9 +3,11 @@
 Every field is checked; unknown keys and repeated keys are errors (a typo is caught, not
 ignored), and every error is a :class:`sfq.errors.PolicyError` whose message starts with the
 path of the bad field, e.g. ``classes.batch.weight: must be a number > 0, got -1``. List
-items are written ``pools.gpu.backends[0].url``. Every entry is checked: a file with several
-bad entries raises one :class:`PolicyErrors` that lists them all (``errors``). The format is documented field by field in
-``docs/policy.md``.
+items are written ``pools.gpu.backends[0].url``. Every field is checked: a file with several
+bad fields raises one :class:`PolicyErrors` that lists them all (``errors``), and names in
+``unchecked`` what could not be checked until they are fixed (a check that needs a bad field:
+a key against the other orgs' when its org is bad). A YAML syntax error names the source and
+its line. The format is documented field by field in ``docs/policy.md``.
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ import hashlib
 import math
 import pickle
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import yaml
 
@@ -56,6 +58,7 @@ _URL = re.compile(r"^https?://[^\s/]+(/\S*)?$")
 _REDIS = re.compile(r"^(redis|rediss|unix)://\S+$")
 #: a budget's periods (UTC): the spend starts again at each day's or month's start
 BUDGET_PERIODS = ("day", "month")
+_T = TypeVar("_T")
 
 
 # ===================================================================== the objects
@@ -240,9 +243,9 @@ class RetrySpec:
 
 @dataclass(frozen=True)
 class StateSpec:
-    """Shared state for several gateways (``sfq serve`` replicas), or (``file`` without
-    ``redis``) one gateway's spend kept in a file across restarts. An in-process policy keeps
-    its state in memory and does not connect anywhere."""
+    """Shared state for several gateways (every ``sfq serve`` and ``PolicyDispatcher`` started
+    with the file), or (``file`` without ``redis``) one gateway's spend kept in a file across
+    restarts. Without the section a dispatcher keeps its state in memory."""
 
     redis: str | None
     prefix: str = "sfq:"
@@ -399,24 +402,42 @@ def parse_policy(text: str, *, source: str = "<string>") -> Policy:
     """Validate a policy given as YAML text."""
     if not isinstance(text, str):
         raise TypeError(f"the policy text must be a str, got {type(text).__name__}")
+    errs = _Collect()  # repeated keys: reported with the fields' errors
     try:
         loader = _Loader(text)
         try:
             node = loader.get_single_node()
-            data = _plain(loader, node, "") if node is not None else None
+            data = _plain(loader, node, "", errs) if node is not None else None
         finally:
             loader.dispose()
             loader.constructed_objects.clear()  # (it keeps every node it constructed)
     except yaml.YAMLError as exc:
-        raise PolicyError("", f"{source}: not valid YAML: {exc}") from None
+        raise PolicyError("", _yaml_problem(source, exc)) from None
     del loader, node
-    policy = policy_from_mapping(data, source=source)
+    try:
+        policy = policy_from_mapping(data, source=source)
+    except PolicyError as exc:
+        errs.add(exc)
+    errs.raise_any()
     del data
     if len(policy.orgs) >= _COMPACT_ORGS:
         rows = _org_rows(policy)
         policy = replace(policy, orgs=MappingProxyType({}))  # the parse's orgs go, and the arenas they held
         policy = replace(policy, orgs=_orgs_from_rows(rows))
     return policy
+
+
+def _yaml_problem(source: str, exc: yaml.YAMLError) -> str:
+    """A YAML syntax error as ``SOURCE, line L, column C: not valid YAML: PROBLEM (CONTEXT)``:
+    PyYAML's own message names ``<unicode string>``, the text it was given, not the file."""
+    if not isinstance(exc, yaml.MarkedYAMLError) or exc.problem_mark is None:
+        return f"{source}: not valid YAML: {exc}"
+    m = exc.problem_mark
+    out = f"{source}, line {m.line + 1}, column {m.column + 1}: not valid YAML: {exc.problem}"
+    if exc.context:
+        cm = exc.context_mark
+        out += f" ({exc.context}" + (f" at line {cm.line + 1}, column {cm.column + 1})" if cm is not None else ")")
+    return out
 
 
 #: orgs from which a parsed policy's orgs are made again, side by side (below: a few arenas at most)
@@ -453,21 +474,24 @@ def _orgs_from_rows(rows: bytes) -> Mapping[str, OrgSpec]:
 _Loader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
-def _plain(loader: Any, node: yaml.Node, path: str) -> Any:
-    """A composed YAML node as plain Python, refusing repeated keys (PyYAML keeps the last)."""
+def _plain(loader: Any, node: yaml.Node, path: str, errs: _Collect) -> Any:
+    """A composed YAML node as plain Python, refusing repeated keys (PyYAML keeps the last):
+    each is an error in ``errs``, and the first value is the one checked."""
     if isinstance(node, yaml.MappingNode):
         out: dict[Any, Any] = {}
         for knode, vnode in node.value:
             key = loader.construct_object(knode, deep=True)
             if not isinstance(key, str):
-                raise PolicyError(path, f"keys must be strings, got {key!r} (line {knode.start_mark.line + 1})")
+                errs.add(PolicyError(path, f"keys must be strings, got {key!r} (line {knode.start_mark.line + 1})"))
+                continue
             sub = f"{path}.{key}" if path else key
             if key in out:
-                raise PolicyError(sub, f"appears twice (line {knode.start_mark.line + 1})")
-            out[key] = _plain(loader, vnode, sub)
+                errs.add(PolicyError(sub, f"appears twice (line {knode.start_mark.line + 1})"))
+                continue
+            out[key] = _plain(loader, vnode, sub, errs)
         return out
     if isinstance(node, yaml.SequenceNode):
-        return [_plain(loader, v, f"{path}[{i}]") for i, v in enumerate(node.value)]
+        return [_plain(loader, v, f"{path}[{i}]", errs) for i, v in enumerate(node.value)]
     return loader.construct_object(node, deep=True)
 
 
@@ -476,13 +500,14 @@ def _desc(v: object) -> str:
     return repr(v) if not isinstance(v, (dict, list)) else f"a {'mapping' if isinstance(v, dict) else 'list'}"
 
 
-def _section(v: object, path: str, allowed: tuple[str, ...]) -> dict[str, Any]:
+def _section(v: object, path: str, allowed: tuple[str, ...], errs: _Collect) -> dict[str, Any]:
+    """``v`` as a mapping (else an error raised); each unknown key is an error in ``errs``, and
+    the known ones are still checked."""
     if not isinstance(v, dict):
         raise PolicyError(path, f"must be a mapping, got {_desc(v)}")
     for k in v:
         if k not in allowed:
-            raise PolicyError(f"{path}.{k}" if path else k,
-                              f"unknown key (expected one of: {', '.join(allowed)})")
+            errs.add(PolicyError(f"{path}.{k}" if path else k, f"unknown key (expected one of: {', '.join(allowed)})"))
     return v
 
 
@@ -526,11 +551,16 @@ def _strings(v: object, path: str, *, allow_empty: bool = False) -> list[str]:
         raise PolicyError(path, f"must be a list of strings, got {_desc(v)}")
     if not v and not allow_empty:
         raise PolicyError(path, "must not be empty")
-    out = [_string(x, f"{path}[{i}]") for i, x in enumerate(v)]
+    errs = _Collect()
+    out = [errs.check(_string, x, f"{path}[{i}]") for i, x in enumerate(v)]
+    seen: set[str] = set()
     for i, x in enumerate(out):
-        if x in out[:i]:
-            raise PolicyError(f"{path}[{i}]", f"{x!r} is listed twice")
-    return out
+        if x is not None and x in seen:
+            errs.add(PolicyError(f"{path}[{i}]", f"{x!r} is listed twice"))
+        if x is not None:
+            seen.add(x)
+    errs.raise_any()
+    return cast("list[str]", out)
 
 
 def _opt(d: Mapping[str, Any], key: str) -> Any:
@@ -540,13 +570,17 @@ def _opt(d: Mapping[str, Any], key: str) -> Any:
 
 # ===================================================================== sections
 class PolicyErrors(PolicyError):
-    """Several fields of one policy are invalid. ``errors`` lists them (each a
-    :class:`~sfq.errors.PolicyError` naming its field), in file order; ``path`` and ``problem``
-    are the first one's, and the message lists them all, one per line."""
+    """Several fields of one policy are invalid (or one is, and something could not be checked
+    because of it). ``errors`` lists them (each a :class:`~sfq.errors.PolicyError` naming its
+    field), in file order; ``path`` and ``problem`` are the first one's, and the message lists
+    them all, one per line. ``unchecked``: what was not checked because it needs a field that
+    is bad (``orgs.c.keys: against the other orgs' keys``): more errors may follow there once
+    these are fixed."""
 
-    def __init__(self, errors: list[PolicyError]) -> None:
+    def __init__(self, errors: list[PolicyError], unchecked: list[str] | None = None) -> None:
         super().__init__(errors[0].path, errors[0].problem)
         self.errors = list(errors)
+        self.unchecked = list(unchecked or ())
         self.args = ("\n".join(str(e) for e in errors),)
 
     def __str__(self) -> str:
@@ -554,25 +588,46 @@ class PolicyErrors(PolicyError):
 
 
 class _Collect:
-    """Runs each check, keeping its error and going on, so one file reports every bad entry."""
+    """Runs each check, keeping its error and going on, so one file reports every bad field."""
 
     def __init__(self) -> None:
         self.errors: list[PolicyError] = []
+        self.unchecked: list[str] = []
 
     def add(self, exc: PolicyError) -> None:
-        self.errors.extend(exc.errors if isinstance(exc, PolicyErrors) else [exc])
+        if isinstance(exc, PolicyErrors):
+            self.errors.extend(exc.errors)
+            self.unchecked.extend(exc.unchecked)
+        else:
+            self.errors.append(exc)
+
+    def check(self, fn: Callable[..., _T], *args: Any, **kw: Any) -> _T | None:
+        """``fn(*args, **kw)``, or ``None`` with its error kept."""
+        try:
+            return fn(*args, **kw)
+        except PolicyError as exc:
+            self.add(exc)
+            return None
+
+    def bad(self, *paths: str) -> bool:
+        """Whether an error was kept for one of ``paths`` or a field under it."""
+        return any(e.path == p or e.path.startswith((p + ".", p + "[")) for e in self.errors for p in paths)
+
+    def skip(self, what: str) -> None:
+        """A check left out because a field it needs is bad (``PolicyErrors.unchecked``)."""
+        self.unchecked.append(what)
 
     def raise_any(self) -> None:
-        if len(self.errors) == 1:
+        if len(self.errors) == 1 and not self.unchecked:
             raise self.errors[0]
         if self.errors:
-            raise PolicyErrors(self.errors)
+            raise PolicyErrors(self.errors, self.unchecked)
 
 
 def policy_from_mapping(data: object, *, source: str = "<mapping>") -> Policy:
-    """Validate a policy given as plain data (what ``yaml.safe_load`` returns). Every entry
-    (pool, class, org) and section is checked, so one call names every bad field: a single
-    error is raised as itself, several as one :class:`PolicyErrors`."""
+    """Validate a policy given as plain data (what ``yaml.safe_load`` returns). Every field of
+    every entry (pool, class, org) and section is checked, so one call names every bad field:
+    a single error is raised as itself, several as one :class:`PolicyErrors`."""
     sections = ("pools", "classes", "orgs", "org_template", "cost", "retry", "state", "server", "metrics")
     top = data if data is not None else {}
     if not isinstance(top, dict):
@@ -589,179 +644,233 @@ def policy_from_mapping(data: object, *, source: str = "<mapping>") -> Policy:
         errs.add(PolicyError("orgs", "is required (or an org_template for the orgs the file does not name)"))
     classes: dict[str, ClassSpec] = {}
     bad_classes: list[str] = []  # named but invalid: an org may still list them (no second error)
-    try:
-        named = _named(top["classes"], "classes") if "classes" in top else {}
-    except PolicyError as exc:
-        errs.add(exc)
-        named = {}
-    for name, v in named.items():
+    named = errs.check(_named, top["classes"], "classes") if "classes" in top else None
+    for name, v in (named or {}).items():
         try:
             classes[name] = _class(name, v, f"classes.{name}")
         except PolicyError as exc:
             errs.add(exc)
             bad_classes.append(name)
+    # the classes an org may list; None: the section is missing or bad, and nothing is checked against it
+    known = {**classes, **{n: ClassSpec(n) for n in bad_classes}} if named is not None else None
     pools: dict[str, PoolSpec] = {}
     bad_pools: list[str] = []
     model_owner: dict[str, str] = {}
     backend_owner: dict[str, str] = {}
-    try:
-        named = _named(top["pools"], "pools") if "pools" in top else {}
-    except PolicyError as exc:
-        errs.add(exc)
-        named = {}
+    named = (errs.check(_named, top["pools"], "pools") if "pools" in top else None) or {}
     for name, v in named.items():
         try:
             p = _pool(name, v, f"pools.{name}")
-        except PolicyError as exc:
+        except PolicyError as exc:  # its good models and backends are still checked against the others'
             errs.add(exc)
             bad_pools.append(name)
-            continue
-        for i, m in enumerate(p.models):
+            models, backend_names = _raw_pool_names(v)
+        else:
+            pools[name] = p
+            models, backend_names = list(enumerate(p.models)), [(i, b.name) for i, b in enumerate(p.backends)]
+        for i, m in models:
             if m in model_owner:
                 errs.add(PolicyError(f"pools.{name}.models[{i}]", f"model {m!r} is already served by pool "
                                                                   f"{model_owner[m]!r} (a model has one pool)"))
             model_owner.setdefault(m, name)
-        for i, b in enumerate(p.backends):
-            if b.name in backend_owner:
+        for i, bn in backend_names:
+            if bn in backend_owner:
                 errs.add(PolicyError(f"pools.{name}.backends[{i}]",
-                                     f"backend {b.name!r} is already declared (in pool {backend_owner[b.name]!r}); "
+                                     f"backend {bn!r} is already declared (in pool {backend_owner[bn]!r}); "
                                      "give each backend a unique name"))
-            backend_owner.setdefault(b.name, name)
-        pools[name] = p
+            backend_owner.setdefault(bn, name)
     orgs: dict[str, OrgSpec] = {}
     key_owner: dict[str, str] = {}
     lists: dict[tuple[str, ...], tuple[str, ...]] = {}  # one tuple per distinct class list, shared by its orgs
-    known = {**classes, **{n: ClassSpec(n) for n in bad_classes}}
     raw_orgs = top.get("orgs")
-    try:
-        named = ({} if (has_template and (raw_orgs is None or raw_orgs == {})) or "orgs" not in top
-                 else _named(raw_orgs, "orgs"))
-    except PolicyError as exc:
-        errs.add(exc)
-        named = {}
+    named = (errs.check(_named, raw_orgs, "orgs") if "orgs" in top and not (has_template and not raw_orgs)
+             else None) or {}
+    if known is None and named:
+        errs.skip("orgs: each org's classes against the classes section")
     for name, v in named.items():
         try:
             o, keys = _org(name, v, f"orgs.{name}", known, lists)
-        except PolicyError as exc:
+        except PolicyError as exc:  # its good keys are still checked against the other orgs'
             errs.add(exc)
-            continue
+            keys, holder = _raw_org_keys(v, f"orgs.{name}"), None
+        else:
+            orgs[name] = o
+            holder = o
         for digest, at in keys:
             if digest in key_owner:
                 errs.add(PolicyError(at, f"this key is already the key of {key_owner[digest]}"))
-            key_owner.setdefault(digest, _key_holder(o, digest))
-        orgs[name] = o
+            key_owner.setdefault(digest, _key_holder(holder, digest) if holder is not None else
+                                 _raw_key_holder(name, at))
     cost, retry, state, template, server = CostSpec(), RetrySpec(), None, None, ServerSpec()
-    try:
-        cost = _cost(top.get("cost"), "cost") if "cost" in top else CostSpec()
-    except PolicyError as exc:
-        errs.add(exc)
-    try:
-        retry = _retry(top.get("retry"), "retry") if "retry" in top else RetrySpec()
-    except PolicyError as exc:
-        errs.add(exc)
-    try:
-        state = _state(top.get("state"), "state") if "state" in top else None
-    except PolicyError as exc:
-        errs.add(exc)
-    try:
-        template = _org_template(top["org_template"], "org_template", known) if has_template else None
-    except PolicyError as exc:
-        errs.add(exc)
-    try:  # a pool that is named but invalid is still a pool the section may name
-        named_pools = cast("Mapping[str, PoolSpec]", {**pools, **dict.fromkeys(bad_pools)})
-        server = _server(top.get("server"), "server", named_pools) if "server" in top else ServerSpec()
-    except PolicyError as exc:
-        errs.add(exc)
-    metrics = MetricsSpec()
-    try:
-        metrics = _metrics(top.get("metrics"), "metrics") if "metrics" in top else MetricsSpec()
-    except PolicyError as exc:
-        errs.add(exc)
+    cost = (errs.check(_cost, top.get("cost"), "cost") if "cost" in top else None) or cost
+    retry = (errs.check(_retry, top.get("retry"), "retry") if "retry" in top else None) or retry
+    state = errs.check(_state, top.get("state"), "state") if "state" in top else None
+    if has_template:
+        template = errs.check(_org_template, top["org_template"], "org_template", known)
+    # a pool that is named but invalid is still a pool the section may name
+    named_pools = cast("Mapping[str, PoolSpec]", {**pools, **dict.fromkeys(bad_pools)})
+    server = (errs.check(_server, top.get("server"), "server", named_pools) if "server" in top else None) or server
+    metrics = (errs.check(_metrics, top.get("metrics"), "metrics") if "metrics" in top else None) or MetricsSpec()
     if state is not None and state.redis is not None:  # (a state file is one gateway's: nested shares are fine)
         for name, o in orgs.items():
             if o.nested:
                 errs.add(PolicyError(f"orgs.{name}.{'teams' if o.teams else 'users'}",
                                      "nested shares (teams, users) are not carried by the shared ledger yet: "
                                      "remove the state section (one gateway) or this org's teams and users"))
+    elif errs.bad("state") and any(isinstance(v, dict) and ("teams" in v or "users" in v) for v in named.values()):
+        errs.skip("orgs: teams and users against the state section (not with state.redis)")
     errs.raise_any()
     return Policy(MappingProxyType(pools), MappingProxyType(classes), MappingProxyType(orgs), cost, retry, state,
                   source, org_template=template, server=server, metrics=metrics)
 
 
+def _raw_pool_names(v: object) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+    """The models and backend names (``(index, name)``) a pool that does not validate gives
+    as far as they are well formed, so that they are checked against the other pools'."""
+    d = v if isinstance(v, dict) else {}
+    ms, bs = d.get("models"), d.get("backends")
+    models = [(i, m) for i, m in enumerate(ms) if isinstance(m, str) and m] if isinstance(ms, list) else []
+    names = []
+    for i, b in enumerate(bs if isinstance(bs, list) else ()):
+        if isinstance(b, dict) and isinstance(b.get("name"), str) and b["name"]:
+            names.append((i, b["name"]))
+        elif isinstance(b, dict) and "name" not in b and isinstance(b.get("url"), str) and _URL.match(b["url"]):
+            names.append((i, b["url"].rstrip("/")))
+    return models, names
+
+
+def _raw_org_keys(v: object, path: str) -> list[tuple[str, str]]:
+    """The well-formed keys of an org that does not validate, and of its teams, as
+    ``(digest, where it is written)``, so that they are checked against the other orgs'."""
+    d = v if isinstance(v, dict) else {}
+    out = []
+    for entry, where in [(d, path)] + [(t, f"{path}.teams.{n}") for n, t in
+                                        (d["teams"].items() if isinstance(d.get("teams"), dict) else ())]:
+        if not isinstance(entry, dict):
+            continue
+        ks, hs = entry.get("keys"), entry.get("key_sha256")
+        out += [(hashlib.sha256(k.encode("utf-8")).hexdigest(), f"{where}.keys[{i}]")
+                for i, k in enumerate(ks if isinstance(ks, list) else ()) if isinstance(k, str) and k]
+        out += [(h.lower(), f"{where}.key_sha256[{i}]")
+                for i, h in enumerate(hs if isinstance(hs, list) else ()) if isinstance(h, str) and _HEX64.match(h)]
+    first: dict[str, str] = {}
+    for dg, at in out:  # (its own repeats are its own errors)
+        first.setdefault(dg, at)
+    return [(dg, at) for dg, at in first.items()]
+
+
+def _raw_key_holder(org: str, where: str) -> str:
+    """Who holds a key written at ``where`` in org ``org`` (one that does not validate)."""
+    team = re.match(r"^orgs\.[^.]+\.teams\.([^.]+)\.", where) if ".teams." in where else None
+    return f"team {team.group(1)!r} of org {org!r}" if team else f"org {org!r}"
+
+
+def _opt_check(errs: _Collect, d: Mapping[str, Any], key: str, path: str, fn: Callable[..., _T], *args: Any,
+               default: _T | None = None, **kw: Any) -> _T | None:
+    """``fn(d[key], PATH.KEY, *args, **kw)`` when ``key`` is set to something other than
+    ``null``, else ``default``; an error is kept in ``errs`` (and gives ``None``)."""
+    if _opt(d, key) is None:
+        return default
+    return errs.check(fn, d[key], f"{path}.{key}", *args, **kw)
+
+
 def _class(name: str, v: object, path: str) -> ClassSpec:
+    errs = _Collect()
     d = _section(v, path, ("strict", "weight", "max_in_flight", "max_queue_length", "max_queue_age_seconds",
-                           "small_cost", "small_picks"))
+                           "small_cost", "small_picks"), errs)
     strict = d.get("strict", False)
     if not isinstance(strict, bool):
-        raise PolicyError(f"{path}.strict", f"must be true or false, got {_desc(strict)}")
+        errs.add(PolicyError(f"{path}.strict", f"must be true or false, got {_desc(strict)}"))
+        errs.skip(f"{path}: the rules of a strict class (max_in_flight and a queue limit, no weight)")
+        strict = False
     if strict and "weight" in d:
-        raise PolicyError(f"{path}.weight", "a strict class has no weight: it is served before the weighted "
-                                            "classes, capped by its max_in_flight")
-    weight = _number(d["weight"], f"{path}.weight") if "weight" in d else 1.0
-    mif = _integer(d["max_in_flight"], f"{path}.max_in_flight") if _opt(d, "max_in_flight") is not None else None
-    mql = (_integer(d["max_queue_length"], f"{path}.max_queue_length")
-           if _opt(d, "max_queue_length") is not None else None)
-    age = (_number(d["max_queue_age_seconds"], f"{path}.max_queue_age_seconds")
-           if _opt(d, "max_queue_age_seconds") is not None else None)
-    if strict and mif is None:
-        raise PolicyError(f"{path}.max_in_flight", "a strict class needs one, so urgent work can never take the "
-                                                   "whole pool")
-    if strict and mql is None and age is None:
-        raise PolicyError(path, "a strict class needs max_queue_length or max_queue_age_seconds, so stale "
-                                "urgent work cannot pile up")
+        errs.add(PolicyError(f"{path}.weight", "a strict class has no weight: it is served before the weighted "
+                                               "classes, capped by its max_in_flight"))
+    weight = errs.check(_number, d["weight"], f"{path}.weight") if "weight" in d and not strict else 1.0
+    mif = _opt_check(errs, d, "max_in_flight", path, _integer)
+    mql = _opt_check(errs, d, "max_queue_length", path, _integer)
+    age = _opt_check(errs, d, "max_queue_age_seconds", path, _number)
+    if strict and mif is None and not errs.bad(f"{path}.max_in_flight"):
+        errs.add(PolicyError(f"{path}.max_in_flight", "a strict class needs one, so urgent work can never take the "
+                                                      "whole pool"))
+    if strict and mql is None and age is None and not errs.bad(f"{path}.max_queue_length",
+                                                               f"{path}.max_queue_age_seconds"):
+        errs.add(PolicyError(path, "a strict class needs max_queue_length or max_queue_age_seconds, so stale "
+                                   "urgent work cannot pile up"))
     small_cost: float | None = 2048.0
     if "small_cost" in d:
-        small_cost = None if d["small_cost"] is None else _number(d["small_cost"], f"{path}.small_cost")
-    picks = _integer(d["small_picks"], f"{path}.small_picks") if "small_picks" in d else 4
-    return ClassSpec(name, strict, weight, mif, mql, age, small_cost, picks)
+        small_cost = None if d["small_cost"] is None else errs.check(_number, d["small_cost"], f"{path}.small_cost")
+    picks = errs.check(_integer, d["small_picks"], f"{path}.small_picks") if "small_picks" in d else 4
+    errs.raise_any()
+    return ClassSpec(name, strict, cast(float, weight), mif, mql, age, small_cost, cast(int, picks))
+
+
+def _backend(b: object, bp: str) -> BackendSpec:
+    errs = _Collect()
+    bd = _section(b, bp, ("url", "max_in_flight", "name", "max_context", "api_key_env"), errs)
+    url = ""
+    if "url" not in bd:
+        errs.add(PolicyError(f"{bp}.url", "is required"))
+    else:
+        url = errs.check(_string, bd["url"], f"{bp}.url") or ""
+        if url and not _URL.match(url):
+            errs.add(PolicyError(f"{bp}.url", f"must be an http:// or https:// URL, got {url!r}"))
+    mif = errs.check(_integer, bd["max_in_flight"], f"{bp}.max_in_flight") if "max_in_flight" in bd else 8
+    bname = errs.check(_string, bd["name"], f"{bp}.name") if "name" in bd else url
+    ctx = _opt_check(errs, bd, "max_context", bp, _integer)
+    env = _opt_check(errs, bd, "api_key_env", bp, _string)
+    errs.raise_any()
+    return BackendSpec(url.rstrip("/"), cast(int, mif), cast(str, bname).rstrip("/") if "name" not in bd
+                       else cast(str, bname), ctx, env)
 
 
 def _pool(name: str, v: object, path: str) -> PoolSpec:
-    d = _section(v, path, ("models", "backends", "limits", "timeouts", "prices"))
+    errs = _Collect()
+    d = _section(v, path, ("models", "backends", "limits", "timeouts", "prices"), errs)
     for need in ("models", "backends"):
         if need not in d:
-            raise PolicyError(f"{path}.{need}", "is required")
-    models = tuple(_strings(d["models"], f"{path}.models"))
-    bl = d["backends"]
-    if not isinstance(bl, list) or not bl:
-        raise PolicyError(f"{path}.backends", f"must be a non-empty list of backends, got {_desc(bl)}")
+            errs.add(PolicyError(f"{path}.{need}", "is required"))
+    models = errs.check(_strings, d["models"], f"{path}.models") if "models" in d else None
+    bl = d.get("backends")
     backends: list[BackendSpec] = []
-    for i, b in enumerate(bl):
-        bp = f"{path}.backends[{i}]"
-        bd = _section(b, bp, ("url", "max_in_flight", "name", "max_context", "api_key_env"))
-        if "url" not in bd:
-            raise PolicyError(f"{bp}.url", "is required")
-        url = _string(bd["url"], f"{bp}.url")
-        if not _URL.match(url):
-            raise PolicyError(f"{bp}.url", f"must be an http:// or https:// URL, got {url!r}")
-        mif = _integer(bd["max_in_flight"], f"{bp}.max_in_flight") if "max_in_flight" in bd else 8
-        bname = _string(bd["name"], f"{bp}.name") if "name" in bd else url
-        ctx = (_integer(bd["max_context"], f"{bp}.max_context")
-               if _opt(bd, "max_context") is not None else None)
-        env = _string(bd["api_key_env"], f"{bp}.api_key_env") if _opt(bd, "api_key_env") is not None else None
-        backends.append(BackendSpec(url.rstrip("/"), mif, bname.rstrip("/") if "name" not in bd else bname, ctx,
-                                    env))
-    limits = PoolLimits()
+    if "backends" in d and (not isinstance(bl, list) or not bl):
+        errs.add(PolicyError(f"{path}.backends", f"must be a non-empty list of backends, got {_desc(bl)}"))
+    elif "backends" in d:
+        for i, b in enumerate(cast("list[Any]", bl)):
+            spec = errs.check(_backend, b, f"{path}.backends[{i}]")
+            if spec is not None:
+                backends.append(spec)
+    limits: PoolLimits | None = PoolLimits()
     if d.get("limits") is not None:
-        lp = f"{path}.limits"
-        ld = _section(d["limits"], lp, ("requests_per_minute", "tokens_per_minute", "max_in_flight"))
-        limits = PoolLimits(
-            _number(ld["requests_per_minute"], f"{lp}.requests_per_minute")
-            if _opt(ld, "requests_per_minute") is not None else None,
-            _number(ld["tokens_per_minute"], f"{lp}.tokens_per_minute")
-            if _opt(ld, "tokens_per_minute") is not None else None,
-            _integer(ld["max_in_flight"], f"{lp}.max_in_flight") if _opt(ld, "max_in_flight") is not None else None,
-        )
-    timeouts = UpstreamTimeouts()
+        limits = errs.check(_limits, d["limits"], f"{path}.limits")
+    timeouts: UpstreamTimeouts | None = UpstreamTimeouts()
     if d.get("timeouts") is not None:
-        tp = f"{path}.timeouts"
-        fields = ("connect", "first_byte", "between_events", "total")
-        td = _section(d["timeouts"], tp, fields)
-        timeouts = UpstreamTimeouts(**{
-            k: (_number(td[k], f"{tp}.{k}") if td[k] is not None else None) if k in td else getattr(timeouts, k)
-            for k in fields})
-    prices = _prices(d["prices"], f"{path}.prices") if _opt(d, "prices") is not None else None
-    return PoolSpec(name, models, tuple(backends), limits, timeouts, prices)
+        timeouts = errs.check(_timeouts, d["timeouts"], f"{path}.timeouts")
+    prices = _opt_check(errs, d, "prices", path, _prices)
+    errs.raise_any()
+    return PoolSpec(name, tuple(cast("list[str]", models)), tuple(backends), cast(PoolLimits, limits),
+                    cast(UpstreamTimeouts, timeouts), prices)
+
+
+def _limits(v: object, lp: str) -> PoolLimits:
+    errs = _Collect()
+    ld = _section(v, lp, ("requests_per_minute", "tokens_per_minute", "max_in_flight"), errs)
+    limits = PoolLimits(_opt_check(errs, ld, "requests_per_minute", lp, _number),
+                        _opt_check(errs, ld, "tokens_per_minute", lp, _number),
+                        _opt_check(errs, ld, "max_in_flight", lp, _integer))
+    errs.raise_any()
+    return limits
+
+
+def _timeouts(v: object, tp: str) -> UpstreamTimeouts:
+    errs = _Collect()
+    dflt = UpstreamTimeouts()
+    fields = ("connect", "first_byte", "between_events", "total")
+    td = _section(v, tp, fields, errs)
+    out = UpstreamTimeouts(**{k: _opt_check(errs, td, k, tp, _number) if k in td else getattr(dflt, k)
+                              for k in fields})
+    errs.raise_any()
+    return out
 
 
 _ORG_SETTINGS = ("classes", "weight", "max_in_flight", "requests_per_minute")
@@ -770,70 +879,87 @@ _NESTED = ("teams", "users", "max_users")
 
 def _keys(d: Mapping[str, Any], path: str) -> tuple[list[str], list[str]]:
     """The SHA-256 digests of an entry's ``keys`` and ``key_sha256``, and where each is written."""
+    errs = _Collect()
     digests: list[str] = []
     where: list[str] = []
     if "keys" in d:
-        for i, k in enumerate(_strings(d["keys"], f"{path}.keys", allow_empty=True)):
+        for i, k in enumerate(errs.check(_strings, d["keys"], f"{path}.keys", allow_empty=True) or ()):
             digests.append(hashlib.sha256(k.encode("utf-8")).hexdigest())
             where.append(f"{path}.keys[{i}]")
     if "key_sha256" in d:
-        for i, h in enumerate(_strings(d["key_sha256"], f"{path}.key_sha256", allow_empty=True)):
+        for i, h in enumerate(errs.check(_strings, d["key_sha256"], f"{path}.key_sha256", allow_empty=True) or ()):
             if not _HEX64.match(h):
-                raise PolicyError(f"{path}.key_sha256[{i}]", f"must be 64 hexadecimal digits (a SHA-256), got {h!r}")
+                errs.add(PolicyError(f"{path}.key_sha256[{i}]", f"must be 64 hexadecimal digits (a SHA-256), got {h!r}"))
+                continue
             digests.append(h.lower())
             where.append(f"{path}.key_sha256[{i}]")
     for i, dg in enumerate(digests):
         if dg in digests[:i]:
-            raise PolicyError(where[i], "this key is listed twice")
+            errs.add(PolicyError(where[i], "this key is listed twice"))
+    errs.raise_any()
     return digests, where
 
 
-def _org(name: str, v: object, path: str, classes: Mapping[str, ClassSpec],
+def _org(name: str, v: object, path: str, classes: Mapping[str, ClassSpec] | None,
          lists: dict[tuple[str, ...], tuple[str, ...]] | None = None) -> tuple[OrgSpec, list[tuple[str, str]]]:
-    """The org, and every key of it and of its teams as ``(digest, where it is written)``."""
-    d = _section(v, path, ("keys", "key_sha256", *_ORG_SETTINGS, *_NESTED, "budget"))
-    digests, where = _keys(d, path)
-    o = _org_settings(name, d, path, classes, tuple(digests), lists)
+    """The org, and every key of it and of its teams as ``(digest, where it is written)``.
+    ``classes``: those the org may list (``None``: unknown, the org's classes are not checked)."""
+    errs = _Collect()
+    d = _section(v, path, ("keys", "key_sha256", *_ORG_SETTINGS, *_NESTED, "budget"), errs)
+    digests, where = errs.check(_keys, d, path) or ([], [])
+    o = errs.check(_org_settings, name, d, path, classes, tuple(digests), lists)
     keys = list(zip(digests, where))
-    if any(k in d for k in _NESTED):
-        teams, users, max_users, team_keys = _nested(d, path)
+    nested = errs.check(_nested, d, path) if any(k in d for k in _NESTED) else None
+    if nested is not None:
+        teams, users, max_users, team_keys = nested
         if teams and digests:
-            raise PolicyError(where[0], "an org with teams gives its keys to its teams (a key names one team)")
-        o = replace(o, teams=teams, users=users, max_users=max_users)
+            errs.add(PolicyError(where[0], "an org with teams gives its keys to its teams (a key names one team)"))
         keys += team_keys
-    return o, keys
+        if o is not None:
+            o = replace(o, teams=teams, users=users, max_users=max_users)
+    errs.raise_any()
+    return cast(OrgSpec, o), keys
 
 
 # --------------------------------------------------------------------- nested shares (teams, users)
 def _nested(d: Mapping[str, Any], path: str) -> tuple[Mapping[str, TeamSpec], bool, int, list[tuple[str, str]]]:
     """An org's ``teams``, ``users`` and ``max_users`` (docs/policy.md, "Nested shares"), and
     its teams' keys as ``(digest, where it is written)``."""
+    errs = _Collect()
     users = False
     if _opt(d, "users") is not None:
         if d["users"] != "equal":
-            raise PolicyError(f"{path}.users", f"must be 'equal' (users share their team's part equally), got "
-                                               f"{_desc(d['users'])}")
+            errs.add(PolicyError(f"{path}.users", f"must be 'equal' (users share their team's part equally), got "
+                                                  f"{_desc(d['users'])}"))
         users = True
-    max_users = (_integer(d["max_users"], f"{path}.max_users") if _opt(d, "max_users") is not None
-                 else DEFAULT_MAX_USERS)
+    max_users = _opt_check(errs, d, "max_users", path, _integer, default=DEFAULT_MAX_USERS)
     if "max_users" in d and not users:
-        raise PolicyError(f"{path}.max_users", "applies only with users: equal")
+        errs.add(PolicyError(f"{path}.max_users", "applies only with users: equal"))
     teams: dict[str, TeamSpec] = {}
     keys: list[tuple[str, str]] = []
-    if _opt(d, "teams") is not None:
-        named = _named(d["teams"], f"{path}.teams")
-        for tname, tv in named.items():
-            tp = f"{path}.teams.{tname}"
-            td = _section(tv, tp, ("weight", "keys", "key_sha256", "max_users", "budget"))
-            tdig, twhere = _keys(td, tp)
-            keys += zip(tdig, twhere)
-            w = _number(td["weight"], f"{tp}.weight") if "weight" in td else 1.0
-            if _opt(td, "max_users") is not None and not users:
-                raise PolicyError(f"{tp}.max_users", f"applies only with users: equal (set {path}.users)")
-            tmu = _integer(td["max_users"], f"{tp}.max_users") if _opt(td, "max_users") is not None else max_users
-            budget = _budget(td["budget"], f"{tp}.budget") if _opt(td, "budget") is not None else None
-            teams[tname] = TeamSpec(tname, w, tuple(tdig), tmu, budget)
-    return MappingProxyType(teams), users, max_users, keys
+    named = errs.check(_named, d["teams"], f"{path}.teams") if _opt(d, "teams") is not None else None
+    for tname, tv in (named or {}).items():
+        team = errs.check(_team, tname, tv, f"{path}.teams.{tname}", path, users, max_users)
+        if team is not None:
+            teams[tname], tkeys = team
+            keys += tkeys
+    errs.raise_any()
+    return MappingProxyType(teams), users, cast(int, max_users), keys
+
+
+def _team(tname: str, tv: object, tp: str, path: str, users: bool,
+          max_users: int | None) -> tuple[TeamSpec, list[tuple[str, str]]]:
+    """One team of the org at ``path``, and its keys as ``(digest, where it is written)``."""
+    errs = _Collect()
+    td = _section(tv, tp, ("weight", "keys", "key_sha256", "max_users", "budget"), errs)
+    tdig, twhere = errs.check(_keys, td, tp) or ([], [])
+    w = errs.check(_number, td["weight"], f"{tp}.weight") if "weight" in td else 1.0
+    if _opt(td, "max_users") is not None and not users:
+        errs.add(PolicyError(f"{tp}.max_users", f"applies only with users: equal (set {path}.users)"))
+    tmu = _opt_check(errs, td, "max_users", tp, _integer, default=max_users)
+    budget = _opt_check(errs, td, "budget", tp, _budget)
+    errs.raise_any()
+    return TeamSpec(tname, cast(float, w), tuple(tdig), cast(int, tmu), budget), list(zip(tdig, twhere))
 
 
 def _key_holder(o: OrgSpec, digest: str) -> str:
@@ -844,153 +970,189 @@ def _key_holder(o: OrgSpec, digest: str) -> str:
     return f"org {o.name!r}"
 
 
-def _org_template(v: object, path: str, classes: Mapping[str, ClassSpec]) -> OrgSpec:
+def _org_template(v: object, path: str, classes: Mapping[str, ClassSpec] | None) -> OrgSpec:
+    errs = _Collect()
     if isinstance(v, dict):
         for k in ("keys", "key_sha256"):
             if k in v:
-                raise PolicyError(f"{path}.{k}", "a template has no keys: the orgs made from it are the embedder's "
-                                                 "own (sfq.Flow(org, cls, pool)); give an org keys under orgs")
-    d = _section(v, path, _ORG_SETTINGS)
-    return _org_settings("*", d, path, classes, ())
+                errs.add(PolicyError(f"{path}.{k}", "a template has no keys: the orgs made from it are the "
+                                                    "embedder's own (sfq.Flow(org, cls, pool)); give an org keys "
+                                                    "under orgs"))
+        v = {k: x for k, x in v.items() if k not in ("keys", "key_sha256")}
+    d = _section(v, path, _ORG_SETTINGS, errs)
+    o = errs.check(_org_settings, "*", d, path, classes, ())
+    if classes is None:
+        errs.skip(f"{path}.classes: against the classes section")
+    errs.raise_any()
+    return cast(OrgSpec, o)
 
 
-def _org_settings(name: str, d: Mapping[str, Any], path: str, classes: Mapping[str, ClassSpec],
+def _org_settings(name: str, d: Mapping[str, Any], path: str, classes: Mapping[str, ClassSpec] | None,
                   digests: tuple[str, ...], lists: dict[tuple[str, ...], tuple[str, ...]] | None = None) -> OrgSpec:
     """An org's settings; ``lists``: the class lists made so far, so that orgs with the same
     list share one tuple (10,000 orgs of one file: 10,000 copies otherwise)."""
+    errs = _Collect()
+    cls: list[str] | None = None
     if "classes" not in d:
-        raise PolicyError(f"{path}.classes", "is required (the classes the org may use; the first is its default)")
-    cls = _strings(d["classes"], f"{path}.classes")
-    for i, c in enumerate(cls):
-        if c not in classes:
-            raise PolicyError(f"{path}.classes[{i}]", f"unknown class {c!r} (classes: {', '.join(classes)})")
-    weight = _number(d["weight"], f"{path}.weight") if "weight" in d else 1.0
-    mif = _integer(d["max_in_flight"], f"{path}.max_in_flight") if _opt(d, "max_in_flight") is not None else None
-    rpm = (_number(d["requests_per_minute"], f"{path}.requests_per_minute")
-           if _opt(d, "requests_per_minute") is not None else None)
-    budget = _budget(d["budget"], f"{path}.budget") if _opt(d, "budget") is not None else None
-    ct = tuple(cls)
+        errs.add(PolicyError(f"{path}.classes", "is required (the classes the org may use; the first is its default)"))
+    else:
+        cls = errs.check(_strings, d["classes"], f"{path}.classes")
+    for i, c in enumerate(cls if classes is not None and cls is not None else ()):
+        if classes is not None and c not in classes:
+            errs.add(PolicyError(f"{path}.classes[{i}]", f"unknown class {c!r} (classes: {', '.join(classes)})"))
+    weight = errs.check(_number, d["weight"], f"{path}.weight") if "weight" in d else 1.0
+    mif = _opt_check(errs, d, "max_in_flight", path, _integer)
+    rpm = _opt_check(errs, d, "requests_per_minute", path, _number)
+    budget = _opt_check(errs, d, "budget", path, _budget)
+    errs.raise_any()
+    ct = tuple(cast("list[str]", cls))
     if lists is not None:
         ct = lists.setdefault(ct, ct)
-    return OrgSpec(name, digests, ct, weight, mif, rpm, budget)
+    return OrgSpec(name, digests, ct, cast(float, weight), mif, rpm, budget)
 
 
 def _cost(v: object, path: str) -> CostSpec:
+    errs = _Collect()
     d = _section(v, path, ("input_weight", "output_weight", "default_max_tokens", "prior_ratio", "charge",
-                           "cached_input_weight"))
-    iw = _number(d["input_weight"], f"{path}.input_weight", strict_min=False) if "input_weight" in d else 1.0
-    ow = _number(d["output_weight"], f"{path}.output_weight", strict_min=False) if "output_weight" in d else 2.0
+                           "cached_input_weight"), errs)
+    iw = errs.check(_number, d["input_weight"], f"{path}.input_weight", strict_min=False) if "input_weight" in d else 1.0
+    ow = (errs.check(_number, d["output_weight"], f"{path}.output_weight", strict_min=False) if "output_weight" in d
+          else 2.0)
     if iw == 0 and ow == 0:
-        raise PolicyError(path, "input_weight and output_weight cannot both be 0")
-    dm = _integer(d["default_max_tokens"], f"{path}.default_max_tokens") if "default_max_tokens" in d else 1024
-    pr = _number(d["prior_ratio"], f"{path}.prior_ratio", maximum=1.0) if "prior_ratio" in d else 1.0
+        errs.add(PolicyError(path, "input_weight and output_weight cannot both be 0"))
+    dm = (errs.check(_integer, d["default_max_tokens"], f"{path}.default_max_tokens") if "default_max_tokens" in d
+          else 1024)
+    pr = errs.check(_number, d["prior_ratio"], f"{path}.prior_ratio", maximum=1.0) if "prior_ratio" in d else 1.0
     charge = d.get("charge", "served")
     if charge not in CHARGE_MODES:
-        raise PolicyError(f"{path}.charge", f"must be one of {', '.join(CHARGE_MODES)}, got {_desc(charge)}")
-    cw = (_number(d["cached_input_weight"], f"{path}.cached_input_weight", strict_min=False)
+        errs.add(PolicyError(f"{path}.charge", f"must be one of {', '.join(CHARGE_MODES)}, got {_desc(charge)}"))
+    cw = (errs.check(_number, d["cached_input_weight"], f"{path}.cached_input_weight", strict_min=False)
           if "cached_input_weight" in d else 1.0)
-    return CostSpec(iw, ow, dm, pr, charge, cw)
+    errs.raise_any()
+    return CostSpec(cast(float, iw), cast(float, ow), cast(int, dm), cast(float, pr), charge, cast(float, cw))
 
 
 # ------------------------------------------------------------ spend: prices and budgets
 def _prices(v: object, path: str) -> PriceSpec:
     """``pools.NAME.prices``: currency per 1M tokens; ``cached_input`` defaults to ``input``."""
-    d = _section(v, path, ("input", "cached_input", "output"))
+    errs = _Collect()
+    d = _section(v, path, ("input", "cached_input", "output"), errs)
     for need in ("input", "output"):
         if need not in d:
-            raise PolicyError(f"{path}.{need}", "is required (currency per 1M tokens)")
-    inp = _number(d["input"], f"{path}.input", strict_min=False)
-    out = _number(d["output"], f"{path}.output", strict_min=False)
-    ci = (_number(d["cached_input"], f"{path}.cached_input", strict_min=False)
-          if _opt(d, "cached_input") is not None else None)
-    return PriceSpec(inp, out, ci)
+            errs.add(PolicyError(f"{path}.{need}", "is required (currency per 1M tokens)"))
+    inp = errs.check(_number, d["input"], f"{path}.input", strict_min=False) if "input" in d else None
+    out = errs.check(_number, d["output"], f"{path}.output", strict_min=False) if "output" in d else None
+    ci = _opt_check(errs, d, "cached_input", path, _number, strict_min=False)
+    errs.raise_any()
+    return PriceSpec(cast(float, inp), cast(float, out), ci)
 
 
 def _budget(v: object, path: str) -> BudgetSpec:
     """``orgs.NAME.budget`` (and ``orgs.NAME.teams.TEAM.budget``): ``{amount: >= 0, per: day |
     month}`` (UTC periods)."""
-    d = _section(v, path, ("amount", "per"))
+    errs = _Collect()
+    d = _section(v, path, ("amount", "per"), errs)
     for need in ("amount", "per"):
         if need not in d:
-            raise PolicyError(f"{path}.{need}", "is required")
-    amount = _number(d["amount"], f"{path}.amount", strict_min=False)
-    per = d["per"]
-    if per not in BUDGET_PERIODS:
-        raise PolicyError(f"{path}.per", f"must be one of {', '.join(BUDGET_PERIODS)} (UTC), got {_desc(per)}")
-    return BudgetSpec(amount, str(per))
+            errs.add(PolicyError(f"{path}.{need}", "is required"))
+    amount = errs.check(_number, d["amount"], f"{path}.amount", strict_min=False) if "amount" in d else None
+    per = d.get("per")
+    if "per" in d and per not in BUDGET_PERIODS:
+        errs.add(PolicyError(f"{path}.per", f"must be one of {', '.join(BUDGET_PERIODS)} (UTC), got {_desc(per)}"))
+    errs.raise_any()
+    return BudgetSpec(cast(float, amount), str(per))
 
 
 def _retry(v: object, path: str) -> RetrySpec:
+    errs = _Collect()
     d = _section(v, path, ("max_attempts", "budget_per_flow_percent", "backoff", "base_seconds", "max_seconds",
-                           "max_pause_seconds"))
-    ma = _integer(d["max_attempts"], f"{path}.max_attempts") if "max_attempts" in d else 3
-    bp = (_number(d["budget_per_flow_percent"], f"{path}.budget_per_flow_percent", strict_min=False, maximum=100.0)
-          if "budget_per_flow_percent" in d else 10.0)
+                           "max_pause_seconds"), errs)
+    ma = errs.check(_integer, d["max_attempts"], f"{path}.max_attempts") if "max_attempts" in d else 3
+    bp = (errs.check(_number, d["budget_per_flow_percent"], f"{path}.budget_per_flow_percent", strict_min=False,
+                     maximum=100.0) if "budget_per_flow_percent" in d else 10.0)
     bo = d.get("backoff", "exponential_with_jitter")
     if bo not in BACKOFFS:
-        raise PolicyError(f"{path}.backoff", f"must be one of {', '.join(BACKOFFS)}, got {_desc(bo)}")
-    base = _number(d["base_seconds"], f"{path}.base_seconds") if "base_seconds" in d else 0.5
-    mx = _number(d["max_seconds"], f"{path}.max_seconds") if "max_seconds" in d else max(30.0, base)
-    if mx < base:
-        raise PolicyError(f"{path}.max_seconds", f"must be >= base_seconds ({base:g}), got {mx:g}")
-    mp = _number(d["max_pause_seconds"], f"{path}.max_pause_seconds") if "max_pause_seconds" in d else 60.0
-    return RetrySpec(ma, bp, str(bo), base, mx, mp)
+        errs.add(PolicyError(f"{path}.backoff", f"must be one of {', '.join(BACKOFFS)}, got {_desc(bo)}"))
+    base = errs.check(_number, d["base_seconds"], f"{path}.base_seconds") if "base_seconds" in d else 0.5
+    mx = (errs.check(_number, d["max_seconds"], f"{path}.max_seconds") if "max_seconds" in d
+          else max(30.0, base or 0.0))
+    if base is None and mx is not None and "max_seconds" in d:
+        errs.skip(f"{path}.max_seconds: against base_seconds (at least as long)")
+    elif base is not None and mx is not None and mx < base:
+        errs.add(PolicyError(f"{path}.max_seconds", f"must be >= base_seconds ({base:g}), got {mx:g}"))
+    mp = errs.check(_number, d["max_pause_seconds"], f"{path}.max_pause_seconds") if "max_pause_seconds" in d else 60.0
+    errs.raise_any()
+    return RetrySpec(cast(int, ma), cast(float, bp), str(bo), cast(float, base), cast(float, mx), cast(float, mp))
 
 
 def _state(v: object, path: str) -> StateSpec:
-    d = _section(v, path, ("redis", "prefix", "lease_seconds", "file", "on_loss"))
+    errs = _Collect()
+    d = _section(v, path, ("redis", "prefix", "lease_seconds", "file", "on_loss"), errs)
     if "redis" not in d and "file" not in d:
         raise PolicyError(f"{path}.redis", "is required (a redis:// URL), or file: a path for one gateway's spend")
     if "redis" in d and "file" in d:
-        raise PolicyError(f"{path}.file", "a gateway sharing Redis keeps its spend there: give redis or file, not both")
+        errs.add(PolicyError(f"{path}.file", "a gateway sharing Redis keeps its spend there: give redis or file, "
+                                             "not both"))
+        errs.raise_any()
     if "file" in d:
-        _section(d, path, ("file",))  # prefix, lease_seconds and on_loss are Redis's
-        return StateSpec(None, file=_string(d["file"], f"{path}.file"))
-    url = _string(d["redis"], f"{path}.redis")
-    if not _REDIS.match(url):
-        raise PolicyError(f"{path}.redis", f"must be a redis://, rediss:// or unix:// URL, got {url!r}")
+        for k in ("prefix", "lease_seconds", "on_loss"):  # Redis's
+            if k in d:
+                errs.add(PolicyError(f"{path}.{k}", "unknown key (expected one of: file)"))
+        file = errs.check(_string, d["file"], f"{path}.file")
+        errs.raise_any()
+        return StateSpec(None, file=file)
+    url = errs.check(_string, d["redis"], f"{path}.redis")
+    if url is not None and not _REDIS.match(url):
+        errs.add(PolicyError(f"{path}.redis", f"must be a redis://, rediss:// or unix:// URL, got {url!r}"))
     prefix = d.get("prefix", "sfq:")
     if not isinstance(prefix, str):
-        raise PolicyError(f"{path}.prefix", f"must be a string, got {_desc(prefix)}")
-    lease = _number(d["lease_seconds"], f"{path}.lease_seconds") if "lease_seconds" in d else 10.0
+        errs.add(PolicyError(f"{path}.prefix", f"must be a string, got {_desc(prefix)}"))
+    lease = errs.check(_number, d["lease_seconds"], f"{path}.lease_seconds") if "lease_seconds" in d else 10.0
     on_loss = d.get("on_loss", "local")
     if on_loss not in ON_LOSS:
-        raise PolicyError(f"{path}.on_loss", f"must be one of {', '.join(ON_LOSS)}, got {_desc(on_loss)}")
-    return StateSpec(url, prefix, lease, on_loss=str(on_loss))
+        errs.add(PolicyError(f"{path}.on_loss", f"must be one of {', '.join(ON_LOSS)}, got {_desc(on_loss)}"))
+    errs.raise_any()
+    return StateSpec(url, str(prefix), cast(float, lease), on_loss=str(on_loss))
 
 
 def _server(v: object, path: str, pools: Mapping[str, PoolSpec]) -> ServerSpec:
+    errs = _Collect()
     keys = ("header_timeout_seconds", "body_timeout_seconds", "idle_timeout_seconds", "send_timeout_seconds",
             "max_connections", "max_header_bytes", "max_body_bytes")
-    d = _section(v, path, (*keys, "pools"))
+    d = _section(v, path, (*keys, "pools"), errs)
     dflt = ServerSpec()
     kw: dict[str, Any] = {}
     for k in keys:
         if _opt(d, k) is None:
             continue
         if k.endswith("_seconds"):
-            kw[k] = _number(d[k], f"{path}.{k}")
+            kw[k] = errs.check(_number, d[k], f"{path}.{k}")
         else:
-            kw[k] = _integer(d[k], f"{path}.{k}", 1024 if k.endswith("_bytes") else 1)
+            kw[k] = errs.check(_integer, d[k], f"{path}.{k}", 1024 if k.endswith("_bytes") else 1)
     per_pool: dict[str, int] = {}
-    if _opt(d, "pools") is not None:
-        pp = d["pools"]
-        if not isinstance(pp, dict):
-            raise PolicyError(f"{path}.pools", f"must be a mapping of pool names to settings, got {_desc(pp)}")
+    pp = d.get("pools")
+    if pp is not None and not isinstance(pp, dict):
+        errs.add(PolicyError(f"{path}.pools", f"must be a mapping of pool names to settings, got {_desc(pp)}"))
+    elif pp is not None:
         for name, sv in pp.items():
+            sp = f"{path}.pools.{name}"
             if name not in pools:
-                raise PolicyError(f"{path}.pools.{name}", f"unknown pool (pools: {', '.join(pools)})")
-            sd = _section(sv, f"{path}.pools.{name}", ("max_body_bytes",))
-            if _opt(sd, "max_body_bytes") is not None:
-                per_pool[name] = _integer(sd["max_body_bytes"], f"{path}.pools.{name}.max_body_bytes", 1024)
+                errs.add(PolicyError(sp, f"unknown pool (pools: {', '.join(pools)})"))
+                continue
+            sd = errs.check(_section, sv, sp, ("max_body_bytes",), errs)
+            limit = _opt_check(errs, sd or {}, "max_body_bytes", sp, _integer, 1024)
+            if limit is not None:
+                per_pool[name] = limit
+    errs.raise_any()
     return ServerSpec(**{**{k: getattr(dflt, k) for k in keys}, **kw}, pool_max_body_bytes=MappingProxyType(per_pool))
 
 
 def _metrics(v: object, path: str) -> MetricsSpec:
-    d = _section(v, path, ("window_seconds", "max_org_series"))
+    errs = _Collect()
+    d = _section(v, path, ("window_seconds", "max_org_series"), errs)
     dflt = MetricsSpec()
-    window = (_number(d["window_seconds"], f"{path}.window_seconds", minimum=1.0, strict_min=False)
-              if _opt(d, "window_seconds") is not None else dflt.window_seconds)
-    most = (_integer(d["max_org_series"], f"{path}.max_org_series")
-            if _opt(d, "max_org_series") is not None else dflt.max_org_series)
-    return MetricsSpec(window, most)
+    window = _opt_check(errs, d, "window_seconds", path, _number, default=dflt.window_seconds, minimum=1.0,
+                        strict_min=False)
+    most = _opt_check(errs, d, "max_org_series", path, _integer, default=dflt.max_org_series)
+    errs.raise_any()
+    return MetricsSpec(cast(float, window), cast(int, most))

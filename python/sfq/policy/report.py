@@ -4,6 +4,7 @@ otherwise (the base install has no rich)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from .config import OrgSpec, Policy
@@ -137,7 +138,7 @@ def policy_tables(policy: Policy, *, every_flow: bool = False) -> list[Table]:
     elif policy.state is not None:
         st = policy.state
         other.append(["state", f"redis {st.redis} prefix {st.prefix!r} lease {st.lease_seconds:g} s "
-                               "(shared by sfq serve replicas; the in-process library keeps its state in memory)"])
+                               "(shared by every sfq serve and PolicyDispatcher started with this file)"])
     return [
         ("Flows (org, class, pool): weight = org x class; share = of the pool's weighted capacity when all are busy"
          + ("" if every_flow else "; the largest and smallest shares of each pool (--flows lists every one)"),
@@ -226,14 +227,8 @@ def startup_checks(policy: Policy, *, redis_timeout: float = 1.0) -> tuple[list[
     empty here (``sfq serve`` refuses to start). Warnings: a ``state`` Redis that does not answer
     a PING within ``redis_timeout`` seconds, or the ``redis`` package missing (``sfq serve``
     starts, and answers 503 ``state_unavailable`` until Redis answers)."""
-    import os
-
-    errors: list[str] = []
-    for pool in policy.pools.values():
-        for i, b in enumerate(pool.backends):
-            if b.api_key_env is not None and not os.environ.get(b.api_key_env):
-                errors.append(f"pools.{pool.name}.backends[{i}].api_key_env: the environment variable "
-                              f"{b.api_key_env!r} is not set (or empty); sfq serve refuses to start")
+    errors = _unset_keys((f"pools.{pool.name}.backends[{i}].api_key_env", b.api_key_env)
+                         for pool in policy.pools.values() for i, b in enumerate(pool.backends))
     warnings: list[str] = []
     if policy.state is not None and policy.state.redis is not None:
         url = policy.state.redis
@@ -254,30 +249,71 @@ def startup_checks(policy: Policy, *, redis_timeout: float = 1.0) -> tuple[list[
     return errors, warnings
 
 
+def _unset_keys(envs: Iterable[tuple[str, str | None]]) -> list[str]:
+    """``field.path: problem`` for each ``(field path, environment variable)`` whose variable
+    is unset or empty here (``None``: the backend has no key)."""
+    import os
+
+    return [f"{where}: the environment variable {env!r} is not set (or empty); sfq serve refuses to start"
+            for where, env in envs if env is not None and not os.environ.get(env)]
+
+
+def _raw_key_envs(text: str) -> list[tuple[str, str | None]]:
+    """The backends' ``api_key_env`` of a policy file that does not validate, read from its
+    plain YAML as far as it goes (nothing when that is not YAML either), so that ``check-config``
+    names an unset variable along with the file's errors."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return []
+    pools = data.get("pools") if isinstance(data, dict) else None
+    out: list[tuple[str, str | None]] = []
+    for name, pool in (pools.items() if isinstance(pools, dict) else ()):
+        backends = pool.get("backends") if isinstance(pool, dict) else None
+        for i, b in enumerate(backends if isinstance(backends, list) else ()):
+            env = b.get("api_key_env") if isinstance(b, dict) else None
+            if isinstance(env, str) and env:
+                out.append((f"pools.{name}.backends[{i}].api_key_env", env))
+    return out
+
+
 def check_config(path: str, *, plain: bool = False, every_flow: bool = False) -> int:
     """``sfq check-config FILE``: 0 and the tables on stdout when the file is valid; 1 and
     every error (``FILE: field.path: problem``, one per line) on stderr when it is not, or when
-    ``sfq serve`` would refuse it at start-up (:func:`startup_checks`); 2 when it cannot be
-    read. Warnings (an unreachable Redis) go to stderr and leave the status 0. ``every_flow``
-    (``--flows``): every flow and org, not the summary."""
+    ``sfq serve`` would refuse it at start-up (:func:`startup_checks`; an unset ``api_key_env``
+    is named along with the file's own errors), with a last line saying how many and, when a
+    check needed a bad field, that more may follow once they are fixed; 2 when it cannot be
+    read. A YAML syntax error names the file's line. Warnings (an unreachable Redis) go to
+    stderr and leave the status 0. ``every_flow`` (``--flows``): every flow and org, not the
+    summary."""
     import sys
+    from pathlib import Path
 
     from ..errors import PolicyError
-    from .config import PolicyErrors, load_policy
+    from .config import PolicyErrors, parse_policy
 
     try:
-        policy = load_policy(path)
-    except PolicyErrors as exc:
-        for e in exc.errors:
-            sys.stderr.write(f"sfq check-config: {path}: {e}\n")
-        sys.stderr.write(f"sfq check-config: {path}: {len(exc.errors)} errors\n")
-        return 1
-    except PolicyError as exc:
-        sys.stderr.write(f"sfq check-config: {path}: {exc}\n")
-        return 1
+        text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         sys.stderr.write(f"sfq check-config: cannot read {path}: {exc}\n")
         return 2
+    try:
+        policy = parse_policy(text, source=path)
+    except PolicyError as exc:
+        if not exc.path and str(exc).startswith(f"{path}, line "):  # a YAML syntax error, naming the file itself
+            sys.stderr.write(f"sfq check-config: {exc}\n")
+            return 1
+        errors = [str(e) for e in (exc.errors if isinstance(exc, PolicyErrors) else [exc])]
+        errors += _unset_keys(_raw_key_envs(text))
+        for line in errors:
+            sys.stderr.write(f"sfq check-config: {path}: {line}\n")
+        unchecked = exc.unchecked if isinstance(exc, PolicyErrors) else []
+        sys.stderr.write(f"sfq check-config: {path}: {len(errors)} error{'s' if len(errors) != 1 else ''}"
+                         + ("; more may follow once these are fixed, from what could not be checked yet: "
+                            + "; ".join(unchecked) if unchecked else "") + "\n")
+        return 1
     errors, warnings = startup_checks(policy)
     for w in warnings:
         sys.stderr.write(f"sfq check-config: {path}: warning: {w}\n")
