@@ -138,7 +138,9 @@ def policy_tables(policy: Policy, *, every_flow: bool = False) -> list[Table]:
     elif policy.state is not None:
         st = policy.state
         other.append(["state", f"redis {st.redis} prefix {st.prefix!r} lease {st.lease_seconds:g} s "
-                               "(shared by every sfq serve and PolicyDispatcher started with this file)"])
+                               "(shared by every sfq serve and PolicyDispatcher started with this file); "
+                               + ("Redis lost: each gateway goes on alone within its slice of every limit"
+                                  if st.on_loss == "local" else "Redis lost: 503 state_unavailable")])
     return [
         ("Flows (org, class, pool): weight = org x class; share = of the pool's weighted capacity when all are busy"
          + ("" if every_flow else "; the largest and smallest shares of each pool (--flows lists every one)"),
@@ -226,7 +228,8 @@ def startup_checks(policy: Policy, *, redis_timeout: float = 1.0) -> tuple[list[
     each a ``field.path: problem`` line. Errors: a backend's ``api_key_env`` that is unset or
     empty here (``sfq serve`` refuses to start). Warnings: a ``state`` Redis that does not answer
     a PING within ``redis_timeout`` seconds, or the ``redis`` package missing (``sfq serve``
-    starts, and answers 503 ``state_unavailable`` until Redis answers)."""
+    starts, and answers 503 ``state_unavailable`` until Redis answers: until it has seen Redis
+    once, a gateway does not know how many share the limits)."""
     errors = _unset_keys((f"pools.{pool.name}.backends[{i}].api_key_env", b.api_key_env)
                          for pool in policy.pools.values() for i, b in enumerate(pool.backends))
     warnings: list[str] = []
