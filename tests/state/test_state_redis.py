@@ -490,3 +490,51 @@ async def test_on_loss_refuse_or_no_gateway_ever_named_refuses(prefix: str):
         up.stop()
     with pytest.raises(PolicyError, match=r"state\.on_loss.*local, refuse.*'sometimes'"):
         _policy("redis://127.0.0.1:1/0", prefix, on_loss="sometimes")
+
+
+async def test_alone_each_gateway_spends_at_most_its_part_of_what_was_left_of_a_budget(prefix: str):
+    r = RedisServer(free_port()).start()
+    up = Upstream(delay=0.0).start()
+    pol = parse_policy(f"""
+pools:
+  p:
+    models: [m]
+    backends: [{{url: "{up.url}", max_in_flight: 16}}]
+    prices: {{input: 0, output: 1000000}}
+classes:
+  batch: {{weight: 1}}
+orgs:
+  a: {{keys: [ka], classes: [batch], budget: {{amount: 10, per: day}}}}
+  b: {{keys: [kb], classes: [batch], budget: {{amount: 10, per: day}}}}
+state: {{redis: "{r.url}", prefix: "{prefix}", lease_seconds: 1}}
+""")
+    one = {"model": "m", "prompt": "x", "max_tokens": 1}  # costs exactly 1
+    try:
+        pds = [PolicyDispatcher(pol), PolicyDispatcher(pol)]
+        for pd in pds:
+            await pd.start()
+        try:
+            for pd in pds:  # 2 of a's 10 spent, each gateway saw its budget
+                await pd.submit("ka", one)
+            await _until(lambda: all(pd.state.stats()["gateways"] == 2 for pd in pds), "both gateways to be named")
+            r.stop()
+            await _until(lambda: all(pd.state.degraded for pd in pds), "both gateways to go on alone")
+            ok = refused = 0
+            for i in range(20):
+                try:
+                    await pds[i % 2].submit("ka", one)
+                    ok += 1
+                except Refused as exc:
+                    assert exc.reason == "budget_exhausted", exc
+                    refused += 1
+            # together never past the 8 left (each its half of what it last saw left: 8 or 9)
+            assert 6 <= ok <= 8 and ok + refused == 20
+            with pytest.raises(Refused) as ei:  # b's budget was never seen: what is left is unknown here
+                await pds[0].submit("kb", one)
+            assert ei.value.reason == "state_unavailable" and "budget" in str(ei.value)
+        finally:
+            for pd in pds:
+                await pd.close()
+    finally:
+        up.stop()
+        r.stop()

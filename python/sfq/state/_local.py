@@ -121,7 +121,7 @@ class LocalOrder:
                 d = self._sched.peek()
                 if d is None:
                     return None
-                member = d.item
+                member = str(d.item)
                 if fits(member):
                     self._sched.dispatch()
                     self._sched.work_started(d.flow)  # its work keeps the busy period open (and its meter)

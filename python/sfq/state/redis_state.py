@@ -1048,12 +1048,12 @@ class RedisState(SharedState):
             raise self._unavailable()
         part = self._budget_slice.get(key)
         if part is None:
-            left = self._budget_left.get(key)
-            if left is None:
+            seen = self._budget_left.get(key)
+            if seen is None:
                 raise Refused("state_unavailable", f"the gateways' shared state cannot be used ({self.reason}) and "
                                                    f"this gateway has not seen org {hold.org!r}'s budget for "
                                                    f"{hold.key} yet: what is left of it is unknown here")
-            part = self._budget_slice[key] = max(0.0, left) / self._slices().n
+            part = self._budget_slice[key] = max(0.0, seen) / self._slices().n
         if hold.amount > part or (hold.amount <= 0 and part <= 0):
             return False
         self._budget_slice[key] = part - hold.amount
