@@ -140,3 +140,33 @@ def test_redis_lost_for_10_s_fails_no_request_breaks_no_limit_and_keeps_the_shar
     if rep.health_in_outage != [(200, "degraded")] * REDIS_LOST.gateways:
         failed.append(f"/health in the outage: {rep.health_in_outage} (want 200 degraded from each gateway)")
     assert not failed, "\n".join(failed) + "\n" + rep.summary()
+
+
+#: issue 41's other fault: one of three gateways SIGKILLed 5 s into the load and started again
+#: 3 s later on its port (a load balancer sends its clients elsewhere meanwhile); lease 2 s
+GATEWAY_KILLED = Scenario("weighted-3-gateway-killed", weighted_orgs(tokens=200, clients=5), gateways=3,
+                          routing=ALTERNATING, speeds=(2.0, 1.0), warmup=WARMUP, seconds=20.0, window=5.0,
+                          gateway_kill=(1, 5.0, 3.0), lease=2.0)
+
+
+def test_a_gateway_killed_costs_only_the_requests_in_its_hands(request: pytest.FixtureRequest) -> None:
+    SCENARIOS[GATEWAY_KILLED.name] = GATEWAY_KILLED
+    rep = _report(GATEWAY_KILLED.name, request)
+    failed = []
+    lost = [rid for rid, o in rep.outcomes.items() if o[2] != 200]
+    elsewhere = [rid for rid in lost if rep.outcomes[rid][1] != 1]
+    if elsewhere:
+        failed.append(f"requests failed at gateways that were not killed: {elsewhere[:5]}")
+    if len(lost) > rep.killed_in_hands:
+        failed.append(f"{len(lost)} requests failed, the killed gateway held {rep.killed_in_hands}")
+    if not rep.rerouted:
+        failed.append("no request was sent elsewhere while the gateway was down (the fault did not happen?)")
+    for org, share in rep.shares.items():
+        want = rep.expected[org]
+        if abs(share - want) * 100 > WITHIN_EXPECTED:
+            failed.append(f"{org} got {share:.1%} of the delivered service, its share is {want:.1%}")
+    # from 10 s after the restart (the last window): every org within 5 points of its share
+    for org, share in rep.window_shares[-1].items():
+        if abs(share - rep.expected[org]) * 100 > WITHIN_EXPECTED:
+            failed.append(f"last window: {org} got {share:.1%}, its share is {rep.expected[org]:.1%}")
+    assert not failed, "\n".join(failed) + "\n" + rep.summary() + f"; lost {len(lost)} of {rep.killed_in_hands}"

@@ -66,6 +66,11 @@ class Scenario:
     #: ``(at, for)``: Redis stopped ``at`` seconds into the load, restarted (empty) ``for``
     #: seconds later; the gateways' ``/health`` is read in the middle of the outage
     redis_outage: tuple[float, float] | None = None
+    #: ``(gateway, at, for)``: that gateway SIGKILLed ``at`` seconds into the load, started
+    #: again on its port ``for`` seconds later (a load balancer sends its clients to the
+    #: next gateway meanwhile)
+    gateway_kill: tuple[int, float, float] | None = None
+    lease: float = 10.0  # the state's lease_seconds: a killed gateway's slots come back within this
 
     @property
     def uses_redis(self) -> bool:
@@ -113,6 +118,12 @@ class Report:
     slots: int = 0
     #: the gateways' ``/health`` (status code, ``status``) in the middle of a Redis outage
     health_in_outage: list[tuple[int, str]] = field(default_factory=list)
+    #: a gateway killed: the requests it held at that moment (sent, not answered), and the
+    #: requests a load balancer sent elsewhere because a gateway refused the connection
+    killed_in_hands: int = 0
+    rerouted: int = 0
+    #: request id -> (org, gateway index, status, message)
+    outcomes: dict[str, tuple[str, int, int, str]] = field(default_factory=dict)
 
     def deviation_from(self, other: Report) -> float:
         """The largest |share here - share there| over the backlogged orgs, in points."""
@@ -242,23 +253,38 @@ async def _added_latency(direct: str, urls: Sequence[str], n: int) -> list[float
 LATENCY_ORG = OrgLoad("lat", "sk-lat", backlogged=False)
 
 
-def _faults(sc: Scenario, redis: RedisServer | None, gws: Sequence[Gateway],
-            health: list[tuple[int, str]]) -> list[threading.Timer]:
+def _faults(sc: Scenario, redis: RedisServer | None, gws: list[Gateway], cfg: Path, res: RunResult,
+            seen: dict[str, Any]) -> list[threading.Timer]:
     """The scenario's faults, on timers from now (the load's start): Redis stopped, restarted
-    empty; the gateways' ``/health`` read in the middle of the outage (into ``health``)."""
-    if sc.redis_outage is None:
-        return []
-    if redis is None:
-        raise ValueError(f"{sc.name}: a Redis outage needs the gateways to share Redis")
-    at, down = sc.redis_outage
+    empty, the gateways' ``/health`` read in the middle of the outage (``seen["health"]``); a
+    gateway SIGKILLed and started again on its port (``seen["in_hands"]``: the requests it
+    held when killed)."""
+    timers = []
+    if sc.redis_outage is not None:
+        if redis is None:
+            raise ValueError(f"{sc.name}: a Redis outage needs the gateways to share Redis")
+        at, down = sc.redis_outage
 
-    def read() -> None:
-        for g in gws:
-            code, body = g.health()
-            health.append((code, str(body.get("status"))))
+        def read() -> None:
+            for g in gws:
+                code, body = g.health()
+                seen["health"].append((code, str(body.get("status"))))
 
-    timers = [threading.Timer(at, redis.stop), threading.Timer(at + down / 2, read),
-              threading.Timer(at + down, redis.start)]
+        timers += [threading.Timer(at, redis.stop), threading.Timer(at + down / 2, read),
+                   threading.Timer(at + down, redis.start)]
+    if sc.gateway_kill is not None:
+        i, at, down = sc.gateway_kill
+
+        def kill() -> None:
+            seen["in_hands"] = res.in_hands.get(i, 0)  # (read first: those failing as it dies leave it)
+            gws[i].kill()
+
+        def restart() -> None:
+            port = int(gws[i].url.rsplit(":", 1)[1])
+            gws[i] = Gateway(cfg, wait=False, grace=1.0, port=port)
+            gws[i].listen()
+
+        timers += [threading.Timer(at, kill), threading.Timer(at + down, restart)]
     for t in timers:
         t.daemon = True
         t.start()
@@ -281,13 +307,13 @@ def run_scenario(sc: Scenario, *, redis: RedisServer | None = None, workdir: Pat
     assert where is not None
     fleet = Fleet(sc.speeds, slots=sc.slots, unit=sc.unit, chunk=sc.chunk).start()
     gws: list[Gateway] = []
-    health: list[tuple[int, str]] = []
+    seen: dict[str, Any] = {"health": [], "in_hands": 0}
     try:
         cfg = where / f"{sc.name}-{uuid.uuid4().hex[:6]}.yaml"
         all_orgs = list(orgs) + ([LATENCY_ORG] if latency_requests else [])
         cfg.write_text(policy_text([e.url for e in fleet.engines], all_orgs, slots=sc.slots, charge=sc.charge,
                                    redis=redis.url if sc.uses_redis and redis is not None else None,
-                                   prefix=f"fleet-{uuid.uuid4().hex[:8]}:"))
+                                   prefix=f"fleet-{uuid.uuid4().hex[:8]}:", lease=sc.lease))
         gws = [Gateway(cfg, wait=False, grace=1.0) for _ in range(sc.gateways)]
         urls = [g.listen() for g in gws]
         added: list[float] = []
@@ -298,9 +324,10 @@ def run_scenario(sc: Scenario, *, redis: RedisServer | None = None, workdir: Pat
             fleet.served_ids.clear()
             for e in fleet.engines:
                 e.served = 0
-        faults = _faults(sc, redis, gws, health)
+        res = RunResult(0.0, 0.0, fleet.log)
+        faults = _faults(sc, redis, gws, cfg, res, seen)
         try:
-            res = asyncio.run(run_workload(urls, orgs, sc.warmup + sc.seconds, fleet.log))
+            asyncio.run(run_workload(urls, orgs, sc.warmup + sc.seconds, fleet.log, result=res))
         finally:
             for t in faults:
                 t.cancel()
@@ -315,7 +342,10 @@ def run_scenario(sc: Scenario, *, redis: RedisServer | None = None, workdir: Pat
         if tmp is not None:
             tmp.cleanup()
     rep = measure(sc, orgs, res, fleet, "redis" if sc.uses_redis else "memory")
-    rep.health_in_outage = health
+    rep.health_in_outage = seen["health"]
+    rep.killed_in_hands = seen["in_hands"]
+    rep.rerouted = res.rerouted
+    rep.outcomes = dict(res.outcomes)
     if latency_requests:
         rep.added_latency = added  # type: ignore[attr-defined]
     return rep

@@ -78,9 +78,10 @@ class Gateway:
     returns at once (start several, then :meth:`listen` on each): ``url`` is empty until then."""
 
     def __init__(self, config: Path, *, wait: bool = True, grace: float = 2.0,
-                 extra: Sequence[str] = ("--access-log", "off"), env: dict[str, str] | None = None) -> None:
-        cmd = [sys.executable, "-m", "sfq", "serve", "--config", str(config), "--port", "0", "--grace", str(grace),
-               *extra]
+                 extra: Sequence[str] = ("--access-log", "off"), env: dict[str, str] | None = None,
+                 port: int = 0) -> None:
+        cmd = [sys.executable, "-m", "sfq", "serve", "--config", str(config), "--port", str(port), "--grace",
+               str(grace), *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      env=None if env is None else {**os.environ, **env})
         self.err: list[str] = []

@@ -249,12 +249,30 @@ class RunResult:
     duplicates: list[str] = field(default_factory=list)
     #: (org, gateway index) -> requests sent
     per_gateway: dict[tuple[str, int], int] = field(default_factory=dict)
+    #: gateway index -> requests it holds now (sent, not answered): what a gateway killed now
+    #: takes down with it
+    in_hands: dict[int, int] = field(default_factory=dict)
+    #: requests a load balancer sent to the next gateway: their own refused the connection
+    rerouted: int = 0
 
 
 def _prompt(org: OrgLoad, use: int, rid: str = "") -> str:
     head = (f"org={org.name} use={use}" + (f" req={rid}" if rid else "")
             + (f" cache={org.cached}" if org.cached else "") + " |")
     return head + " " + "p" * max(0, org.prompt_chars - len(head) - 1)
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether the gateway refused the connection (nothing was sent: a load balancer tries the
+    next one), by the client library's exception chain (its HTTP library's ``ConnectError``)."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, ConnectionRefusedError) or type(seen).__name__ == "ConnectError":
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _outcome(exc: BaseException) -> tuple[int, str]:
@@ -266,13 +284,16 @@ def _outcome(exc: BaseException) -> tuple[int, str]:
 
 
 async def run_workload(base_url: str | Sequence[str], orgs: Sequence[OrgLoad], seconds: float,
-                       log: list[tuple[float, str, float]], model: str = "m") -> RunResult:
+                       log: list[tuple[float, str, float]], model: str = "m", *,
+                       result: RunResult | None = None) -> RunResult:
     """Drive ``orgs`` against the gateway(s) at ``base_url`` (one URL or a list: see the module
-    docstring for the routing) for ``seconds``, then wait (bounded) for what is still running."""
+    docstring for the routing) for ``seconds``, then wait (bounded) for what is still running.
+    ``result``: the (empty) result to fill, for a caller that watches it while the load runs."""
     import openai
 
     urls = [base_url] if isinstance(base_url, str) else list(base_url)
-    res = RunResult(time.monotonic(), 0.0, log)
+    res = RunResult(time.monotonic(), 0.0, log) if result is None else result
+    res.start, res.log = time.monotonic(), log
     end = res.start + seconds
     clients = {(o.name, g): openai.AsyncOpenAI(base_url=u + "/v1", api_key=o.key, max_retries=0, timeout=LIMIT)
                for o in orgs for g, u in enumerate(urls)}
@@ -301,38 +322,58 @@ async def run_workload(base_url: str | Sequence[str], orgs: Sequence[OrgLoad], s
         rid = f"{o.name}.{res.sent[o.name]}"
         prompt = _prompt(o, use, rid)
         headers = {"X-SFQ-Class": o.cls} if o.cls else {}
-        c = clients[(o.name, g)]
         res.sent[o.name] += 1
-        res.per_gateway[(o.name, g)] += 1
         t0 = time.monotonic()
         try:
-            if stream:
-                if k % 4 < 2:
-                    s = await c.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                                        max_tokens=o.max_tokens, stream=True, extra_headers=headers)
-                else:
-                    s = await c.completions.create(model=model, prompt=prompt, max_tokens=o.max_tokens, stream=True,
-                                                   extra_headers=headers)
-                first = True
-                async for _ in s:
-                    if first:
-                        res.ttft[o.name].append(time.monotonic() - t0)
-                        res.ttft_sent[o.name].append(t0)
-                        if started is not None:
-                            started.set()
-                        first = False
-            else:
-                await c.completions.create(model=model, prompt=prompt, max_tokens=o.max_tokens,
-                                           extra_headers=headers)
-            res.ok[o.name] += 1
-            record(rid, (o.name, g, 200, ""))
-        except Exception as exc:  # recorded: the tests assert on them
-            res.errors[o.name].append(f"{type(exc).__name__}: {exc}")
-            status, message = _outcome(exc)
-            record(rid, (o.name, g, status, message))
+            for tried in range(len(urls)):  # a load balancer: a gateway that refuses connections is skipped
+                res.per_gateway[(o.name, g)] += 1
+                res.in_hands[g] = res.in_hands.get(g, 0) + 1
+                try:
+                    await attempt(o, clients[(o.name, g)], k, stream, prompt, headers, t0, started)
+                    res.ok[o.name] += 1
+                    record(rid, (o.name, g, 200, ""))
+                    return
+                except openai.APIConnectionError as exc:
+                    if _refused(exc) and tried + 1 < len(urls):
+                        res.per_gateway[(o.name, g)] -= 1
+                        res.rerouted += 1
+                        g = (g + 1) % len(urls)
+                        continue
+                    fail(o, rid, g, exc)
+                    return
+                except Exception as exc:  # recorded: the tests assert on them
+                    fail(o, rid, g, exc)
+                    return
+                finally:
+                    res.in_hands[g] -= 1
         finally:
             if started is not None:
                 started.set()
+
+    def fail(o: OrgLoad, rid: str, g: int, exc: BaseException) -> None:
+        res.errors[o.name].append(f"{type(exc).__name__}: {exc}")
+        status, message = _outcome(exc)
+        record(rid, (o.name, g, status, message))
+
+    async def attempt(o: OrgLoad, c: Any, k: int, stream: bool, prompt: str, headers: dict[str, str], t0: float,
+                      started: asyncio.Event | None) -> None:
+        if not stream:
+            await c.completions.create(model=model, prompt=prompt, max_tokens=o.max_tokens, extra_headers=headers)
+            return
+        if k % 4 < 2:
+            s = await c.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=o.max_tokens, stream=True, extra_headers=headers)
+        else:
+            s = await c.completions.create(model=model, prompt=prompt, max_tokens=o.max_tokens, stream=True,
+                                           extra_headers=headers)
+        first = True
+        async for _ in s:
+            if first:
+                res.ttft[o.name].append(time.monotonic() - t0)
+                res.ttft_sent[o.name].append(t0)
+                if started is not None:
+                    started.set()
+                first = False
 
     async def closed(o: OrgLoad, i: int) -> None:
         k = i
