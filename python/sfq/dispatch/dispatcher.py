@@ -97,11 +97,21 @@ class DispatchRecord(NamedTuple):
 _MADE = 4096
 
 
-def _json_key(flow: Hashable) -> str | int | float | bool | None:
-    """A flow id as a ``stats()`` key that ``json.dumps`` takes (other ids: their ``str``)."""
+def _json_key(flow: Hashable) -> str:
+    """A flow id (or a pool's model) as a ``stats()`` key: a string, as ``json.dumps`` writes a
+    key (``None``: ``"null"``, ``True``: ``"true"``, ``1``: ``"1"``, ``2.5``: ``"2.5"``); other
+    ids, their ``str``. So ``stats()`` is JSON whatever the ids (``orjson`` takes only str keys)."""
     if type(flow) is _Id:
         flow = flow.id
-    return flow if flow is None or isinstance(flow, (str, int, float, bool)) else str(flow)
+    if type(flow) is str:
+        return flow
+    if flow is None or isinstance(flow, bool):
+        return {None: "null", True: "true", False: "false"}[flow]
+    if isinstance(flow, float):
+        return float.__repr__(flow)
+    if isinstance(flow, int):
+        return int.__repr__(flow)
+    return str(flow)
 
 
 #: flow ids whose hash and equality are the interpreter's own (and a tuple of them): the engine
@@ -415,9 +425,11 @@ class Dispatcher(PolicyDispatcher):
 
     def stats(self) -> dict[str, Any]:
         """:meth:`PolicyDispatcher.stats` (``pools``, ``backends``; JSON-serialisable), with
-        ``flows`` keyed by the caller's flow ids (ids that are not a str, number, bool or
-        ``None``: their ``str``): ``waiting``, ``held`` (first in line, waiting aside,
-        uncharged, for a backend that fits), ``in_flight``, ``dispatched`` (attempts started),
+        ``flows`` keyed by the caller's flow ids as strings (as ``json.dumps`` writes a key:
+        ``1`` as ``"1"``, ``None`` as ``"null"``; any other id that is not a str: its ``str``),
+        and ``pools`` by model (the default pool: ``"null"``). A flow's row: ``waiting``,
+        ``held`` (first in line, waiting aside, uncharged, for a backend that fits),
+        ``in_flight``, ``dispatched`` (attempts started),
         ``completed``, ``failed`` (after the retries), ``retried``, ``cancelled`` (before
         start, uncharged), ``aborted`` (while running), ``rejected`` (the dispatcher closed),
         ``unavailable`` (no healthy backend for ``unavailable_timeout``), ``expired`` (the
@@ -427,21 +439,21 @@ class Dispatcher(PolicyDispatcher):
         flows with no row (by reason). Its cost grows with the number of flows."""
         s = super().stats()
         t = self.tally
-        flows: dict[Any, Any] = {}
+        flows: dict[str, Any] = {}
         for f, row in list(t.rows.items()):
             flows[_json_key(f)] = t.row(f, self._held(f) if row.waiting else 0)
         s["flows"] = flows
         s["refused_other"] = dict(t.refused_other)
         s.pop("unclassified", None)
-        by_model = {}
+        by_model: dict[str, Any] = {}
         for m, name in self._pool_names.items():
             p = s["pools"][name]
             q = self.engine.queues[name]
             p["held"] = len(q.aside) + int(q.stalled is not None and q.stalled.state == "waiting")
             p["waiting"] -= p["held"]
             p["healthy"] = sum(b["healthy"] for b in p["backends"].values())
-            by_model[m] = p
-        s["pools"] = by_model  # keyed by model (None: the default pool), as the fleet was given
+            by_model[_json_key(m)] = p
+        s["pools"] = by_model  # keyed by model ("null": the default pool), as the fleet was given
         model_of = {name: m for m, name in self._pool_names.items()}
         for b in s["backends"].values():
             b["model"] = model_of[b["pool"]]
