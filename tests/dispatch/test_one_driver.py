@@ -690,3 +690,41 @@ async def test_stats_has_string_keys_whatever_the_flow_ids(fake: FakeServer) -> 
         async with pd.acquire(sfq.Flow("acme", "batch", "p"), cost=2.0):
             pass
         orjson.dumps(pd.stats())
+
+
+async def test_flows_served_once_cost_nothing_once_idle(fake: FakeServer) -> None:
+    """20,000 made-up flow ids, each served once (a permit), then idle past the retry window
+    and ``forget_idle_after``: the Dispatcher forgets them (retry budgets, stats rows, the
+    core's meters, its memo of ids), measured with tracemalloc on an injected clock (it used
+    to keep ~9 MB even with ``max_flow_stats=1000``, ~29 MB by default)."""
+    now = [0.0]
+    d = sfq.Dispatcher([OpenAIBackend(fake.url, name=BACKEND, max_in_flight=4)], health=HEALTH,
+                       clock=lambda: now[0])
+    async with d:
+        for i in range(100):
+            async with d.acquire(f"warm-{i}", cost=5.0):
+                pass
+        now[0] += 1000.0
+        d.forget_idle()
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for i in range(20_000):
+                async with d.acquire(f"made-up-{i}", cost=5.0):
+                    pass
+                now[0] += 0.001
+            assert len(d.stats()["flows"]) == 20_000  # recent: kept
+            now[0] += 61.0  # idle past the window and forget_idle_after
+            assert d.forget_idle() >= 40_000  # their retry budgets and their rows
+            gc.collect()
+            growth = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        print(f"\ntracemalloc growth for 20,000 flows served once, once idle: {growth} bytes")
+        assert d.stats()["flows"] == {} and d.tally.forgotten >= 20_000
+        assert d.scheduler_of(None).known_flows == 0
+        assert growth < 2 << 20
+        async with d.acquire("made-up-7", cost=5.0):  # a forgotten flow comes back as a fresh one
+            pass
+        assert d.flow_stats("made-up-7")["completed"] == 1

@@ -203,6 +203,11 @@ class Dispatcher(PolicyDispatcher):
         first; flows with work in progress are always kept).
     close_grace:
         seconds ``close()`` lets running requests finish.
+    forget_idle_after:
+        seconds after which a flow with nothing waiting or running has its ``stats()`` row
+        forgotten (default 60; ``None``: only beyond ``max_flow_stats``): with the engine's own
+        forgetting (:meth:`forget_idle`, on a timer), a flow id seen once costs nothing after
+        about a minute.
     """
 
     def __init__(
@@ -223,6 +228,7 @@ class Dispatcher(PolicyDispatcher):
         wait_window: int = 10_000,
         max_flow_stats: int = 100_000,
         close_grace: float = 30.0,
+        forget_idle_after: float | None = 60.0,
     ) -> None:
         fleet: list[Backend] = [OpenAIBackend(b) if isinstance(b, str) else b for b in backends]
         if not fleet:
@@ -242,6 +248,10 @@ class Dispatcher(PolicyDispatcher):
             if isinstance(n, bool) or not isinstance(n, int) or n < low:
                 raise ValueError(f"{what} must be an integer >= {low}{' or None' if what == 'max_queue_length' else ''}"
                                  f", got {n!r}")
+        fa = forget_idle_after
+        if fa is not None and (isinstance(fa, bool) or not isinstance(fa, (int, float)) or not (
+                fa > 0 and math.isfinite(fa))):
+            raise ValueError(f"forget_idle_after must be a finite number of seconds > 0 or None, got {fa!r}")
         u = unavailable_timeout
         if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not (u > 0 and math.isfinite(u))):
             raise ValueError(f"unavailable_timeout must be a finite number > 0 or None, got {u!r}")
@@ -260,7 +270,8 @@ class Dispatcher(PolicyDispatcher):
             classes=MappingProxyType({DEFAULT_CLASS: cls}), orgs=MappingProxyType({}),
             cost=CostSpec(e.input_weight, e.output_weight, e.default_max_tokens, e.prior_ratio, charge),
             retry=RetrySpec(max_attempts=max_attempts), source="<sfq.Dispatcher>")
-        self.tally = FlowTally(max_flow_stats, wait_window)
+        self.tally = FlowTally(max_flow_stats, wait_window, clock)
+        self.forget_idle_after = None if fa is None else float(fa)
         super().__init__(policy, backends={b.name: b for b in fleet}, clock=clock, estimator=e,
                          health=health if health is not None else HealthOptions(), close_grace=close_grace, rng=rng,
                          scheduler=scheduler, metrics=self.tally)  # type: ignore[arg-type]
@@ -327,6 +338,15 @@ class Dispatcher(PolicyDispatcher):
             k = _Id(flow)
             ids[flow] = k
         return k
+
+    def forget_idle(self) -> int:
+        """:meth:`PolicyDispatcher.forget_idle`, and the per-flow statistics (``stats()["flows"]``
+        rows) of flows idle for ``forget_idle_after`` seconds, and the memo of flow ids seen."""
+        n = super().forget_idle()
+        if self.forget_idle_after is not None:
+            n += self.tally.forget_idle(self.clock() - self.forget_idle_after)
+        self._made.clear()
+        return n
 
     def _checked(self, flow: Flow) -> Flow:
         return flow  # made by _flow: its org is the caller's id, its class and pool the fleet's (no refusal)

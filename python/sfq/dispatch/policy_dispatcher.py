@@ -180,6 +180,10 @@ def _check_cost(cost: object) -> None:
         raise InvalidCost(str(exc)) from None
 
 
+#: seconds between a started dispatcher's own ``forget_idle()`` runs (event-loop time)
+FORGET_EVERY = 30.0
+
+
 class PolicyDispatcher:
     """A policy file applied in front of a fleet: fair queueing, limits, retries and the charge
     of delivered service, for ``sfq serve`` and for embedders with their own server.
@@ -280,6 +284,7 @@ class PolicyDispatcher:
         self._timer = WakeTimer(self._pump, clock)
         self._drained: asyncio.Event | None = None
         self._started = False
+        self._forgetting: asyncio.TimerHandle | None = None  # the timer of forget_idle()
         self._closed = False
         self._pumping = False
         self._again = False
@@ -308,6 +313,25 @@ class PolicyDispatcher:
         await asyncio.gather(*(b.start() for b in self._backends.values()))
         for m in self._monitors.values():
             m.start()
+        self._forgetting = asyncio.get_running_loop().call_later(FORGET_EVERY, self._forget_tick)
+
+    def _forget_tick(self) -> None:
+        self._forgetting = None
+        if self._closed:
+            return
+        try:
+            self.forget_idle()
+        except Exception:  # (never the timer's end: memory is only an optimisation)
+            log.exception("sfq: forgetting idle flows failed")
+        self._forgetting = asyncio.get_running_loop().call_later(FORGET_EVERY, self._forget_tick)
+
+    def forget_idle(self) -> int:
+        """Forget what is kept of flows with nothing waiting or running and no recent activity
+        (``PolicyEngine.forget_idle``: their retry budgets after a minute; the core forgets a
+        meter once virtual time passes it); returns how many. Runs every ``FORGET_EVERY``
+        seconds by itself while the dispatcher is started; call it after moving an injected
+        clock. Nothing a decision needs is lost: a forgotten flow is a fresh one."""
+        return self.engine.forget_idle()
 
     async def close(self) -> None:
         """Refuse new requests; end every waiting one as refused (``closed``); let the running
@@ -316,6 +340,9 @@ class PolicyDispatcher:
         if self._closed:
             return
         self._closed = True
+        if self._forgetting is not None:
+            self._forgetting.cancel()
+            self._forgetting = None
         for r in self.engine.close():
             self._wake(r)
         for rid in list(self._waiters):  # those waiting out a retry's backoff end now
