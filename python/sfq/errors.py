@@ -38,6 +38,8 @@ __all__ = [
     "UnknownModel",
     "RequestTooLarge",
     "BadRequest",
+    "InvalidCost",
+    "InvalidCostType",
     "PolicyError",
     "Refused",
     "DeadlineExceeded",
@@ -340,6 +342,18 @@ class BadRequest(Refused, ValueError):
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__("bad_request", message)
         self.param = param
+
+
+class InvalidCost(BadRequest):
+    """A request's ``cost=`` (``acquire``, ``submit``, ``open_stream``, ``stream``) is not a
+    finite number > 0, or too large to charge: nothing was queued and nothing changed. A
+    :class:`BadRequest` (400, reason ``bad_request``), so still a ``ValueError``; its message
+    names the bad value, as the scheduler core's own check words it."""
+
+
+class InvalidCostType(InvalidCost, TypeError):
+    """A request's ``cost=`` is not a number (``"abc"``, ``True``): an :class:`InvalidCost`
+    (400) that is also a ``TypeError``, as the scheduler core raises for it."""
 
 
 class UnknownModel(Refused, LookupError):

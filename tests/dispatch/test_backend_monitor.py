@@ -102,14 +102,48 @@ async def test_transport_failures_in_a_row_and_a_refused_connection() -> None:
     m.replied("f", BackendUnavailable("reset"))
     m.replied("f", ValueError("the embedder's own transport failed"))  # not a BackendError: transport
     assert m.healthy
-    m.replied("f", BackendTimeout("slow"))
-    assert not m.healthy and heard.kinds() == ["down"]
+    m.replied("f", BackendTimeout("slow"))  # the driver's own calls: out at once
+    assert not m.healthy and heard.kinds() == ["down"] and m.confirmations == 0
     await m.close()
     heard2 = Heard()
     m2 = BackendMonitor(Fake(), heard2, HealthOptions(backoff=30, max_backoff=30))
     m2.replied("f", BackendUnavailable("refused", never_sent=True))
     assert not m2.healthy and "cannot connect" in str(heard2.events[0][1])
     await m2.close()
+
+
+async def test_reports_of_two_flows_take_it_out_at_once() -> None:
+    heard = Heard()
+    m = BackendMonitor(Fake(), heard, HealthOptions(transport_failures=3, backoff=30, max_backoff=30))
+    for flow in ("f", "g", "f"):
+        m.replied(flow, BackendUnavailable("the embedder's call failed"), True)
+    assert not m.healthy and heard.kinds() == ["down"] and m.confirmations == 0
+    await m.close()
+
+
+@pytest.mark.parametrize("kind", ["transport", "refused", "5xx"])
+async def test_one_flows_reports_never_take_it_out_unless_the_health_check_fails_too(kind: str) -> None:
+    """One tenant's reports (an embedder's ``grant.fail()`` is its word) meet a rule: the
+    monitor checks the backend once; it stays while the check passes, leaves if it fails."""
+    def fail() -> BaseException:
+        return {"transport": BackendTimeout("slow"), "refused": BackendUnavailable("refused", never_sent=True),
+                "5xx": e5xx()}[kind]
+
+    heard = Heard()
+    be = Fake()
+    be.ok = True
+    m = BackendMonitor(be, heard, HealthOptions(transport_failures=3, error_window=4, backoff=30, max_backoff=30))
+    for _ in range(12):
+        m.replied("f", fail(), True)
+        await until(lambda: m._confirm is None, "the health check to end")
+        assert m.healthy
+    assert heard.events == [] and be.checks == m.confirmations == {"transport": 4, "refused": 12, "5xx": 6}[kind]
+    be.ok = False
+    for _ in range(4):
+        m.replied("f", fail(), True)
+    await until(lambda: not m.healthy, "the failed check to take it out")
+    assert heard.kinds() == ["down"] and "health check failed too" in str(heard.events[0][1])
+    await m.close()
 
 
 async def test_4xx_and_a_streams_own_error_count_against_the_request_only() -> None:

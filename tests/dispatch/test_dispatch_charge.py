@@ -177,8 +177,8 @@ async def test_a_stalled_head_is_not_charged_while_it_waits(sched):
         smalls = [asyncio.create_task(d.submit("b", body(10))) for _ in range(2)]
         await settle()
         s = d.stats()
-        assert len(small.calls) == 0 and s["flows"]["a"]["held"] == 1 and s["pools"][None]["held"] == 1
-        assert s["pools"][None]["waiting"] == 2
+        assert len(small.calls) == 0 and s["flows"]["a"]["held"] == 1 and s["pools"]["null"]["held"] == 1
+        assert s["pools"]["null"]["waiting"] == 2
         assert meter(d, "a") == 0.0 and s["flows"]["a"]["charged_cost"] == 0.0  # waits uncharged
         assert s["flows"]["a"]["dispatched"] == 0
         large.release(0)

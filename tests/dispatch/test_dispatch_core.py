@@ -52,7 +52,7 @@ async def test_max_in_flight_and_least_loaded_placement(sched):
         # b1 at 0/2, b2 at 0/1 -> b1 (first, tie); then b1 1/2 = 0.5 vs b2 0 -> b2; then b1 -> full
         assert len(b1.calls) == 2 and len(b2.calls) == 1
         st = d.stats()
-        assert st["flows"]["f"]["waiting"] == 2 and st["pools"][None]["waiting"] == 2
+        assert st["flows"]["f"]["waiting"] == 2 and st["pools"]["null"]["waiting"] == 2
         b2.release(0)
         await settle()
         assert len(b2.calls) == 2 and len(b1.calls) == 2  # the freed slot took the next request
@@ -202,7 +202,7 @@ async def test_stall_by_default_when_the_head_fits_nowhere(sched):
         await settle()
         assert len(small.calls) == 0  # stalled behind the selected head
         s = d.stats()
-        assert s["flows"]["a"]["held"] == 1 and s["pools"][None]["held"] == 1
+        assert s["flows"]["a"]["held"] == 1 and s["pools"]["null"]["held"] == 1
         large.release(0)
         await settle()
         assert len(large.calls) == 2 and large.calls[1][1]["max_tokens"] == 1000
@@ -264,7 +264,7 @@ async def test_pools_per_model_and_default_pool(sched):
         bd.release(0)
         bd.release(1)
         await asyncio.gather(t1, t2, t3)
-        assert set(d.stats()["pools"]) == {"m", None}
+        assert set(d.stats()["pools"]) == {"m", "null"}  # (the default pool, as json.dumps writes None)
 
 
 @pytest.mark.parametrize(

@@ -397,13 +397,53 @@ async def test_one_tenants_5xx_among_others_never_take_the_backend_out(face: Fac
     await served_at_once(face, "c")
 
 
-async def test_a_backend_only_one_tenant_uses_leaves_when_half_its_window_is_5xx(face: Face) -> None:
+async def test_a_backend_only_one_tenant_uses_leaves_when_its_health_check_fails_too(face: Face,
+                                                                                       fake: FakeServer) -> None:
     """The rule's other half: with no other flow to compare with, 10 of the last 20 replies as
-    5xx take the backend out (a single-tenant deployment must still lose a broken backend)."""
-    for i in range(10):
+    5xx make the dispatcher check the backend itself; it leaves only if that check fails too
+    (a single-tenant deployment still loses a broken backend; one tenant's word alone never
+    takes it out)."""
+    monitor = face.pd.monitor_of(BACKEND)
+    for _ in range(10):
         async with face.acquire("a", BODY) as grant:
             grant.fail(status=502)
-        assert face.backend()["healthy"] is (i < 9)
+    await wait_until(lambda: monitor._confirm is None and fake.health_calls, "the health check")
+    assert face.backend()["healthy"] is True and monitor.confirmations == 1 and face.backend()["recent_5xx"] == 0
+    fake.health_status = 500
+    for _ in range(10):
+        async with face.acquire("a", BODY) as grant:
+            grant.fail(status=502)
+    await wait_until(lambda: not face.backend()["healthy"], "the failed check to take it out")
+    assert monitor.confirmations == 2 and "health check failed too" in face.backend()["down_reason"]
+
+
+@pytest.mark.parametrize("how", ["fail", "raise"])
+async def test_one_tenants_failures_without_a_status_never_eject_the_backend_for_the_others(
+        face: Face, fake: FakeServer, how: str) -> None:
+    """Three ``grant.fail()`` without a status in a row (no answer: a transport failure), all of
+    one tenant, used to take the backend out for every tenant; now the dispatcher checks the
+    backend, which answers, and the others are served at once. Two tenants' failures do take
+    it out."""
+    monitor = face.pd.monitor_of(BACKEND)
+
+    async def fail(flow: str) -> None:
+        if how == "fail":
+            async with face.acquire(flow, BODY) as grant:
+                grant.fail()
+        else:
+            with pytest.raises(sfq.errors.BackendUnavailable):
+                async with face.acquire(flow, BODY) as grant:
+                    raise sfq.errors.BackendUnavailable("reset", backend=grant.backend.name)
+
+    for _ in range(3):
+        await fail("a")
+    await wait_until(lambda: monitor._confirm is None and fake.health_calls, "the health check")
+    assert face.backend()["healthy"] is True and monitor.confirmations == 1
+    for other in ("b", "c", "d"):
+        await served_at_once(face, other)
+    for flow in ("a", "b", "a"):  # three in a row again, from two tenants
+        await fail(flow)
+    assert face.backend()["healthy"] is False and monitor.confirmations == 1
 
 
 async def test_a_429_pauses_the_backend_and_a_bad_report_leaves_the_grant_usable(face: Face) -> None:
@@ -590,3 +630,101 @@ async def test_names_refused_for_their_body_leave_no_state_on_either_face(face: 
     assert _shape(face.pd.stats()) == shape0
     assert len(getattr(face.pd.engine.metrics, "flows", None) or ()) == metrics0
     assert growth < 2 << 20
+
+
+# ------------------------------------------------------------------ a bad cost= is the request's error
+#: bad ``cost=`` values, the sfq error each is, and its message (the scheduler core's own check)
+BAD_COSTS = [
+    (0, "InvalidCost", "cost must be a finite number > 0, got 0"),
+    (-1, "InvalidCost", "cost must be a finite number > 0, got -1"),
+    (float("nan"), "InvalidCost", "cost must be a finite number > 0, got nan"),
+    (float("inf"), "InvalidCost", "cost must be a finite number > 0, got inf"),
+    ("abc", "InvalidCostType", "cost must be a real number, got 'abc' of type str"),
+    (True, "InvalidCostType", "cost must be a real number, got True of type bool"),
+    (2.0 ** 40, "InvalidCost", "cost 1099511627776.0 is too large: the largest cost whose charge can be represented is "
+                               "1073741824"),
+]
+
+
+@pytest.mark.parametrize("call", ["submit", "open_stream", "acquire", "permit"])
+@pytest.mark.parametrize(("cost", "kind", "message"), BAD_COSTS, ids=[repr(c) for c, _, _ in BAD_COSTS])
+async def test_a_bad_cost_is_a_400_sfq_error_that_changes_nothing(face: Face, fake: FakeServer, call: str,
+                                                                   cost: Any, kind: str, message: str) -> None:
+    """A bad ``cost=`` is an ``sfq.errors.InvalidCost`` (400, a ``ValueError``; a non-number
+    also a ``TypeError``), so an sfq error handler answers it 400, not 500; the message is
+    the core's, the same on both engines; nothing is counted or queued."""
+    await face.submit("warm", BODY)
+    before = face.state()
+    body = None if call == "permit" else SBODY if call == "open_stream" else BODY
+    with pytest.raises(sfq.SFQError) as info:
+        if call == "submit":
+            await face.submit("a", body, cost=cost)
+        else:
+            async with (face.open_stream if call == "open_stream" else face.acquire)("a", body, cost=cost):
+                pytest.fail("entered with a bad cost")
+    exc = info.value
+    assert type(exc).__name__ == kind and type(exc) is getattr(sfq.errors, kind)
+    assert isinstance(exc, ValueError) and isinstance(exc, TypeError) is (kind == "InvalidCostType")
+    assert str(exc) == message and exc.http_status == 400 and exc.to_openai()["error"]["code"] == "bad_request"
+    assert face.state() == before and fake.requests == [BODY]
+
+
+async def test_stats_has_string_keys_whatever_the_flow_ids(fake: FakeServer) -> None:
+    """``stats()`` is JSON that ``orjson`` takes (string keys only): flow ids that are numbers,
+    ``None`` or tuples, and a fleet's default pool (model ``None``), are keyed as ``json.dumps``
+    writes them."""
+    import orjson
+
+    be = OpenAIBackend(fake.url, name=BACKEND, max_in_flight=1)
+    async with sfq.Dispatcher([be], health=HEALTH) as d:
+        for flow in ("a", 1, 2.5, None, False, ("t", 3)):
+            async with d.acquire(flow, cost=2.0):
+                pass
+        s = d.stats()
+        assert orjson.loads(orjson.dumps(s)) == json.loads(json.dumps(s))
+        assert sorted(s["flows"]) == sorted(["a", "1", "2.5", "null", "false", "('t', 3)"])
+        assert list(s["pools"]) == ["null"] and s["backends"][BACKEND]["completed"] == 6
+    pd = sfq.PolicyDispatcher(_policy(fake.url), backends={BACKEND: OpenAIBackend(fake.url, name=BACKEND)},
+                              health=HEALTH)
+    async with pd:
+        async with pd.acquire(sfq.Flow("acme", "batch", "p"), cost=2.0):
+            pass
+        orjson.dumps(pd.stats())
+
+
+async def test_flows_served_once_cost_nothing_once_idle(fake: FakeServer) -> None:
+    """20,000 made-up flow ids, each served once (a permit), then idle past the retry window
+    and ``forget_idle_after``: the Dispatcher forgets them (retry budgets, stats rows, the
+    core's meters, its memo of ids), measured with tracemalloc on an injected clock (it used
+    to keep ~9 MB even with ``max_flow_stats=1000``, ~29 MB by default)."""
+    now = [0.0]
+    d = sfq.Dispatcher([OpenAIBackend(fake.url, name=BACKEND, max_in_flight=4)], health=HEALTH,
+                       clock=lambda: now[0])
+    async with d:
+        for i in range(100):
+            async with d.acquire(f"warm-{i}", cost=5.0):
+                pass
+        now[0] += 1000.0
+        d.forget_idle()
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for i in range(20_000):
+                async with d.acquire(f"made-up-{i}", cost=5.0):
+                    pass
+                now[0] += 0.001
+            assert len(d.stats()["flows"]) == 20_000  # recent: kept
+            now[0] += 61.0  # idle past the window and forget_idle_after
+            assert d.forget_idle() >= 40_000  # their retry budgets and their rows
+            gc.collect()
+            growth = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        print(f"\ntracemalloc growth for 20,000 flows served once, once idle: {growth} bytes")
+        assert d.stats()["flows"] == {} and d.tally.forgotten >= 20_000
+        assert d.scheduler_of(None).known_flows == 0
+        assert growth < 2 << 20
+        async with d.acquire("made-up-7", cost=5.0):  # a forgotten flow comes back as a fresh one
+            pass
+        assert d.flow_stats("made-up-7")["completed"] == 1

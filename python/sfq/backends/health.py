@@ -6,12 +6,21 @@ backend is in rotation and reports every change to a :class:`HealthListener` (th
 engine of ``sfq serve``, or a dispatcher's own placement). The rules:
 
 * a backend that cannot be connected to (refused, unreachable, connect timeout) leaves the
-  rotation at once;
+  rotation;
 * so does one that lost ``transport_failures`` requests in a row in transport (reset, read
   timeout, a stream cut short, a reply that is not JSON), with no reply in between;
 * and one where at least ``error_rate`` of its last ``error_window`` replies were 5xx (and at
   least half the threshold's count of them), not counting the flow with the most 5xx when
-  other flows used it too: one tenant's failing requests never take a backend down alone.
+  other flows used it too.
+
+A failure the driver did not see itself but was told of (``reported``: an embedder's
+``grant.fail()``, or a ``BackendError`` raised inside its ``acquire`` block) is one tenant's
+word: one flow's reports alone never take a backend out. When a rule above is met by a
+report and the failures it counts all come from one flow, the monitor checks the backend
+itself first, once (``Backend.check_health``, the health check below): the backend leaves
+the rotation only if that check fails too; if it passes, the failures counted so far are
+forgotten (that flow must fail as many times again before the next check). Failures from
+more than one flow, and the driver's own calls, apply the rules as they are.
 
 A 4xx, an error event inside a stream, a stream past its own total deadline or an isolated
 5xx count against that request only. A 429 pauses the backend (nothing new is sent there)
@@ -45,6 +54,9 @@ from .probe import ProbeReading
 __all__ = ["BackendMonitor", "HealthListener", "HealthOptions", "ReplyWindow"]
 
 log = logging.getLogger("sfq.backends")
+
+#: no flow yet (a marker no flow id equals)
+_NONE: Hashable = object()
 
 
 def _number(name: str, v: object, *, positive: bool = True) -> float:
@@ -133,6 +145,17 @@ class ReplyWindow:
         self.replies.clear()
         self.errors = 0
 
+    def failing_flows(self) -> int:
+        """How many flows have a 5xx in the window: 0, 1 or 2 (two or more)."""
+        first: Hashable = _NONE
+        for f, e in self.replies:
+            if e:
+                if first is _NONE:
+                    first = f
+                elif f != first:
+                    return 2
+        return 0 if first is _NONE else 1
+
     def verdict(self) -> str | None:
         """Why the recent 5xx say the backend is down, or ``None``."""
         assert self.replies.maxlen is not None
@@ -196,6 +219,13 @@ class BackendMonitor:
         self.probe_errors = 0
         self._recover: asyncio.Task[None] | None = None
         self._probe: asyncio.Task[None] | None = None
+        #: the flows of the transport failures in a row: the first one, and whether another
+        #: one failed too (one flow alone never takes the backend out)
+        self._run_flow: Hashable = _NONE
+        self._run_flows = 0
+        #: the health check run to confirm one flow's failures (``None``: none running)
+        self._confirm: asyncio.Task[None] | None = None
+        self.confirmations = 0  # checks run to confirm one flow's failures
         self._pause: asyncio.TimerHandle | None = None
         self._closed = False
 
@@ -214,58 +244,109 @@ class BackendMonitor:
             self._pause.cancel()
             self._pause = None
         self.paused = False
-        tasks = [t for t in (self._recover, self._probe) if t is not None]
+        tasks = [t for t in (self._recover, self._probe, self._confirm) if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
     # ---------------------------------------------------------------- replies
-    def replied(self, flow: Hashable, error: BaseException | None) -> None:
+    def replied(self, flow: Hashable, error: BaseException | None, reported: bool = False) -> None:
         """One request of ``flow`` that reached the backend ended: ``error`` ``None`` (a
         reply), a ``BackendError`` (how it failed), or any other exception (a failure in the
         caller's own transport, counted as a transport failure). Requests the caller gave up
-        on (cancelled, its own deadline) are not reported."""
+        on (cancelled, its own deadline) are not reported. ``reported``: the failure was told
+        by an embedder, not seen by the driver (one flow's reports alone never take it out)."""
         if self._closed:
             return
         if error is None:
             self.completed += 1
-            self.transport_failures = 0
+            self._replied()
             self.backoff = self.options.backoff
             self.window.record(flow, False)
             return
         self.errors += 1
         self.last_error = str(error) or type(error).__name__
         if not isinstance(error, BackendError):
-            self._transport_failure(error)
+            self._transport_failure(flow, error, reported)
             return
         if isinstance(error, BackendRateLimited) or (isinstance(error, BackendHTTPError) and error.status == 429):
             self.rate_limited += 1
-            self.transport_failures = 0
+            self._replied()
             self.window.record(flow, False)
             ra = getattr(error, "retry_after", None)
             self.pause(self.options.default_pause if ra is None else float(ra))
             return
         if not error.unhealthy:  # the request's own failure (4xx, an error event, its own total)
-            self.transport_failures = 0
+            self._replied()
             self.window.record(flow, False)
             return
         if isinstance(error, BackendHTTPError):  # a 5xx: the server answered; counts in the error rate
-            self.transport_failures = 0
+            self._replied()
             self.window.record(flow, True)
             verdict = self.window.verdict()
             if verdict is not None:
-                self.mark_down(f"{verdict} (last: HTTP {error.status})")
+                self._rule_met(f"{verdict} (last: HTTP {error.status})",
+                               reported and self.window.failing_flows() <= 1)
             return
         if error.never_sent:  # could not connect at all
-            self.mark_down(f"cannot connect ({error})")
+            self._run_of(flow)
+            self._rule_met(f"cannot connect ({error})", reported and self._run_flows <= 1)
             return
-        self._transport_failure(error)
+        self._transport_failure(flow, error, reported)
 
-    def _transport_failure(self, error: BaseException) -> None:
+    def _replied(self) -> None:
+        """The server answered: the transport failures in a row end."""
+        self.transport_failures = 0
+        self._run_flow = _NONE
+        self._run_flows = 0
+
+    def _run_of(self, flow: Hashable) -> None:
+        """Count ``flow`` among the flows of the transport failures in a row."""
+        if self._run_flows == 0:
+            self._run_flow = flow
+            self._run_flows = 1
+        elif self._run_flows == 1 and flow != self._run_flow:
+            self._run_flows = 2
+
+    def _transport_failure(self, flow: Hashable, error: BaseException, reported: bool) -> None:
         self.transport_failures += 1
+        self._run_of(flow)
         if self.transport_failures >= self.options.transport_failures:
-            self.mark_down(f"{self.transport_failures} transport failure(s) in a row (last: "
-                           f"{type(error).__name__}: {error})")
+            self._rule_met(f"{self.transport_failures} transport failure(s) in a row (last: "
+                           f"{type(error).__name__}: {error})", reported and self._run_flows <= 1)
+
+    # ---------------------------------------------------------------- one flow's reports: confirmed
+    def _rule_met(self, reason: str, one_flows_word: bool) -> None:
+        """A rule says the backend is down (``reason``); ``one_flows_word``: a report met it
+        and every failure it counts is one flow's: check the backend first, once; it leaves
+        the rotation only if the check fails too."""
+        if not one_flows_word:
+            self.mark_down(reason)
+            return
+        if self._closed or not self.healthy or self._confirm is not None:
+            return
+        self.confirmations += 1
+        log.info("sfq: backend %r: %s, all reported by one flow; checking its health before taking it out",
+                 self.name, reason)
+        self._confirm = asyncio.get_running_loop().create_task(self._confirm_loop(reason),
+                                                               name=f"sfq-confirm-{self.name}")
+
+    async def _confirm_loop(self, reason: str) -> None:
+        try:
+            try:
+                ok = await self.backend.check_health()
+            except Exception:
+                ok = False
+        finally:
+            self._confirm = None
+        if self._closed or not self.healthy:
+            return
+        if ok:  # the backend answers: one flow's failures are that flow's; counted again from 0
+            self.window.clear()
+            self._replied()
+            log.info("sfq: backend %r passed its health check; it stays in rotation", self.name)
+        else:
+            self.mark_down(f"{reason}; its health check failed too")
 
     # ---------------------------------------------------------------- 429: pause
     def pause(self, seconds: float) -> None:
@@ -332,7 +413,7 @@ class BackendMonitor:
         self.healthy = True
         self.down_reason = None
         self.window.clear()
-        self.transport_failures = 0
+        self._replied()
         log.info("sfq: backend %r passed its health check; back in rotation", self.name)
         self.listener.backend_up(self.name)
 
@@ -361,6 +442,7 @@ class BackendMonitor:
         """``healthy``, ``saturated``, ``paused`` and ``paused_for`` (seconds), ``completed``, ``errors``,
         ``rate_limited`` (429s), ``recent_5xx`` (in the window), ``last_error``, ``down_reason``,
         ``unhealthy_spells``, ``check_interval`` (while out of rotation, else ``None``),
+        ``confirmations`` (health checks run because one flow's reports alone met a rule),
         ``probe`` (the last reading as a dict, or ``None``), ``probe_errors``."""
         return {
             "healthy": self.healthy, "saturated": self.saturated,
@@ -368,6 +450,6 @@ class BackendMonitor:
             "completed": self.completed,
             "errors": self.errors, "rate_limited": self.rate_limited, "recent_5xx": self.window.errors,
             "last_error": self.last_error, "down_reason": self.down_reason, "unhealthy_spells": self.unhealthy_spells,
-            "check_interval": self.check_delay,
+            "check_interval": self.check_delay, "confirmations": self.confirmations,
             "probe": self.reading._asdict() if self.reading is not None else None, "probe_errors": self.probe_errors,
         }

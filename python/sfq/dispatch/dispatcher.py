@@ -97,11 +97,21 @@ class DispatchRecord(NamedTuple):
 _MADE = 4096
 
 
-def _json_key(flow: Hashable) -> str | int | float | bool | None:
-    """A flow id as a ``stats()`` key that ``json.dumps`` takes (other ids: their ``str``)."""
+def _json_key(flow: Hashable) -> str:
+    """A flow id (or a pool's model) as a ``stats()`` key: a string, as ``json.dumps`` writes a
+    key (``None``: ``"null"``, ``True``: ``"true"``, ``1``: ``"1"``, ``2.5``: ``"2.5"``); other
+    ids, their ``str``. So ``stats()`` is JSON whatever the ids (``orjson`` takes only str keys)."""
     if type(flow) is _Id:
         flow = flow.id
-    return flow if flow is None or isinstance(flow, (str, int, float, bool)) else str(flow)
+    if type(flow) is str:
+        return flow
+    if flow is None or isinstance(flow, bool):
+        return {None: "null", True: "true", False: "false"}[flow]
+    if isinstance(flow, float):
+        return float.__repr__(flow)
+    if isinstance(flow, int):
+        return int.__repr__(flow)
+    return str(flow)
 
 
 #: flow ids whose hash and equality are the interpreter's own (and a tuple of them): the engine
@@ -193,6 +203,11 @@ class Dispatcher(PolicyDispatcher):
         first; flows with work in progress are always kept).
     close_grace:
         seconds ``close()`` lets running requests finish.
+    forget_idle_after:
+        seconds after which a flow with nothing waiting or running has its ``stats()`` row
+        forgotten (default 60; ``None``: only beyond ``max_flow_stats``): with the engine's own
+        forgetting (:meth:`forget_idle`, on a timer), a flow id seen once costs nothing after
+        about a minute.
     """
 
     def __init__(
@@ -213,6 +228,7 @@ class Dispatcher(PolicyDispatcher):
         wait_window: int = 10_000,
         max_flow_stats: int = 100_000,
         close_grace: float = 30.0,
+        forget_idle_after: float | None = 60.0,
     ) -> None:
         fleet: list[Backend] = [OpenAIBackend(b) if isinstance(b, str) else b for b in backends]
         if not fleet:
@@ -232,6 +248,10 @@ class Dispatcher(PolicyDispatcher):
             if isinstance(n, bool) or not isinstance(n, int) or n < low:
                 raise ValueError(f"{what} must be an integer >= {low}{' or None' if what == 'max_queue_length' else ''}"
                                  f", got {n!r}")
+        fa = forget_idle_after
+        if fa is not None and (isinstance(fa, bool) or not isinstance(fa, (int, float)) or not (
+                fa > 0 and math.isfinite(fa))):
+            raise ValueError(f"forget_idle_after must be a finite number of seconds > 0 or None, got {fa!r}")
         u = unavailable_timeout
         if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not (u > 0 and math.isfinite(u))):
             raise ValueError(f"unavailable_timeout must be a finite number > 0 or None, got {u!r}")
@@ -250,7 +270,8 @@ class Dispatcher(PolicyDispatcher):
             classes=MappingProxyType({DEFAULT_CLASS: cls}), orgs=MappingProxyType({}),
             cost=CostSpec(e.input_weight, e.output_weight, e.default_max_tokens, e.prior_ratio, charge),
             retry=RetrySpec(max_attempts=max_attempts), source="<sfq.Dispatcher>")
-        self.tally = FlowTally(max_flow_stats, wait_window)
+        self.tally = FlowTally(max_flow_stats, wait_window, clock)
+        self.forget_idle_after = None if fa is None else float(fa)
         super().__init__(policy, backends={b.name: b for b in fleet}, clock=clock, estimator=e,
                          health=health if health is not None else HealthOptions(), close_grace=close_grace, rng=rng,
                          scheduler=scheduler, metrics=self.tally)  # type: ignore[arg-type]
@@ -317,6 +338,15 @@ class Dispatcher(PolicyDispatcher):
             k = _Id(flow)
             ids[flow] = k
         return k
+
+    def forget_idle(self) -> int:
+        """:meth:`PolicyDispatcher.forget_idle`, and the per-flow statistics (``stats()["flows"]``
+        rows) of flows idle for ``forget_idle_after`` seconds, and the memo of flow ids seen."""
+        n = super().forget_idle()
+        if self.forget_idle_after is not None:
+            n += self.tally.forget_idle(self.clock() - self.forget_idle_after)
+        self._made.clear()
+        return n
 
     def _checked(self, flow: Flow) -> Flow:
         return flow  # made by _flow: its org is the caller's id, its class and pool the fleet's (no refusal)
@@ -415,9 +445,11 @@ class Dispatcher(PolicyDispatcher):
 
     def stats(self) -> dict[str, Any]:
         """:meth:`PolicyDispatcher.stats` (``pools``, ``backends``; JSON-serialisable), with
-        ``flows`` keyed by the caller's flow ids (ids that are not a str, number, bool or
-        ``None``: their ``str``): ``waiting``, ``held`` (first in line, waiting aside,
-        uncharged, for a backend that fits), ``in_flight``, ``dispatched`` (attempts started),
+        ``flows`` keyed by the caller's flow ids as strings (as ``json.dumps`` writes a key:
+        ``1`` as ``"1"``, ``None`` as ``"null"``; any other id that is not a str: its ``str``),
+        and ``pools`` by model (the default pool: ``"null"``). A flow's row: ``waiting``,
+        ``held`` (first in line, waiting aside, uncharged, for a backend that fits),
+        ``in_flight``, ``dispatched`` (attempts started),
         ``completed``, ``failed`` (after the retries), ``retried``, ``cancelled`` (before
         start, uncharged), ``aborted`` (while running), ``rejected`` (the dispatcher closed),
         ``unavailable`` (no healthy backend for ``unavailable_timeout``), ``expired`` (the
@@ -427,21 +459,21 @@ class Dispatcher(PolicyDispatcher):
         flows with no row (by reason). Its cost grows with the number of flows."""
         s = super().stats()
         t = self.tally
-        flows: dict[Any, Any] = {}
+        flows: dict[str, Any] = {}
         for f, row in list(t.rows.items()):
             flows[_json_key(f)] = t.row(f, self._held(f) if row.waiting else 0)
         s["flows"] = flows
         s["refused_other"] = dict(t.refused_other)
         s.pop("unclassified", None)
-        by_model = {}
+        by_model: dict[str, Any] = {}
         for m, name in self._pool_names.items():
             p = s["pools"][name]
             q = self.engine.queues[name]
             p["held"] = len(q.aside) + int(q.stalled is not None and q.stalled.state == "waiting")
             p["waiting"] -= p["held"]
             p["healthy"] = sum(b["healthy"] for b in p["backends"].values())
-            by_model[m] = p
-        s["pools"] = by_model  # keyed by model (None: the default pool), as the fleet was given
+            by_model[_json_key(m)] = p
+        s["pools"] = by_model  # keyed by model ("null": the default pool), as the fleet was given
         model_of = {name: m for m, name in self._pool_names.items()}
         for b in s["backends"].values():
             b["model"] = model_of[b["pool"]]

@@ -68,6 +68,6 @@ class Permit:
         elif isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
             pd._gave_up(r)
         elif isinstance(exc, BackendError):  # reported: counts toward the backend's health
-            pd._attempt_failed(r, exc, retryable=False)
+            pd._attempt_failed(r, exc, retryable=False, reported=True)
         else:  # the embedder's own error: frees the slot, never the backend's fault
             pd._abort(r, exc)

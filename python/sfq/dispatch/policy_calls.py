@@ -171,7 +171,7 @@ class Grant:
             kind = BackendRateLimited if status == 429 else BackendHTTPError
             err = kind(f"backend {name!r}: HTTP {status} (reported by the embedder)", backend=name, status=status,
                        unhealthy=status >= 500, retry_after=retry_after)
-        self._pd._attempt_failed(self.request, err, retryable=False)
+        self._pd._attempt_failed(self.request, err, retryable=False, reported=True)
 
 
 def _fire(ref: weakref.ReferenceType[PolicyEventStream]) -> None:

@@ -69,10 +69,13 @@ from ..errors import (
     BadRequest,
     DeadlineExceeded,
     DispatcherClosed,
+    InvalidCost,
+    InvalidCostType,
     NoHealthyBackend,
     PolicyError,
     Refused,
 )
+from .._common import MAX_COST, check_cost
 from ..policy.classify import Flow
 from ..policy.config import Policy, UpstreamTimeouts, load_policy
 from ..policy.metrics import PolicyMetrics
@@ -163,6 +166,22 @@ def _nested_alone(policy: Policy, shared: bool) -> None:
         raise PolicyError(f"orgs.{name}.{'teams' if policy.orgs[name].teams else 'users'}",
                           "nested shares (teams, users) are not carried by the shared ledger yet: run this policy "
                           "on one dispatcher's own state, or remove this org's teams and users")
+
+
+def _check_cost(cost: object) -> None:
+    """A request's ``cost=`` checked by the scheduler core's own rule and message, raised as an
+    sfq error (400): :class:`InvalidCostType` (a ``TypeError``) for a non-number, else
+    :class:`InvalidCost` (a ``ValueError``). Before anything is counted or queued."""
+    try:
+        check_cost(cost)
+    except TypeError as exc:
+        raise InvalidCostType(str(exc)) from None
+    except (ValueError, OverflowError) as exc:
+        raise InvalidCost(str(exc)) from None
+
+
+#: seconds between a started dispatcher's own ``forget_idle()`` runs (event-loop time)
+FORGET_EVERY = 30.0
 
 
 class PolicyDispatcher:
@@ -265,6 +284,7 @@ class PolicyDispatcher:
         self._timer = WakeTimer(self._pump, clock)
         self._drained: asyncio.Event | None = None
         self._started = False
+        self._forgetting: asyncio.TimerHandle | None = None  # the timer of forget_idle()
         self._closed = False
         self._pumping = False
         self._again = False
@@ -297,6 +317,25 @@ class PolicyDispatcher:
         await asyncio.gather(*(b.start() for b in self._backends.values()))
         for m in self._monitors.values():
             m.start()
+        self._forgetting = asyncio.get_running_loop().call_later(FORGET_EVERY, self._forget_tick)
+
+    def _forget_tick(self) -> None:
+        self._forgetting = None
+        if self._closed:
+            return
+        try:
+            self.forget_idle()
+        except Exception:  # (never the timer's end: memory is only an optimisation)
+            log.exception("sfq: forgetting idle flows failed")
+        self._forgetting = asyncio.get_running_loop().call_later(FORGET_EVERY, self._forget_tick)
+
+    def forget_idle(self) -> int:
+        """Forget what is kept of flows with nothing waiting or running and no recent activity
+        (``PolicyEngine.forget_idle``: their retry budgets after a minute; the core forgets a
+        meter once virtual time passes it); returns how many. Runs every ``FORGET_EVERY``
+        seconds by itself while the dispatcher is started; call it after moving an injected
+        clock. Nothing a decision needs is lost: a forgotten flow is a fresh one."""
+        return self.engine.forget_idle()
 
     async def close(self) -> None:
         """Refuse new requests; end every waiting one as refused (``closed``); let the running
@@ -305,6 +344,9 @@ class PolicyDispatcher:
         if self._closed:
             return
         self._closed = True
+        if self._forgetting is not None:
+            self._forgetting.cancel()
+            self._forgetting = None
         for r in self.engine.close():
             self._wake(r)
         for rid in list(self._waiters):  # those waiting out a retry's backoff end now
@@ -467,6 +509,8 @@ class PolicyDispatcher:
         """:meth:`_admit` of a started dispatcher on its own state: nothing to await (the
         uncontended request's path: it returns running, on ``r.backend``)."""
         if body is None and cost is not None and timeout is None:  # a permit's cost: _checks in short
+            if not (type(cost) is float and 0.0 < cost <= MAX_COST):  # (the common case in one test)
+                _check_cost(cost)
             flow = self._checked(flow)
             if self._closed:
                 self.engine.refuse(flow, "closed")
@@ -488,6 +532,8 @@ class PolicyDispatcher:
                 cost: float | None) -> tuple[Flow, float | None, Estimate | None, bool]:
         """What refuses a request before it is submitted: its body, its flow, a closed
         dispatcher, its timeout; ``(flow checked, deadline, estimate, streaming)``."""
+        if cost is not None and not (type(cost) is float and 0.0 < cost <= MAX_COST):
+            _check_cost(cost)
         if body is None:
             if cost is None:
                 raise BadRequest("a request needs a body (a JSON object), or cost= for a permit without one")
@@ -642,13 +688,15 @@ class PolicyDispatcher:
             self._settled()
         return err
 
-    def _attempt_failed(self, r: Request, exc: BaseException, *, retryable: bool) -> float | None:
+    def _attempt_failed(self, r: Request, exc: BaseException, *, retryable: bool,
+                        reported: bool = False) -> float | None:
         """An attempt of ``r`` failed with ``exc``: its backend's health hears of it and the
-        engine plans a retry: the seconds to wait before it, or ``None`` (``r`` ended)."""
+        engine plans a retry: the seconds to wait before it, or ``None`` (``r`` ended).
+        ``reported``: an embedder told of the failure (a grant's), the driver did not see it."""
         if r.state != RUNNING:
             return None
         assert r.backend is not None
-        self._monitors[r.backend].replied(r.flow, exc)
+        self._monitors[r.backend].replied(r.flow, exc, reported)
         decision = self.engine.fail(r, exc, retryable=retryable and not self._closed)
         self._settled()
         return decision.delay if decision.retry else None

@@ -54,11 +54,15 @@ class FlowTally:
 
     registry = None
 
-    def __init__(self, limit: int, window: int) -> None:
+    def __init__(self, limit: int, window: int, clock: Any = None) -> None:
         self.limit = limit
         self.window = window
+        #: seconds (the Dispatcher's clock): when a flow went idle, for :meth:`forget_idle`
+        self.clock: Any = clock
         self.rows: dict[Hashable, _Row] = {}
-        self.idle: OrderedDict[Hashable, None] = OrderedDict()  # flows with nothing in progress, oldest first
+        #: flows with nothing in progress, oldest first, with the clock time each went idle
+        self.idle: OrderedDict[Hashable, float] = OrderedDict()
+        self.forgotten = 0  # rows forgotten so far (beyond the limit, or idle too long)
         #: refusals of flows with no row, by reason
         self.refused_other: dict[str, int] = {}
 
@@ -78,10 +82,34 @@ class FlowTally:
         while len(rows) > target and idle:
             f, _ = idle.popitem(last=False)
             rows.pop(f, None)
+            self.forgotten += 1
+
+    def forget_idle(self, before: float) -> int:
+        """Forget the rows of flows idle (nothing waiting or running) since before ``before``
+        (clock time); returns how many. O(rows forgotten)."""
+        rows, idle = self.rows, self.idle
+        n = 0
+        while idle:
+            f = next(iter(idle))
+            if idle[f] >= before:
+                break
+            del idle[f]
+            rows.pop(f, None)
+            n += 1
+        self.forgotten += n
+        if n > len(rows):  # (a dict keeps its size after deletions: a new one is compact)
+            self.rows = dict(rows)
+            self.idle = OrderedDict(idle)
+        return n
+
+    def _now(self) -> float:
+        c = self.clock
+        return 0.0 if c is None else float(c())
 
     def _maybe_idle(self, flow: Hashable, row: _Row) -> None:
         if not (row.waiting or row.in_flight):
-            self.idle[flow] = None
+            self.idle[flow] = self._now()
+            self.idle.move_to_end(flow)
 
     # the engine's metrics interface (keys are (org, class, pool); the org is the flow id)
     def _get(self, key: Any) -> None:
@@ -134,7 +162,8 @@ class FlowTally:
             row.in_flight -= 1
             row.completed += 1
             if not (row.waiting or row.in_flight):
-                self.idle[flow] = None
+                self.idle[flow] = self._now()
+                self.idle.move_to_end(flow)
 
     def left_queue(self, key: Any) -> None:
         row = self.rows.get(key[0])

@@ -572,6 +572,18 @@ class PolicyEngine:
         self.metrics.timeout(key)
         self._end(r, "refused" if r.tries == 0 else "failed", r.reason)
 
+    def forget_idle(self) -> int:
+        """Forget what the engine keeps of flows with nothing waiting or running and no
+        activity for a retry window (60 s): their retry budgets (a fresh flow's: nothing a
+        decision needs is lost). The queues forget a flow's queue when it empties, and the
+        core its meter once ``v`` passes it. Returns how many flows were forgotten. A driver
+        calls it on a timer, so that an idle process holds nothing for flows seen once."""
+        now = self.clock()
+        self._allowed.clear()  # (a cache of the flows the policy allows)
+        for q in self.queues.values():
+            q.forget_starts(now)
+        return self.retry.sweep(now)
+
     def wake_at(self) -> float | None:
         """The clock time by which :meth:`poll` must run again even if nothing else happens."""
         best = None

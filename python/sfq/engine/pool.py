@@ -339,6 +339,11 @@ class PolicyQueue:
         #: applies them, with the order it decides: ``sfq.state``; and under nested shares,
         #: where the floors are not defined yet: docs/design.md, "Nested shares")
         self.refund_floors = not self.nested
+        #: flows of orgs the file does not name may have a weight other than 1 (a template's, or
+        #: a Dispatcher's ``set_weight``, kept by the policy): their weight is told to the core
+        #: again on each return, so the core is told to forget it (weight 1) once such a flow has
+        #: nothing waiting or running, and then forgets the flow once ``v`` passes its meter
+        self._unnamed_weights = not self.nested and (policy.org_template is not None or hasattr(policy, "weights"))
 
     def _flow_queue(self, f: Flow) -> _FlowQ:
         """The weighted flow's queue, made when a request of the flow comes to wait (again):
@@ -630,6 +635,24 @@ class PolicyQueue:
             for g in fq.groups:
                 del self._group_members[g][f]
             self.sched.resume(f)
+        if self._unnamed_weights and not fq.named:
+            self._forget_weight(f)
+
+    def forget_starts(self, now: float) -> None:
+        """Let the starts older than a minute leave each class's window (a start does this
+        too; this is for a pool where nothing starts any more)."""
+        for st in self._starts.values():
+            while st and st[0] <= now - 60.0:
+                st.popleft()
+
+    def _forget_weight(self, f: Flow) -> None:
+        """``f`` (an org the file does not name) has nothing waiting here: when nothing of it
+        runs either, its weight in the core goes back to 1 (told again when it next waits:
+        :meth:`_flow_queue`, :meth:`start_alone`), so the core forgets it once ``v`` passes its
+        meter: memory follows the live flows, not every org ever seen."""
+        sched = self.sched
+        if sched.weight(f) != 1.0 and not sched.running(f) and not sched.suspended(f):
+            sched.set_weight(f, 1.0)
 
     def _drop_nested(self, fq: _FlowQ) -> None:
         """Forget the empty queue of a team or user (nested shares): memory follows the live
@@ -1055,6 +1078,10 @@ class PolicyQueue:
         shared = self.shared
         if shared.slots or shared.lazy:
             shared.release(r.flow)
+        if self._unnamed_weights:
+            f = r.flow
+            if f not in self.flows and f.org not in self.policy.orgs:
+                self._forget_weight(f)
 
     # ------------------------------------------------------------ views
     def wake_at(self) -> float | None:

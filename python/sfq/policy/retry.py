@@ -139,6 +139,8 @@ class RetryPlanner:
         #: whether plan() applies the budget itself; false when a state shared by several
         #: gateways applies it over all of them (``sfq.state``)
         self.local_budget = True
+        #: clock time of the next :meth:`sweep` made by :meth:`first_attempt` itself
+        self._next_sweep = -math.inf
 
     def _budget(self, flow: Hashable, now: float) -> _FlowBudget:
         b = self._flows.get(flow)
@@ -150,6 +152,8 @@ class RetryPlanner:
     def first_attempt(self, flow: Hashable, now: float) -> None:
         """Count a request's first try in the flow's window."""
         flows = self._flows
+        if now >= self._next_sweep:  # (a flow idle for a window costs nothing: once per half window)
+            self.sweep(now)
         b = flows.get(flow)
         if b is None:
             if len(flows) >= self.MAX_FLOWS:
@@ -173,6 +177,21 @@ class RetryPlanner:
             del self._flows[f]
         if len(self._flows) >= self.MAX_FLOWS // 2:  # mostly active: let it grow before the next scan
             self.MAX_FLOWS = 2 * len(self._flows)
+
+    def sweep(self, now: float) -> int:
+        """Forget every flow with no attempt in the last window and no retry planned (its
+        budget is a fresh flow's: nothing is lost); returns how many. O(flows); made by
+        :meth:`first_attempt` at most once per half window, and by the engine's
+        ``forget_idle`` (a driver's timer), so that an idle process holds nothing for flows
+        seen once."""
+        self._next_sweep = now + self.WINDOW / 2
+        cut = now - self.WINDOW
+        gone = [f for f, b in self._flows.items() if b.outstanding <= 0 and (not len(b) or b.events[-1][0] <= cut)]
+        for f in gone:
+            del self._flows[f]
+        if len(gone) > len(self._flows):  # (a dict keeps its size after deletions: a new one is compact)
+            self._flows = dict(self._flows)
+        return len(gone)
 
     def retry_ended(self, flow: Hashable) -> None:
         """A planned retry is no longer waiting or running (it ended, whatever the outcome)."""
