@@ -102,7 +102,7 @@ class LocalOrder:
             self._sched.cancel(t)
         self._strict.pop(member, None)
 
-    def adjust(self, flow: str, delta: float) -> None:
+    def correct(self, flow: str, delta: float) -> None:
         """A correction of a running candidate's charge (a stream's delivered tokens, a
         settlement): the local meter moves as the engine's would (never below ``v``)."""
         try:

@@ -979,7 +979,7 @@ class RedisState(SharedState):
         if a.local is not None or not self._connected:  # granted alone, or alone now: the local order's meter
             order = self._orders.get(a.pool)
             if order is not None:
-                order.adjust(a.flow, delta)
+                order.correct(a.flow, delta)
             return
         per = self._adj.setdefault(a.pool, {})
         x = per.get(a.member)
