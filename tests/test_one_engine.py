@@ -24,11 +24,8 @@ pytestmark = pytest.mark.skipif(not (PACKAGE / "__init__.py").exists(), reason="
 CHARGING = {"adjust", "work_started", "work_done", "peek"}
 #: where the rules live, and the core's twin that defines them
 OWNERS = {"engine", "_scheduler_py.py"}
-#: modules still driving the core themselves, to be ported onto the engine (each with why):
-#: state/_local.py orders one gateway's own candidates while Redis is lost (docs/gateway.md,
-#: "When Redis is lost"): the core's SFQ over them, strict classes first, with its slices as
-#: the limits. Its port: a PolicyQueue of the sliced policy over stand-ins of the candidates.
-KNOWN: set[str] = {"state/_local.py"}
+#: modules still driving the core themselves, to be ported onto the engine (each with why): none
+KNOWN: set[str] = set()
 
 
 def charging_calls(path: Path) -> list[str]:

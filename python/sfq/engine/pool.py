@@ -880,6 +880,13 @@ class PolicyQueue:
         if self.on_charge is not None:
             self.on_charge(r, delta)
 
+    def correct(self, r: Request, delta: float) -> None:
+        """Move the meter of ``r``'s flow by ``delta`` cost units: a correction another engine
+        computed for the same request (a gateway's own engine, for the queue of stand-ins that
+        decides while the shared state of several gateways cannot be reached: ``sfq.state``)."""
+        if r.in_core:
+            self._adjust(r, delta)
+
     def delivered(self, r: Request, tokens: object) -> float:
         """The running request ``r`` passed ``tokens`` more output tokens to its client; in
         ``served`` mode a stream is charged them now. Capped at what its ``max_tokens`` allows;

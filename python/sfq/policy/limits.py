@@ -100,12 +100,12 @@ class Slots:
     __slots__ = ("name", "limit", "used", "full")
 
     def __init__(self, name: str, limit: int | None) -> None:
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-            raise ValueError(f"{name}: limit must be an integer >= 1 or None, got {limit!r}")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+            raise ValueError(f"{name}: limit must be an integer >= 0 or None, got {limit!r}")
         self.name = name
-        self.limit = limit  # requests at once (None: unlimited)
+        self.limit = limit  # requests at once (None: unlimited; 0: none, a gateway's part of a small global limit)
         self.used = 0  # requests holding a slot
-        self.full = False  # used >= limit: no slot to acquire (never, unlimited)
+        self.full = limit == 0  # used >= limit: no slot to acquire (never, unlimited)
 
     def acquire(self) -> None:
         """Take a free slot (``RuntimeError`` when it is full)."""

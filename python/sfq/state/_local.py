@@ -1,5 +1,6 @@
 """What a gateway sharing Redis decides alone while it cannot reach Redis (``state.on_loss:
-local``): its slice of every global limit, and the fair order of its own candidates.
+local``): its slice of every global limit, and the order of its own candidates, by the engine's
+own queue.
 
 A fleet's limits are global: the pool's, each backend's, an org's or a strict class's slots, the
 pool's and each org's buckets, a class's waiting places, a budget's money. Without Redis no
@@ -16,23 +17,30 @@ is lost"):
 * a budget gives each ``left / n``, ``left`` being what the gateway last saw unspent and not
   reserved (a budget it never saw is refused: it cannot know what is left).
 
-The order among this gateway's own candidates is SFQ's, run by the core (``sfq.Scheduler``, the
-same one the engine uses): strict classes first in the file's order, then the weighted flows by
-start tag, a flow whose head does not fit its slices held back (``suspend``) while the others
-go. Meters start level when Redis is lost and are dropped when it answers again: the fleet's
-meters are Redis's, and a gateway alone for a few seconds only orders its own requests.
+The decisions within those slices are the engine's: :class:`Alone` runs one
+:class:`~sfq.engine.pool.PolicyQueue` per pool, of the policy with the slices as its limits,
+over *stand-ins* of the gateway's candidates (a stand-in is a :class:`~sfq.engine.pool.Request`
+with the charge the gateway's engine gave the candidate), so the order is the engine's (strict
+classes first, then the weighted flows by start tag, look before you pop), and so are the
+slots, buckets and busy period. The attempts that Redis granted before it was lost are adopted
+as running. The meters start level when Redis is lost and are dropped when it answers again: the
+fleet's meters are Redis's, and a gateway alone for a few seconds only orders its own requests.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from dataclasses import replace
+from types import MappingProxyType
 from typing import Any
 
-from .._core import Scheduler
+from ..cost import CostEstimator
+from ..engine.pool import RUNNING, WAITING, PolicyQueue, Request, SharedLimits
+from ..policy.classify import Flow
+from ..policy.config import Policy
 from ..policy.limits import TokenBucket
 
-__all__ = ["Slices", "LocalOrder"]
+__all__ = ["Slices", "Alone", "sliced_policy"]
 
 
 class Slices:
@@ -61,81 +69,112 @@ class Slices:
         return f"Slices(rank={self.rank}, n={self.n})"
 
 
-class LocalOrder:
-    """One pool's candidates at this gateway, in SFQ's order (the core's), strict classes first.
+#: a limit's part: ``part(name, limit)``, ``name`` being ``pool:P``, ``backend:B``, ``org:O``
+#: or ``class:C`` (the lease kinds of ``sfq.state._lua``)
+Part = Callable[[str, int], int]
 
-    ``add(member, flow, cost, weight, strict)`` a candidate (``strict``: its class's rank among
-    the strict classes, ``-1`` for a weighted one); ``remove(member)`` one that left;
-    ``next(fits)`` the first candidate, in order, for which ``fits(member)`` is true (it is
-    dispatched: its flow charged ``cost / weight``, its work in flight until ``done(member)``: a
-    flow whose head waits for a slot is held back without closing the busy period), or
-    ``None``."""
 
-    def __init__(self) -> None:
-        self._sched: Any = Scheduler()
-        self._tickets: dict[str, int] = {}  # member -> the core's ticket (weighted candidates)
-        self._strict: dict[str, tuple[int, int]] = {}  # member -> (rank, arrival)
-        self._running: dict[str, str] = {}  # member -> flow: weighted candidates granted, their work in flight
-        self._seq = 0
+def sliced_policy(policy: Policy, part: Part, sl: Slices) -> Policy:
+    """``policy`` with this gateway's part of every global limit as its limits: slots by
+    ``part``, rates by ``sl`` (the pools' buckets; an org's rate is admission's, kept apart),
+    and no queue length or age (the candidates' own waits are bounded where they wait)."""
+    def rate(x: float | None) -> float | None:
+        return None if not x else sl.rate(x)
 
-    def __len__(self) -> int:
-        return len(self._tickets) + len(self._strict)
+    pools = {n: replace(p, limits=replace(p.limits, requests_per_minute=rate(p.limits.requests_per_minute),
+                                          tokens_per_minute=rate(p.limits.tokens_per_minute),
+                                          max_in_flight=None if p.limits.max_in_flight is None
+                                          else part(f"pool:{n}", p.limits.max_in_flight)),
+                        backends=tuple(replace(b, max_in_flight=part(f"backend:{b.name}", b.max_in_flight))
+                                       for b in p.backends))
+             for n, p in policy.pools.items()}
+    classes = {n: replace(c, max_queue_length=None, max_queue_age_seconds=None,
+                          max_in_flight=None if c.max_in_flight is None else part(f"class:{n}", c.max_in_flight))
+               for n, c in policy.classes.items()}
+    orgs = {n: replace(o, requests_per_minute=None,
+                       max_in_flight=None if o.max_in_flight is None else part(f"org:{n}", o.max_in_flight))
+            for n, o in policy.orgs.items()}
+    t = policy.org_template
+    if t is not None:
+        t = replace(t, requests_per_minute=None,
+                    max_in_flight=None if t.max_in_flight is None else sl.count(t.max_in_flight))
+    return replace(policy, pools=MappingProxyType(pools), classes=MappingProxyType(classes),
+                   orgs=MappingProxyType(orgs), org_template=t)
+
+
+class Alone:
+    """One gateway's decisions while Redis is lost: the engine's queue of each pool, of the
+    sliced policy (:func:`sliced_policy`), over stand-ins of the gateway's candidates.
+
+    ``add(member, flow, cost, tokens, backends)`` a candidate waiting for its grant (``cost``:
+    the engine's charge at dispatch; ``backends``: those it may go to); ``adopt(member, flow,
+    backend)`` one that runs already (Redis granted it); ``next(pool)`` the next candidate that
+    may start, ``(member, backend)``, charged and counted; ``remove(member)`` one that left
+    waiting; ``done(member, actual_tokens)`` one whose attempt ended; ``correct(member, delta)``
+    a correction of a running one's charge (cost units); ``wake_at(pool)`` when the pool may
+    have something to start without any other event (a bucket refills)."""
+
+    def __init__(self, policy: Policy, part: Part, sl: Slices, *, clock: Callable[[], float],
+                 estimator: CostEstimator | None) -> None:
+        self.policy = sliced_policy(policy, part, sl)
+        self.clock = clock
+        shared = SharedLimits(self.policy)
+        self.queues = {name: PolicyQueue(self.policy, name, clock=clock, shared=shared, estimator=estimator)
+                       for name in self.policy.pools}
+        for q in self.queues.values():
+            q.refund_floors = False  # the gateway's own engine's corrections arrive whole (``correct``)
+        self._in: dict[str, Request] = {}  # member -> its stand-in
 
     def __contains__(self, member: str) -> bool:
-        return member in self._tickets or member in self._strict
+        return member in self._in
 
-    def add(self, member: str, flow: str, cost: float, weight: float, strict: int) -> None:
-        if member in self:
+    def add(self, member: str, flow: Flow, cost: float, tokens: float, backends: Collection[str]) -> None:
+        if member in self._in:
             return
-        self._seq += 1
-        if strict >= 0:
-            self._strict[member] = (strict, self._seq)
-            return
-        if self._sched.weight(flow) != weight:
-            self._sched.set_weight(flow, weight)
         c = float(cost)
-        self._tickets[member] = self._sched.enqueue(flow, c if math.isfinite(c) and c > 0 else 0.0, member)
+        r = Request(flow, c if c > 0 else 1e-9, float(tokens), self.clock(), item=(member, frozenset(backends)))
+        self._in[member] = r
+        self.queues[flow.pool].queue_new(r, r.arrival)
+
+    def adopt(self, member: str, flow: Flow, backend: str) -> None:
+        q = self.queues[flow.pool]
+        if member in self._in or backend not in q.backends:
+            return
+        r = Request(flow, 1e-9, 0.0, self.clock(), item=(member, frozenset()))
+        r.state, r.backend = RUNNING, backend
+        q.adopt_running(r)
+        self._in[member] = r
+
+    def next(self, pool: str) -> tuple[str, str] | None:
+        r = self.queues[pool].pop(_allowed)
+        if r is None:
+            return None
+        assert r.backend is not None
+        return r.item[0], r.backend
 
     def remove(self, member: str) -> None:
-        t = self._tickets.pop(member, None)
-        if t is not None:
-            self._sched.cancel(t)
-        self._strict.pop(member, None)
+        r = self._in.get(member)
+        if r is not None and r.state == WAITING:
+            del self._in[member]
+            self.queues[r.flow.pool].cancel(r)
 
-    def correct(self, flow: str, delta: float) -> None:
-        """A correction of a running candidate's charge (a stream's delivered tokens, a
-        settlement): the local meter moves as the engine's would (never below ``v``)."""
-        try:
-            self._sched.adjust(flow, delta)
-        except (ValueError, OverflowError):  # a correction past the core's bounds: the meter keeps its value
-            pass
+    def done(self, member: str, actual_tokens: float | None) -> None:
+        r = self._in.pop(member, None)
+        if r is not None and r.state == RUNNING:
+            self.queues[r.flow.pool].finish(r, actual_tokens)
 
-    def next(self, fits: Callable[[str], bool]) -> str | None:
-        for member, _ in sorted(self._strict.items(), key=lambda kv: kv[1]):
-            if fits(member):
-                del self._strict[member]
-                return member
-        held: list[Any] = []
-        try:
-            while True:
-                d = self._sched.peek()
-                if d is None:
-                    return None
-                member = str(d.item)
-                if fits(member):
-                    self._sched.dispatch()
-                    self._sched.work_started(d.flow)  # its work keeps the busy period open (and its meter)
-                    self._running[member] = d.flow
-                    del self._tickets[member]
-                    return member
-                self._sched.suspend(d.flow)  # its head waits for a slot of its own: the others go
-                held.append(d.flow)
-        finally:
-            for flow in held:
-                self._sched.resume(flow)
+    def correct(self, member: str, delta: float) -> None:
+        r = self._in.get(member)
+        if r is not None and r.state == RUNNING:
+            self.queues[r.flow.pool].correct(r, delta)
 
-    def done(self, member: str) -> None:
-        """The candidate ``member`` that :meth:`next` returned ended its work."""
-        flow = self._running.pop(member, None)
-        if flow is not None:
-            self._sched.work_done(flow)
+    def wake_at(self, pool: str) -> float | None:
+        return self.queues[pool].wake_at()
+
+    def stats(self) -> dict[str, Any]:
+        return {name: {"waiting": q.n_waiting, "in_flight": q.in_flight} for name, q in self.queues.items()}
+
+
+def _allowed(r: Request, backend: str) -> bool:
+    """The look-before-pop check: a stand-in goes only to a backend its candidate may use."""
+    return backend in r.item[1]

@@ -56,7 +56,7 @@ from ..engine.pool import Request, guessed
 from ..policy.spend import Hold
 from ..policy.limits import TokenBucket
 from . import _lua
-from ._local import LocalOrder, Slices
+from ._local import Alone, Slices
 from .base import SharedState, Ticket
 
 __all__ = ["RedisState", "StateUnavailable", "policy_hash"]
@@ -73,6 +73,9 @@ MAX_CALLS = 2
 PROBE = 0.25
 #: seconds a correction of a meter (a stream's delivered tokens) waits for a round trip to ride on
 ADJUST_DELAY = 0.05
+#: seconds a gateway back from going on alone waits, granting nothing, for the others it shared
+#: the slices with to be back too (each puts back what it holds before it says so)
+REJOIN_WAIT = 2.0
 #: seconds for which the slots held over every gateway, as a round trip saw them, say what is
 #: left of a limit should Redis be lost (older: nothing is taken to be left)
 SEEN_FRESH = 2.0
@@ -110,8 +113,7 @@ class _Attempt:
         self.registered = False  # a candidate in Redis (it has a start tag)
         self.known = False  # Redis has its details: later calls send only its name
         self.flow = ""
-        #: the local order that granted it while Redis was lost (``None``: granted by Redis)
-        self.local: LocalOrder | None = None
+        self.local = False  # granted by this gateway alone, while Redis was lost
 
 
 class RedisState(SharedState):
@@ -181,7 +183,8 @@ class RedisState(SharedState):
         self._gateways: list[str] = []
         #: degraded (Redis lost, ``on_loss: local``): each pool's local order, and the local
         #: buckets (pool rpm / tpm, org rpm) and budget slices, made when first needed
-        self._orders: dict[str, LocalOrder] = {}
+        self._alone: Alone | None = None
+        self._alone_first = False  # it holds the first lease_seconds' parts (then the slices)
         self._local_buckets: dict[str, TokenBucket] = {}
         self._budget_left: dict[str, float] = {}  # spend key -> unspent and unreserved, last seen
         self._budget_slice: dict[str, float] = {}  # spend key -> what this gateway may still reserve alone
@@ -373,12 +376,12 @@ class RedisState(SharedState):
     def _go_up(self) -> None:
         if not self._available:
             log.info("shared state available (Redis %s)%s", self.spec.redis,
-                     "; rejoining the shared order" if self._orders or self.degraded_since is not None else "")
+                     "; rejoining the shared order" if self.degraded_since is not None else "")
         self._available = True
         self._reason = None
         self.degraded_since = None
         # the local order's meters and slices are this gateway's alone: the shared ledger's again
-        self._orders.clear()
+        self._alone = None
         self._local_buckets.clear()
         self._budget_slice.clear()
         if self._up is not None and not self._up.done():
@@ -391,34 +394,35 @@ class RedisState(SharedState):
         back_at: float | None = None
         while not self._closed and not self._available and self._fatal is None:
             await asyncio.sleep(PROBE)
-            with contextlib.suppress(StateUnavailable):
+            try:
                 await self._hello(up=False)
                 if self._fatal is not None:
                     continue
-                # Redis answers. Alone (degraded), this gateway goes on within its slices until
-                # every gateway it shared them with is back (or a lease has passed: one that
-                # never comes back is dead, and what it held has expired): the others' slots
-                # granted alone are not in Redis until they put them back themselves
+                # Redis answers. A gateway that went on alone stops granting alone, puts back
+                # what it holds (slots granted alone too: Redis may have restarted empty), and
+                # only then names itself live; it rejoins when every gateway it shared the
+                # slices with is named live (each has put back what it holds and grants nothing
+                # alone), or after REJOIN_WAIT (one that does not come back is dead, and what
+                # it held died with it)
+                alone = self.degraded
+                self._rejoining = True
+                await self._renew(add=True, alive=False)
                 live = await self._alive()
                 now = self.clock()
                 back_at = now if back_at is None else back_at
-                waiting = [g for g in self._gateways if g not in live]
-                if self.degraded and waiting and now - back_at < self.lease:
-                    await self._renew(add=True, alive=False)  # what this one holds, in Redis already
+                if alone and any(g not in live for g in self._gateways) and now - back_at < REJOIN_WAIT:
                     continue
-                # Redis may have restarted empty: put back what is held (slots granted alone
-                # too; none is granted meanwhile), and only then ask Redis for anything
-                self._rejoining = True
-                try:
-                    await self._renew(add=True, alive=False)
-                finally:
-                    self._rejoining = False
+                self._rejoining = False
                 if self._fatal is None:
                     self._gateways = live
                     self._go_up()
-            if self.degraded:  # (a round trip failed: alone again)
-                for pool in list(self._pending):
-                    self._kick(pool)
+            except StateUnavailable:  # (gone again: alone again, granting)
+                back_at = None
+                if self._rejoining:
+                    self._rejoining = False
+                    for pool in list(self._pending):
+                        self._kick(pool)
+        self._rejoining = False
 
     def _spawn(self, coro: Any) -> None:
         t = asyncio.get_running_loop().create_task(coro)
@@ -780,24 +784,48 @@ class RedisState(SharedState):
 
     def _grant_alone(self, pool: str) -> None:
         """Degraded: grant the pool's candidates that this gateway's slices of the global limits
-        allow, in SFQ's order among its own flows (:class:`~sfq.state._local.LocalOrder`)."""
+        allow, in the engine's order (:class:`~sfq.state._local.Alone`: the engine's queue of
+        the sliced policy over stand-ins of the candidates)."""
         pending = self._pending.get(pool)
         if not pending or self._rejoining:
             return
-        order = self._orders.get(pool)
-        if order is None:
-            order = self._orders[pool] = LocalOrder()
+        alone = self._alone_now()
         for a in pending.values():  # (in arrival order: each flow's head first)
-            if a.member not in order:
-                pl = a.payload
-                order.add(a.member, a.flow, pl["cost"], pl["w"], pl["strict"])
-        sl = self._slices()
-        held = self._holding()
-        p = self.prefix
-        now = self.clock()
-        first = self.degraded_since is not None and now - self.degraded_since < self.lease
+            if a.member not in alone and a.request is not None:
+                alone.add(a.member, a.request.flow, a.payload["cost"], a.payload["tokens"],
+                          [b for b, _ in a.payload["backends"]])
+        while True:
+            nxt = alone.next(pool)
+            if nxt is None:
+                break
+            m, backend = nxt
+            a = pending.pop(m)
+            assert a.request is not None and a.fut is not None
+            a.local = True
+            self._granted(a.request, a, backend)
+            if not a.fut.done():
+                a.fut.set_result(backend)
+            else:  # its caller gave up meanwhile: give it back
+                self._release(a, None, a.request)
+        wake = alone.wake_at(pool)
+        if pending and wake is not None:  # a bucket refills: look again then (a release kicks sooner)
+            self._arm(pool, max(wake - self.clock(), 0.001))
+        if pending and self._alone_first:  # the slices widen when the first lease_seconds are over
+            assert self.degraded_since is not None
+            self._arm(pool, max(self.degraded_since + self.lease - self.clock(), 0.001))
 
-        def part(key: str, limit: int) -> int:
+    def _alone_now(self) -> Alone:
+        """The engine's queues of this gateway's slices (made when first needed, and again when
+        the first lease_seconds alone are over), with what it holds adopted as running."""
+        now = self.clock()
+        since = self.degraded_since if self.degraded_since is not None else now
+        first = now - since < self.lease
+        if self._alone is not None and self._alone_first == first:
+            return self._alone
+        sl = self._slices()
+        p = self.prefix
+
+        def part(name: str, limit: int) -> int:
             """This gateway's part of ``limit`` alone: its slice; in the first lease_seconds, no
             more than it held when Redis was lost and its slice of what was left then (as its
             last round trip saw it, within SEEN_FRESH seconds; else nothing was left): the
@@ -805,66 +833,17 @@ class RedisState(SharedState):
             mine = sl.count(limit)
             if not first:
                 return mine
+            key = f"{p}lease:{name}"
             at, n = self._seen.get(key, (-math.inf, limit))
-            left = limit - n if self.degraded_since is not None and self.degraded_since - at <= SEEN_FRESH else 0
+            left = limit - n if since - at <= SEEN_FRESH else 0
             return min(mine, self._held_at_loss.get(key, 0) + sl.count(max(0, left)))
 
-        lim = self.policy.pools[pool].limits
-        pool_key = f"{p}lease:pool:{pool}"
-        rpm = None if not lim.requests_per_minute else self._bucket(f"pool:{pool}:rpm", lim.requests_per_minute)
-        tpm = None if not lim.tokens_per_minute else self._bucket(f"pool:{pool}:tpm", lim.tokens_per_minute)
-        wait: list[float] = []
-        chosen: dict[str, str] = {}
-
-        def fits(member: str) -> bool:
-            a = pending[member]
-            pl = a.payload
-            if lim.max_in_flight is not None and held.get(pool_key, 0) >= part(pool_key, lim.max_in_flight):
-                return False
-            for g, n in pl["groups"]:
-                if held.get(f"{p}lease:{g}", 0) >= part(f"{p}lease:{g}", int(n)):
-                    return False
-            best, load = None, math.inf
-            for name, n in pl["backends"]:
-                key = f"{p}lease:backend:{name}"
-                mine = part(key, int(n))
-                used = held.get(key, 0)
-                if used < mine and used / mine < load:
-                    best, load = name, used / mine
-            if best is None:
-                return False
-            if rpm is not None and not rpm.can_take(1, now):
-                wait.append(rpm.wait(1, now))
-                return False
-            if tpm is not None and not tpm.can_take(pl["tokens"], now):
-                wait.append(tpm.wait(pl["tokens"], now))
-                return False
-            chosen[member] = best
-            return True
-
-        while True:
-            m = order.next(fits)
-            if m is None:
-                break
-            a = pending.pop(m)
-            if rpm is not None:
-                rpm.take(1, now)
-            if tpm is not None:
-                tpm.take(a.payload["tokens"], now)
-            assert a.request is not None and a.fut is not None
-            a.local = order
-            self._granted(a.request, a, chosen[m])
-            for k in a.keys:
-                held[k] = held.get(k, 0) + 1
-            if not a.fut.done():
-                a.fut.set_result(chosen[m])
-            else:  # its caller gave up meanwhile: give it back
-                self._release(a, None, a.request)
-        if wait and pending:  # a bucket refills: look again then (a release kicks sooner)
-            self._arm(pool, max(min(wait), 0.001))
-        if first and pending:  # the slices widen when the first lease_seconds are over
-            assert self.degraded_since is not None
-            self._arm(pool, max(self.degraded_since + self.lease - now, 0.001))
+        alone = self._alone = Alone(self.policy, part, sl, clock=self.clock, estimator=self.estimator)
+        self._alone_first = first
+        for a in self._att.values():
+            if a.granted and a.request is not None and a.request.backend is not None:
+                alone.adopt(a.member, a.request.flow, a.request.backend)
+        return alone
 
     def _holding(self) -> dict[str, int]:
         """Lease key -> this gateway's granted attempts holding it."""
@@ -910,9 +889,8 @@ class RedisState(SharedState):
         """The candidate leaves without a grant (its wait ran out, its caller went away, or the
         gateway closes); a grant in flight is given back by the driver."""
         self._pending.get(a.pool, {}).pop(a.member, None)
-        order = self._orders.get(a.pool)
-        if order is not None:
-            order.remove(a.member)
+        if self._alone is not None:
+            self._alone.remove(a.member)
         if a.request is not None and self._att.get(a.request.id) is a:
             del self._att[a.request.id]
         if a.fut is not None and a.fut.done() and not a.fut.cancelled() and a.fut.exception() is None:
@@ -976,10 +954,9 @@ class RedisState(SharedState):
         a = self._att.get(r.id)
         if a is None or not a.granted or self._closed:
             return
-        if a.local is not None or not self._connected:  # granted alone, or alone now: the local order's meter
-            order = self._orders.get(a.pool)
-            if order is not None:
-                order.correct(a.flow, delta)
+        if a.local or not self._connected:  # granted alone, or alone now: the meter of the engine's queue alone
+            if self._alone is not None:
+                self._alone.correct(a.member, delta)
             return
         per = self._adj.setdefault(a.pool, {})
         x = per.get(a.member)
@@ -1001,9 +978,9 @@ class RedisState(SharedState):
             diff = float(actual_tokens) - r.tokens
         if self._closed:
             return
-        if a.local is not None and self._orders.get(a.pool) is a.local:
-            a.local.done(a.member)  # its work ends: the local busy period may close
-        if a.local is not None and not self._connected:  # granted alone, ended alone: Redis never had it
+        if self._alone is not None:
+            self._alone.done(a.member, actual_tokens)  # its slots free (alone), its work ends
+        if a.local and not self._connected:  # granted alone, ended alone: Redis never had it
             self._kick(a.pool)
             return
         rel = {"m": a.member, "keys": a.keys, "diff": diff}
