@@ -258,7 +258,7 @@ local cs, lost = {}, {}
 for _, c in ipairs(A.c) do
   local meta = decode(c.m)
   if meta then
-    if c.flow == nil and c.cost ~= nil then  -- priced again by its gateway: the grant charges this
+    if c.cost ~= nil and (c.cost ~= meta.cost or c.guess ~= meta.guess) then  -- priced again: the grant charges this
       meta.cost, meta.guess = c.cost, c.guess
       redis.call('HSET', cmeta, c.m, cjson.encode(meta))
     end

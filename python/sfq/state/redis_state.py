@@ -887,12 +887,12 @@ class RedisState(SharedState):
             return p if not a.known else {"m": a.member}
         cost = self.reprice(r)
         guess = bool(p["wf"] and self.estimator is not None and guessed(r, self.estimator))
-        if not a.known:
+        if not a.known:  # (sent whole: Redis registers it at this price)
             p["cost"], p["guess"] = cost, guess
             return p
-        if cost == p["cost"] and guess == p["guess"]:
+        if cost == p["cost"] and guess == p["guess"]:  # the price it was registered at
             return {"m": a.member}
-        p["cost"], p["guess"] = cost, guess
+        # sent with every round trip while it differs (a lost call loses nothing); Redis writes a change
         return {"m": a.member, "cost": cost, "guess": guess}
 
     def _arm(self, pool: str, wait: float) -> None:
