@@ -47,8 +47,10 @@ import os
 from pathlib import Path
 
 import pytest
-from support.fleet import ALTERNATING, STICKY, Report, Scenario, issue27_orgs, run_scenario, weighted_orgs
+from support.fleet import (ALTERNATING, STICKY, Report, Scenario, interactive_org, issue27_orgs, run_scenario,
+                           weighted_orgs)
 from support.processes import RedisServer
+from support.workload import OrgLoad
 
 WARMUP, SECONDS = 3.0, 8.0
 WITHIN_EXPECTED = 5.0  # points
@@ -170,3 +172,37 @@ def test_a_gateway_killed_costs_only_the_requests_in_its_hands(request: pytest.F
         if abs(share - rep.expected[org]) * 100 > WITHIN_EXPECTED:
             failed.append(f"last window: {org} got {share:.1%}, its share is {rep.expected[org]:.1%}")
     assert not failed, "\n".join(failed) + "\n" + rep.summary() + f"; lost {len(lost)} of {rep.killed_in_hands}"
+
+
+def _over_declared_weighted_sticky() -> Scenario:
+    """Issue 41: three gateways, each org sticky to one (the interactive org spread over all
+    three), weights 2:1:1, A (weight 2, 16 clients) sending plain requests that declare
+    ``max_tokens`` 10x what they use, B streams, C mixed, honest; two engines of unequal speed;
+    long requests (2000 tokens), so that a charge at the prior's price is a large part of a
+    window."""
+    tokens = 2000
+    orgs = [OrgLoad("A", "sk-A", clients=16, max_tokens=tokens * 10, use=lambda t: tokens, stream=False, weight=2),
+            OrgLoad("B", "sk-B", clients=6, max_tokens=tokens, use=lambda t: tokens, stream=True),
+            OrgLoad("C", "sk-C", clients=6, max_tokens=tokens, use=lambda t: tokens, stream="mixed"),
+            interactive_org()]
+    return Scenario("over-weighted-3-sticky", orgs, gateways=3, routing=STICKY,
+                    sticky={"A": 0, "B": 1, "C": 2, "I": None}, speeds=(2.5, 1.0), warmup=10.0, seconds=15.0,
+                    window=15.0)
+
+
+def test_an_over_declaring_org_sticky_to_one_gateway_gets_its_share_in_every_window(
+        redis_server: RedisServer) -> None:
+    """A's first requests reach its gateway before any usage report: priced at the prior
+    (``max_tokens`` at face value, 10x what they use). They waited for their grants while the
+    calibration learned; granted at that price, each took A's turns for seconds (A 17 % of the
+    service in the first 5 s), then their refunds put A below everyone (84 % in 10-15 s; 62.6 %
+    of the window after the warm-up, its share 50 %; the interactive org's TTFT p99 2.7 s). A candidate is charged its price at the grant, as one
+    engine charges the estimate at dispatch. Every backlogged org within 5 points of its share
+    in the 15-s window after a 10-s warm-up."""
+    rep = run_scenario(_over_declared_weighted_sticky(), redis=redis_server)
+    print("\n" + rep.summary())
+    assert not rep.outcome_problems(), rep.summary()
+    failed = [f"{org} got {w[org]:.1%} in window {i} (its share is {rep.expected[org]:.1%})"
+              for i, w in enumerate(rep.window_shares) for org in rep.expected
+              if abs(w[org] - rep.expected[org]) * 100 > WITHIN_EXPECTED]
+    assert not failed, "\n".join(failed) + "\n" + rep.summary()

@@ -116,6 +116,27 @@ def test_estimate_at_dispatch_uses_the_calibration_of_then(clock: Clock, core) -
     assert r is waiting and r.charged < 10 + 2 * 100 - 1  # re-estimated with the ratio learned meanwhile
 
 
+@pytest.mark.parametrize("charge", ["seed", "served"])
+def test_a_start_waiting_for_a_shared_grant_is_priced_at_the_grant(charge: str, clock: Clock, core) -> None:
+    """With a shared state (several gateways) the engine starts a request as it hands it on,
+    and the grant, its dispatch over the fleet, may come seconds later: ``reprice`` prices it
+    with the calibration of then, as ``poll`` does at dispatch, and moves the local meter and
+    the request's charge with it (the grant charges that price; docs/design.md 5a)."""
+    e = make(charge, clock, core, slots=2)
+    q = e.queues["p"]
+    first = submit(e, A, 100)
+    handed = submit(e, B, 100)
+    assert e.poll() == [first, handed]  # both handed on at the cap: nothing calibrated yet
+    assert handed.charged == pytest.approx(10 + 2 * 100)
+    before = q.meter(B)
+    assert q.reprice(handed) == pytest.approx(10 + 2 * 100)  # nothing learned since: the same price
+    assert q.meter(B) == before
+    e.complete(first, {"prompt_tokens": 10, "completion_tokens": 10})  # the model answers 10 of 100
+    price = q.reprice(handed)
+    assert price == handed.cost == pytest.approx(handed.charged) == pytest.approx(10 + 2 * 10)
+    assert q.meter(B) - before == pytest.approx(price - (10 + 2 * 100))
+
+
 def test_flow_keeps_its_lag_while_its_work_runs(clock: Clock, core) -> None:
     """Delivered-service modes report work as the flow's: a closed-loop client whose request
     still runs keeps its meter when its next request arrives, instead of being lifted to v."""

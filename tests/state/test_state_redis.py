@@ -538,3 +538,40 @@ state: {{redis: "{r.url}", prefix: "{prefix}", lease_seconds: 1}}
     finally:
         up.stop()
         r.stop()
+async def test_a_waiting_candidate_is_charged_its_price_at_the_grant(redis_server: RedisServer, prefix: str):
+    """The grant is the dispatch: a candidate that waited (here for the pool's one slot) is
+    charged the price its gateway's engine gives it when it is granted, not the price it was
+    handed on with. A request sent before its flow's first usage report was priced at the
+    prior (``max_tokens`` at face value); granted many seconds later at that price, an
+    over-declaring org lost turns to the others while such grants went, then won every slot
+    while their refunds came back (issue 41: a weight-2 org sticky to one of three gateways,
+    16 % of the service for 10 s, then 79 % for 5 s)."""
+    import redis.asyncio as aioredis
+
+    pol = _policy(redis_server.url, prefix, lease=5.0, limits="max_in_flight: 1")
+    st = RedisState(pol.state, pol)
+    prices: dict[int, float] = {}
+    st.reprice = lambda r: prices.get(r.id, r.cost)  # the engine's price now (PolicyQueue.reprice)
+    client = aioredis.Redis.from_url(redis_server.url)
+    await st.start()
+    try:
+        holder = _req(B)
+        await st.acquire(holder, BACKENDS, None)  # the pool's one slot
+        r = _req(A)
+        r.cost = prices[r.id] = 300.0  # handed on at the prior's price
+        waiting = asyncio.create_task(st.acquire(r, BACKENDS, None))
+        t0 = time.monotonic()
+        while not await client.zcard(f"{prefix}cf:p:a\tbatch"):  # a candidate in the order, priced 300
+            assert time.monotonic() - t0 < LIMIT, "the candidate never reached Redis"
+            await asyncio.sleep(0.01)
+        v = float(await client.get(f"{prefix}vt:p") or 0)
+        assert float(await client.hget(f"{prefix}fin:p", "a\tbatch")) == v  # it joined at v
+        prices[r.id] = 30.0  # a usage report came meanwhile: the engine prices it at the ratio learned
+        st.attempt_over(holder, None)  # the slot frees: the round trip that grants it carries the new price
+        await asyncio.wait_for(waiting, LIMIT)
+        meter = float(await client.hget(f"{prefix}fin:p", "a\tbatch"))
+        assert meter == pytest.approx(v + 30.0 / 3), "the grant charged the price it was handed on with"
+        st.attempt_over(r, None)
+    finally:
+        await st.close()
+        await client.aclose()

@@ -51,8 +51,9 @@ class Scenario:
     orgs: Sequence[OrgLoad]
     gateways: int = 1
     routing: str = ALTERNATING  # alternating | sticky
-    #: sticky: org name -> gateway index (default: the orgs, in order, dealt over the gateways)
-    sticky: dict[str, int] | None = None
+    #: sticky: org name -> gateway index, or None for an org spread over every gateway (round-robin,
+    #: per request); default: the orgs, in order, dealt over the gateways
+    sticky: dict[str, int | None] | None = None
     #: share the state through Redis; None: when there is more than one gateway
     redis: bool | None = None
     speeds: tuple[float, ...] = (1.0,)
@@ -83,7 +84,11 @@ class Scenario:
         if self.routing != STICKY:
             raise ValueError(f"unknown routing {self.routing!r}")
         table = self.sticky or {}
-        return [replace(o, route=table.get(o.name, i) % self.gateways) for i, o in enumerate(self.orgs)]
+        out = []
+        for i, o in enumerate(self.orgs):
+            g = table.get(o.name, i)
+            out.append(replace(o, route=None if g is None else g % self.gateways))
+        return out
 
     def describe(self) -> str:
         state = "redis" if self.uses_redis else "memory"

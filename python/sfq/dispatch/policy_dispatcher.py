@@ -303,6 +303,11 @@ class PolicyDispatcher:
                 Gauge("sfq_state_degraded", "1 while the shared state (Redis) cannot be reached and this gateway "
                       "serves alone, within its slice of every global limit (state.on_loss: local)",
                       registry=reg).set_function(lambda: 1.0 if state.degraded else 0.0)
+            state.reprice = self._reprice  # a candidate is charged the calibration's price at its grant
+
+    def _reprice(self, r: Request) -> float:
+        """The charge the shared state's grant of ``r`` is to make: its price now (the engine's)."""
+        return self.engine.queues[r.flow.pool].reprice(r)
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:

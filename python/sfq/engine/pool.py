@@ -864,6 +864,18 @@ class PolicyQueue:
         r.cost = cost
         return cost
 
+    def reprice(self, r: Request) -> float:
+        """The charge at dispatch of ``r``, which this engine started but whose start waits for
+        the grant of a shared state (several gateways, ``sfq.state``), priced again from the
+        calibration as it is now; returns it (``r.cost``). The grant is the request's dispatch
+        over the fleet, and the estimate is the calibration's at dispatch (:meth:`_dispatch_charge`):
+        a request handed on before its flow's first usage report must not be granted, seconds
+        later, at the prior's price. The difference moves the flow's meter here and ``r.charged``
+        (the shared state, told only of corrections after the grant, charges the new price)."""
+        if r.in_core and not r.fixed and r.est is not None and self.estimator.epoch != r.epoch:
+            self._adjust(r, self._dispatch_charge(r) - r.charged)
+        return r.cost
+
     def _guessed(self, r: Request) -> bool:
         return guessed(r, self.estimator)
 

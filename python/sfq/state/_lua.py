@@ -207,7 +207,9 @@ for _, s in ipairs(stale) do unregister(s, decode(s)) end
 #:       estimate its flow's own calibration did not price), strict (rank or -1),
 #:       backends: [[name, lim], ...], groups: [[key, lim], ...], tokens, q: [key, member] | null,
 #:       first: key | null (a first attempt: counted in its flow's retry-budget window)}
-#:       or just {m} for a candidate registered by an earlier call, ...]}
+#:       or just {m} for a candidate registered by an earlier call, or {m, cost, guess} for one its
+#:       gateway priced again (the engine's calibration moved while it waited: the grant charges
+#:       the price as calibrated at the grant, as one engine charges at dispatch), ...]}
 #: -> {why the rest wait ('' | pool | bucket | order | group | backend), seconds (a bucket's
 #:     wait), the number granted, k (1 + the number of backends), the slots the pool holds
 #:     now, those each backend of ``bk`` holds, then member, backend, ... (the grants), then
@@ -256,6 +258,10 @@ local cs, lost = {}, {}
 for _, c in ipairs(A.c) do
   local meta = decode(c.m)
   if meta then
+    if c.cost ~= nil and (c.cost ~= meta.cost or c.guess ~= meta.guess) then  -- priced again: the grant charges this
+      meta.cost, meta.guess = c.cost, c.guess
+      redis.call('HSET', cmeta, c.m, cjson.encode(meta))
+    end
     meta.m = c.m
     c = meta
   elseif c.flow == nil then  -- registered by an earlier call, and Redis no longer knows it

@@ -75,6 +75,9 @@ class SharedState:
     on_evicted: Any = None
     #: the engine's ``CostEstimator`` (set by the dispatcher)
     estimator: Any = None
+    #: the engine's price of a started request as its grant would charge it now
+    #: (``PolicyQueue.reprice``; set by the dispatcher)
+    reprice: Any = None
 
     async def start(self) -> None:
         """Connect (a store that cannot be reached yet is retried in the background)."""

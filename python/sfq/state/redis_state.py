@@ -735,7 +735,7 @@ class RedisState(SharedState):
         res: list[Any] = []
         try:
             res = await self._call("ACQUIRE", {**self._pool_payload(pool), "adj": adj, "rel": rel,
-                                               "c": [{"m": x.member} if x.known else x.payload for x in batch]})
+                                               "c": [self._priced(x) for x in batch]})
         except StateUnavailable:
             pass  # the releases are lost (those leases expire by themselves), and the corrections
         finally:
@@ -853,6 +853,26 @@ class RedisState(SharedState):
                 for k in x.keys:
                     held[k] = held.get(k, 0) + 1
         return held
+
+    def _priced(self, a: _Attempt) -> dict[str, Any]:
+        """What a round trip sends of the candidate ``a``: the whole of it the first time, its
+        name after; with its price again when the engine's calibration moved since it was sent
+        (``reprice``: the grant charges the price at the grant, as one engine charges the
+        estimate at dispatch; a candidate handed on before its flow's first usage report would
+        otherwise be granted, maybe many seconds later, at the prior's price)."""
+        p = a.payload
+        r = a.request
+        if self.reprice is None or r is None or p["strict"] >= 0:
+            return p if not a.known else {"m": a.member}
+        cost = self.reprice(r)
+        guess = bool(p["wf"] and self.estimator is not None and guessed(r, self.estimator))
+        if not a.known:  # (sent whole: Redis registers it at this price)
+            p["cost"], p["guess"] = cost, guess
+            return p
+        if cost == p["cost"] and guess == p["guess"]:  # the price it was registered at
+            return {"m": a.member}
+        # sent with every round trip while it differs (a lost call loses nothing); Redis writes a change
+        return {"m": a.member, "cost": cost, "guess": guess}
 
     def _arm(self, pool: str, wait: float) -> None:
         """Look again in ``wait`` seconds at the latest (a lease of a dead gateway expires, a
