@@ -107,7 +107,8 @@ class Alone:
     sliced policy (:func:`sliced_policy`), over stand-ins of the gateway's candidates.
 
     ``add(member, flow, cost, tokens, backends)`` a candidate waiting for its grant (``cost``:
-    the engine's charge at dispatch; ``backends``: those it may go to); ``adopt(member, flow,
+    the engine's charge at dispatch, ``price(member, cost)`` again when the engine's calibration
+    moved; ``backends``: those it may go to); ``adopt(member, flow,
     backend)`` one that runs already (Redis granted it); ``next(pool)`` the next candidate that
     may start, ``(member, backend)``, charged and counted; ``remove(member)`` one that left
     waiting; ``done(member, actual_tokens)`` one whose attempt ended; ``correct(member, delta)``
@@ -135,6 +136,13 @@ class Alone:
         r = Request(flow, c if c > 0 else 1e-9, float(tokens), self.clock(), item=(member, frozenset(backends)))
         self._in[member] = r
         self.queues[flow.pool].queue_new(r, r.arrival)
+
+    def price(self, member: str, cost: float) -> None:
+        """The candidate's charge at dispatch, priced again (the calibration moved since it was
+        added): a waiting stand-in is charged this when it starts."""
+        r = self._in.get(member)
+        if r is not None and r.state == WAITING and cost > 0:
+            r.cost = float(cost)
 
     def adopt(self, member: str, flow: Flow, backend: str) -> None:
         q = self.queues[flow.pool]

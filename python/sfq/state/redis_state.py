@@ -791,9 +791,14 @@ class RedisState(SharedState):
             return
         alone = self._alone_now()
         for a in pending.values():  # (in arrival order: each flow's head first)
-            if a.member not in alone and a.request is not None:
-                alone.add(a.member, a.request.flow, a.payload["cost"], a.payload["tokens"],
+            r = a.request
+            if r is None:
+                continue
+            if a.member not in alone:
+                alone.add(a.member, r.flow, a.payload["cost"], a.payload["tokens"],
                           [b for b, _ in a.payload["backends"]])
+            elif self.reprice is not None and a.payload["strict"] < 0:  # priced at the grant, as with Redis
+                alone.price(a.member, self.reprice(r))
         while True:
             nxt = alone.next(pool)
             if nxt is None:
