@@ -16,8 +16,9 @@ one round trip) grants it only when
   Redis holds for every gateway (docs/design.md, "The ledger"): a flow rejoins at ``max(S,
   v)``, a grant charges the engine's charge at dispatch, and every correction the engine
   makes afterwards (:meth:`RedisState.charged`: a stream's delivered tokens, the settlement,
-  a refund, within the refund floor) moves the same meter. Redis applies no rule of its own,
-  so the next free slot goes to the flow with the smallest meter whichever gateway holds it.
+  a refund, within the refund floor) moves the same meter. The Lua re-implements those rules of the engine (a second
+  implementation: docs/design.md §5a.1), so the next free slot goes to the flow with the
+  smallest meter whichever gateway holds it.
 
 A denied candidate waits for a release (Redis pub/sub) or a short bounded poll. A gateway
 that dies stops renewing: its leases and candidates expire within ``lease_seconds``. Every
