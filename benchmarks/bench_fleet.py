@@ -59,13 +59,17 @@ if not os.environ.get("PYTHONPATH"):
     except ImportError:  # a checkout without an install: the child gateways need python/ too
         os.environ["PYTHONPATH"] = str(ROOT / "python")
 
-from support.fleet import (ALTERNATING, STICKY, Scenario, issue27_orgs, over_declared_first_orgs,  # noqa: E402
-                           run_scenario, weighted_orgs)
+from support.fleet import (ALTERNATING, STICKY, Scenario, four_to_one_orgs, issue27_orgs,  # noqa: E402
+                           over_declared_first_orgs, run_scenario, weighted_orgs)
 from support.processes import REDIS, RedisServer  # noqa: E402
 
 #: (gateways, routing, state): the reference first
 CONFIGS = [(1, "-", "memory"), (1, "-", "redis"), (2, ALTERNATING, "redis"), (2, STICKY, "redis"),
-           (4, ALTERNATING, "redis"), (4, STICKY, "redis")]
+           (4, ALTERNATING, "redis"), (4, STICKY, "redis"), (8, ALTERNATING, "redis"), (8, STICKY, "redis")]
+#: the fault rows (``--faults``): three gateways, requests alternating, and a fault a third of
+#: the way into the measured time: Redis SIGKILLed and restarted empty after a third of it
+#: (``redis-lost``), or one gateway SIGKILLed and started again 3 s later (``gateway-killed``)
+FAULTS = [(3, ALTERNATING, "redis-lost"), (3, ALTERNATING, "gateway-killed")]
 
 
 #: the workloads (``--workload``): the orgs, and for sticky routing which gateway each reaches
@@ -76,6 +80,8 @@ WORKLOADS: dict[str, Any] = {
     "over": (lambda tokens, clients: over_declared_first_orgs(tokens=tokens, clients=clients), None),
     # weights A:B:C = 2:1:1, B over-declared; sticky: A reaches only the first gateway, B and C the second
     "weighted": (lambda tokens, clients: weighted_orgs(tokens=tokens, clients=clients), {"A": 0, "B": 1, "C": 1}),
+    # weights A:B = 4:1, B over-declared; sticky: A the first gateway, B the second
+    "four-to-one": (lambda tokens, clients: four_to_one_orgs(tokens=tokens, clients=clients), {"A": 0, "B": 1}),
 }
 
 
@@ -95,15 +101,25 @@ def run(configs: list[tuple[int, str, str]], *, rounds: int, warmup: float, seco
         for r in range(rounds):
             for c in configs:
                 gateways, routing, state = c
+                fault: dict[str, Any] = {}
+                if state == "redis-lost":
+                    fault = {"redis_outage": (warmup + seconds / 3, seconds / 3)}
+                elif state == "gateway-killed":
+                    fault = {"gateway_kill": (1, warmup + seconds / 3, 3.0), "lease": 2.0}
                 sc = Scenario(_label(c), make(tokens, clients), gateways=gateways,
-                              routing=routing if gateways > 1 else ALTERNATING, redis=state == "redis",
-                              sticky=sticky, speeds=speeds, warmup=warmup, seconds=seconds, window=window)
-                rep = run_scenario(sc, redis=redis, latency_requests=latency_requests)
+                              routing=routing if gateways > 1 else ALTERNATING, redis=state != "memory",
+                              sticky=sticky, speeds=speeds, warmup=warmup, seconds=seconds, window=window, **fault)
+                # (Redis killed: a Redis of the run's own)
+                rep = run_scenario(sc, redis=None if state == "redis-lost" else redis,
+                                   latency_requests=0 if fault else latency_requests)
                 d = rep.as_dict()
                 d["round"] = r
                 runs[sc.name].append(d)
-                print(f"  round {r + 1}/{rounds} {rep.summary()}; added p50 "
-                      f"{statistics.median(d['added_latency']) * 1000:.2f} ms", flush=True)
+                extra = (f"; added p50 {statistics.median(d['added_latency']) * 1000:.2f} ms"
+                         if d.get("added_latency") else
+                         f"; engines held at most {max(rep.engines_peak)} of {rep.slots}; killed gateway held "
+                         f"{rep.killed_in_hands}")
+                print(f"  round {r + 1}/{rounds} {rep.summary()}{extra}", flush=True)
     finally:
         if redis is not None:
             redis.stop()
@@ -112,7 +128,7 @@ def run(configs: list[tuple[int, str, str]], *, rounds: int, warmup: float, seco
         rs = runs[_label(c)]
         orgs = list(rs[0]["shares"])
         ttft = [x["ttft"]["I"]["p99"] for x in rs if x["ttft"].get("I", {}).get("n")]
-        added = [v for x in rs for v in x["added_latency"]]
+        added = [v for x in rs for v in x.get("added_latency", [])]
         rows.append({
             "config": _label(c), "gateways": c[0], "routing": c[1], "state": c[2],
             "shares": {k: round(statistics.fmean(x["shares"][k] for x in rs), 4) for k in orgs},
@@ -124,6 +140,8 @@ def run(configs: list[tuple[int, str, str]], *, rounds: int, warmup: float, seco
             "added_p50_ms": round(statistics.median(added) * 1000, 3) if added else None,
             "completed": {k: sum(x["completed"][k] for x in rs) for k in rs[0]["completed"]},
             "errors": sum(len(v) for x in rs for v in x["errors"].values()),
+            "engines_peak": max(max(x["engines_peak"]) for x in rs), "slots": rs[0]["slots"],
+            "killed_in_hands": max(x["killed_in_hands"] for x in rs),
             "outcome_problems": [p for x in rs for p in x["problems"]],
         })
     return {"rows": rows, "runs": runs}
@@ -132,8 +150,8 @@ def run(configs: list[tuple[int, str, str]], *, rounds: int, warmup: float, seco
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| gateways | routing | state | shares (fair: " + " / ".join(
                  f"{v:.0%}" for v in rows[0]["expected"].values()) + ") | max dev (pts) | worst window (pts) "
-             "| Jain | I TTFT p99 (ms) | added p50 (ms) | completed | errors |",
-             "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| Jain | I TTFT p99 (ms) | added p50 (ms) | completed | errors | most held / slots |",
+             "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         sh = " / ".join(f"{v:.1%}" for v in r["shares"].values())
         tt = f"{r['ttft_p99_s'] * 1000:.0f}" if r["ttft_p99_s"] is not None else ""
@@ -141,7 +159,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         errs = r["errors"] + len(r["outcome_problems"])
         lines.append(f"| {r['gateways']} | {r['routing']} | {r['state']} | {sh} | {r['max_deviation_pts']:.1f} | "
                      f"{r['max_window_deviation_pts']:.1f} | {r['jain']:.4f} | {tt} | {ad} | "
-                     f"{sum(r['completed'].values())} | {errs} |")
+                     f"{sum(r['completed'].values())} | {errs} | {r['engines_peak']} / {r['slots']} |")
     return "\n".join(lines)
 
 
@@ -154,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=6, help="closed-loop clients per backlogged org (6)")
     ap.add_argument("--speeds", default="2,1", help="the engines' speeds (2,1: two engines, one twice as fast)")
     ap.add_argument("--latency-requests", type=int, default=100, help="request pairs for the added latency (100)")
-    ap.add_argument("--gateways", default="1,2,4", help="gateway counts to run (1,2,4)")
+    ap.add_argument("--gateways", default="1,2,4", help="gateway counts to run (1,2,4; 8 too: 1,2,4,8)")
+    ap.add_argument("--faults", action="store_true",
+                    help="also the fault rows: three gateways, Redis killed, then a gateway killed")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 1 round, short (not for quoting)")
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="issue27",
                     help="issue27 (default): four equal orgs, honest; over: A declares 10x; weighted: 2:1:1")
@@ -162,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="results/fleet.json (fleet-WORKLOAD.json for another workload)")
     a = ap.parse_args(argv)
     wanted = {int(x) for x in a.gateways.split(",") if x}
-    configs = [c for c in CONFIGS if c[0] in wanted]
+    configs = [c for c in CONFIGS if c[0] in wanted] + (FAULTS if a.faults else [])
     if a.quick:
         a.rounds, a.seconds, a.warmup, a.latency_requests = 1, 2.0, 1.0, 10
     speeds = tuple(float(x) for x in a.speeds.split(","))

@@ -23,6 +23,9 @@ scenario                           gateways  routing       workload   engines
 ``weighted-1``                     1         (memory)      weighted   2
 ``weighted-3-alternating``         3         alternating   weighted   2
 ``weighted-3-sticky``              3         sticky        weighted   2
+``weighted-3-redis-lost``          3         alternating   weighted   2  (Redis killed 10 s)
+``weighted-3-gateway-killed``      3         alternating   weighted   2  (a gateway killed 3 s)
+``four-to-one-8-alternating``      8         alternating   4:1        2
 =================================  ========  ============  =========  ========
 
 Alternating: each org's requests go round-robin over the gateways, per request. Sticky: each
@@ -47,8 +50,8 @@ import os
 from pathlib import Path
 
 import pytest
-from support.fleet import (ALTERNATING, STICKY, Report, Scenario, interactive_org, issue27_orgs, run_scenario,
-                           weighted_orgs)
+from support.fleet import (ALTERNATING, STICKY, Report, Scenario, four_to_one_orgs, interactive_org, issue27_orgs,
+                           run_scenario, weighted_orgs)
 from support.processes import RedisServer
 from support.workload import OrgLoad
 
@@ -205,4 +208,22 @@ def test_an_over_declaring_org_sticky_to_one_gateway_gets_its_share_in_every_win
     failed = [f"{org} got {w[org]:.1%} in window {i} (its share is {rep.expected[org]:.1%})"
               for i, w in enumerate(rep.window_shares) for org in rep.expected
               if abs(w[org] - rep.expected[org]) * 100 > WITHIN_EXPECTED]
+    assert not failed, "\n".join(failed) + "\n" + rep.summary()
+
+
+#: issue 41's scale: eight gateways, weights 4:1 (B over-declaring 10x), requests alternating,
+#: two engines of unequal speed
+EIGHT = Scenario("four-to-one-8-alternating", four_to_one_orgs(tokens=200, clients=6), gateways=8,
+                 routing=ALTERNATING, speeds=(2.0, 1.0), warmup=WARMUP, seconds=12.0)
+
+
+def test_eight_gateways_keep_four_to_one(request: pytest.FixtureRequest) -> None:
+    SCENARIOS[EIGHT.name] = EIGHT
+    rep = _report(EIGHT.name, request)
+    failed = [f"outcomes: {p}" for p in rep.outcome_problems()]
+    a, b = rep.shares["A"], rep.shares["B"]
+    if abs(a / b - 4.0) > 0.2:  # 4:1 within 5 %
+        failed.append(f"A:B is {a / b:.2f}:1, the weights say 4:1")
+    if max(rep.engines_peak) > rep.slots:
+        failed.append(f"an engine held {rep.engines_peak} requests at once, its max_in_flight is {rep.slots}")
     assert not failed, "\n".join(failed) + "\n" + rep.summary()

@@ -396,3 +396,13 @@ def weighted_orgs(tokens: int = 200, clients: int = 5) -> list[OrgLoad]:
         OrgLoad("C", "sk-C", clients=clients, max_tokens=tokens, use=lambda t: tokens, stream="mixed"),
         interactive_org(),
     ]
+
+
+def four_to_one_orgs(tokens: int = 200, clients: int = 6) -> list[OrgLoad]:
+    """Weights 4:1: A (weight 4) plain answers, B streams declaring ``max_tokens`` 10x what it
+    uses; plus the interactive org."""
+    return [
+        OrgLoad("A", "sk-A", clients=clients + 2, max_tokens=tokens, use=lambda t: tokens, stream=False, weight=4),
+        OrgLoad("B", "sk-B", clients=clients, max_tokens=tokens * 10, use=lambda t: tokens, stream=True),
+        interactive_org(),
+    ]
