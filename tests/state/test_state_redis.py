@@ -6,7 +6,9 @@ that restarts empty, a policy that differs, and an embedder's PolicyDispatcher s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -402,75 +404,70 @@ def test_the_live_gateways_slices_add_up_to_each_limit():
         Slices(2, 2)
 
 
+@contextlib.asynccontextmanager
+async def _alone(prefix: str, gateways: int, make: Any, *, delay: float = 0.0,
+                 before: Any = None) -> AsyncIterator[tuple[RedisServer, Upstream, list[PolicyDispatcher]]]:
+    """A real redis-server, an upstream and ``gateways`` dispatchers of the policy
+    ``make(redis_url, upstream_url)``; ``before(pds)`` runs while Redis is there; then Redis
+    is killed and every dispatcher goes on alone: ``(redis, upstream, dispatchers)``."""
+    r = RedisServer(free_port()).start()
+    up = Upstream(delay=delay).start()
+    pds = [PolicyDispatcher(make(r.url, up.url)) for _ in range(gateways)]
+    try:
+        for pd in pds:
+            await pd.start()
+        if before is not None:
+            await before(pds)
+        await _until(lambda: all(pd.state.stats()["gateways"] == gateways for pd in pds), "the gateways to be named")
+        r.stop()
+        await _until(lambda: all(pd.state.degraded for pd in pds), "the gateways to go on alone")
+        yield r, up, pds
+    finally:
+        for pd in pds:
+            await pd.close()
+        up.release()
+        up.stop()
+        r.stop()
+
+
 async def test_redis_lost_each_gateway_goes_on_alone_within_its_slice_then_rejoins(prefix: str):
     from prometheus_client import generate_latest
 
-    r = RedisServer(free_port()).start()
-    up = Upstream(delay=0.02).start()
     body = {"model": "m", "prompt": "x", "max_tokens": 1}
-    try:
-        pol = _policy(r.url, prefix, limits="max_in_flight: 3", backend=up.url, lease=1.0)
-        pds = [PolicyDispatcher(pol), PolicyDispatcher(pol)]
-        for pd in pds:
-            await pd.start()
-        try:
-            await _until(lambda: all(pd.state.stats()["gateways"] == 2 for pd in pds), "both gateways to be named")
-            r.stop()
-            await _until(lambda: all(pd.state.degraded for pd in pds), "both gateways to go on alone")
-            assert all(pd.state.available and "cannot be reached" in (pd.state.reason or "") for pd in pds)
-            assert b"sfq_state_degraded 1.0" in generate_latest(pds[0].registry)
-            up.peak = 0
-            replies = await asyncio.wait_for(asyncio.gather(*(
-                pds[i % 2].submit("ka" if i % 3 else "kb", body) for i in range(24))), LIMIT)
-            assert len(replies) == 24 and all(x["choices"] for x in replies)
-            assert 2 <= up.peak <= 3  # the slices (2 + 1) add up to the pool's limit, and both are used
-            r.start()  # back, empty: the gateways rejoin by themselves, and the limit is Redis's again
-            await _until(lambda: all(pd.state.available and not pd.state.degraded for pd in pds),
-                         "both gateways to rejoin")
-            assert b"sfq_state_degraded 0.0" in generate_latest(pds[0].registry)
-            trips = [pd.state.round_trips for pd in pds]
-            up.peak = 0
-            replies = await asyncio.wait_for(asyncio.gather(*(pds[i % 2].submit("ka", body) for i in range(24))),
-                                             LIMIT)
-            assert len(replies) == 24 and up.peak <= 3
-            assert all(pd.state.round_trips > t for pd, t in zip(pds, trips))
-        finally:
-            for pd in pds:
-                await pd.close()
-    finally:
-        up.release()
-        up.stop()
-        r.stop()
+    async with _alone(prefix, 2, lambda url, backend: _policy(url, prefix, limits="max_in_flight: 3", backend=backend,
+                                                              lease=1.0), delay=0.02) as (r, up, pds):
+        assert all(pd.state.available and "cannot be reached" in (pd.state.reason or "") for pd in pds)
+        assert b"sfq_state_degraded 1.0" in generate_latest(pds[0].registry)
+        up.peak = 0
+        replies = await asyncio.wait_for(asyncio.gather(*(
+            pds[i % 2].submit("ka" if i % 3 else "kb", body) for i in range(24))), LIMIT)
+        assert len(replies) == 24 and all(x["choices"] for x in replies)
+        assert 2 <= up.peak <= 3  # the slices (2 + 1) add up to the pool's limit, and both are used
+        r.start()  # back, empty: the gateways rejoin by themselves, and the limit is Redis's again
+        await _until(lambda: all(pd.state.available and not pd.state.degraded for pd in pds), "both gateways to rejoin")
+        assert b"sfq_state_degraded 0.0" in generate_latest(pds[0].registry)
+        trips = [pd.state.round_trips for pd in pds]
+        up.peak = 0
+        replies = await asyncio.wait_for(asyncio.gather(*(pds[i % 2].submit("ka", body) for i in range(24))), LIMIT)
+        assert len(replies) == 24 and up.peak <= 3
+        assert all(pd.state.round_trips > t for pd, t in zip(pds, trips))
 
 
 async def test_alone_the_gateway_orders_its_flows_by_their_weights(prefix: str):
-    r = RedisServer(free_port()).start()
-    up = Upstream(delay=0.005).start()
-    try:
-        pol = _policy(r.url, prefix, limits="max_in_flight: 1", backend=up.url, lease=1.0)  # a: weight 3, b: 1
-        pd = PolicyDispatcher(pol)
-        await pd.start()
-        try:
-            await _until(lambda: pd.state.stats()["gateways"] == 1, "the gateway to be named")
-            r.stop()
-            await _until(lambda: pd.state.degraded, "the gateway to go on alone")
-            up.hold = True
-            first = asyncio.create_task(pd.submit("kb", {"model": "m", "prompt": "first", "max_tokens": 1}))
-            await _until(lambda: up.now == 1, "the first request to run")
-            tasks = [asyncio.create_task(pd.submit(k, {"model": "m", "prompt": k, "max_tokens": 1}))
-                     for k in ["kb"] * 8 + ["ka"] * 8]  # b floods first
-            await _until(lambda: pd.state.stats()["candidates"] == 16, "the others to wait")
-            up.hold = False
-            up.release()
-            await asyncio.wait_for(asyncio.gather(first, *tasks), LIMIT)
-            served = up.order[1:9]  # the first eight after the first (b's), all sixteen waiting
-            assert served == ["ka", "ka", "ka", "kb"] * 2, up.order  # weights 3:1, the engine's order
-        finally:
-            await pd.close()
-    finally:
+    async with _alone(prefix, 1, lambda url, backend: _policy(url, prefix, limits="max_in_flight: 1", backend=backend,
+                                                              lease=1.0), delay=0.005) as (r, up, pds):
+        pd = pds[0]  # (a: weight 3, b: 1)
+        up.hold = True
+        first = asyncio.create_task(pd.submit("kb", {"model": "m", "prompt": "first", "max_tokens": 1}))
+        await _until(lambda: up.now == 1, "the first request to run")
+        tasks = [asyncio.create_task(pd.submit(k, {"model": "m", "prompt": k, "max_tokens": 1}))
+                 for k in ["kb"] * 8 + ["ka"] * 8]  # b floods first
+        await _until(lambda: pd.state.stats()["candidates"] == 16, "the others to wait")
+        up.hold = False
         up.release()
-        up.stop()
-        r.stop()
+        await asyncio.wait_for(asyncio.gather(first, *tasks), LIMIT)
+        served = up.order[1:9]  # the first eight after the first (b's), all sixteen waiting
+        assert served == ["ka", "ka", "ka", "kb"] * 2, up.order  # weights 3:1, the engine's order
 
 
 async def test_on_loss_refuse_or_no_gateway_ever_named_refuses(prefix: str):
@@ -492,86 +489,40 @@ async def test_on_loss_refuse_or_no_gateway_ever_named_refuses(prefix: str):
         _policy("redis://127.0.0.1:1/0", prefix, on_loss="sometimes")
 
 
-async def test_alone_each_gateway_spends_at_most_its_part_of_what_was_left_of_a_budget(prefix: str):
-    r = RedisServer(free_port()).start()
-    up = Upstream(delay=0.0).start()
-    pol = parse_policy(f"""
+def _budgets(url: str, backend: str, prefix: str) -> Any:
+    return parse_policy(f"""
 pools:
   p:
     models: [m]
-    backends: [{{url: "{up.url}", max_in_flight: 16}}]
+    backends: [{{url: "{backend}", max_in_flight: 16}}]
     prices: {{input: 0, output: 1000000}}
 classes:
   batch: {{weight: 1}}
 orgs:
   a: {{keys: [ka], classes: [batch], budget: {{amount: 10, per: day}}}}
   b: {{keys: [kb], classes: [batch], budget: {{amount: 10, per: day}}}}
-state: {{redis: "{r.url}", prefix: "{prefix}", lease_seconds: 1}}
+state: {{redis: "{url}", prefix: "{prefix}", lease_seconds: 1}}
 """)
-    one = {"model": "m", "prompt": "x", "max_tokens": 1}  # costs exactly 1
-    try:
-        pds = [PolicyDispatcher(pol), PolicyDispatcher(pol)]
-        for pd in pds:
-            await pd.start()
-        try:
-            for pd in pds:  # 2 of a's 10 spent, each gateway saw its budget
-                await pd.submit("ka", one)
-            await _until(lambda: all(pd.state.stats()["gateways"] == 2 for pd in pds), "both gateways to be named")
-            r.stop()
-            await _until(lambda: all(pd.state.degraded for pd in pds), "both gateways to go on alone")
-            ok = refused = 0
-            for i in range(20):
-                try:
-                    await pds[i % 2].submit("ka", one)
-                    ok += 1
-                except Refused as exc:
-                    assert exc.reason == "budget_exhausted", exc
-                    refused += 1
-            # together never past the 8 left (each its half of what it last saw left: 8 or 9)
-            assert 6 <= ok <= 8 and ok + refused == 20
-            with pytest.raises(Refused) as ei:  # b's budget was never seen: what is left is unknown here
-                await pds[0].submit("kb", one)
-            assert ei.value.reason == "state_unavailable" and "budget" in str(ei.value)
-        finally:
-            for pd in pds:
-                await pd.close()
-    finally:
-        up.stop()
-        r.stop()
-async def test_a_waiting_candidate_is_charged_its_price_at_the_grant(redis_server: RedisServer, prefix: str):
-    """The grant is the dispatch: a candidate that waited (here for the pool's one slot) is
-    charged the price its gateway's engine gives it when it is granted, not the price it was
-    handed on with. A request sent before its flow's first usage report was priced at the
-    prior (``max_tokens`` at face value); granted many seconds later at that price, an
-    over-declaring org lost turns to the others while such grants went, then won every slot
-    while their refunds came back (issue 41: a weight-2 org sticky to one of three gateways,
-    16 % of the service for 10 s, then 79 % for 5 s)."""
-    import redis.asyncio as aioredis
 
-    pol = _policy(redis_server.url, prefix, lease=5.0, limits="max_in_flight: 1")
-    st = RedisState(pol.state, pol)
-    prices: dict[int, float] = {}
-    st.reprice = lambda r: prices.get(r.id, r.cost)  # the engine's price now (PolicyQueue.reprice)
-    client = aioredis.Redis.from_url(redis_server.url)
-    await st.start()
-    try:
-        holder = _req(B)
-        await st.acquire(holder, BACKENDS, None)  # the pool's one slot
-        r = _req(A)
-        r.cost = prices[r.id] = 300.0  # handed on at the prior's price
-        waiting = asyncio.create_task(st.acquire(r, BACKENDS, None))
-        t0 = time.monotonic()
-        while not await client.zcard(f"{prefix}cf:p:a\tbatch"):  # a candidate in the order, priced 300
-            assert time.monotonic() - t0 < LIMIT, "the candidate never reached Redis"
-            await asyncio.sleep(0.01)
-        v = float(await client.get(f"{prefix}vt:p") or 0)
-        assert float(await client.hget(f"{prefix}fin:p", "a\tbatch")) == v  # it joined at v
-        prices[r.id] = 30.0  # a usage report came meanwhile: the engine prices it at the ratio learned
-        st.attempt_over(holder, None)  # the slot frees: the round trip that grants it carries the new price
-        await asyncio.wait_for(waiting, LIMIT)
-        meter = float(await client.hget(f"{prefix}fin:p", "a\tbatch"))
-        assert meter == pytest.approx(v + 30.0 / 3), "the grant charged the price it was handed on with"
-        st.attempt_over(r, None)
-    finally:
-        await st.close()
-        await client.aclose()
+
+async def test_alone_each_gateway_spends_at_most_its_part_of_what_was_left_of_a_budget(prefix: str):
+    one = {"model": "m", "prompt": "x", "max_tokens": 1}  # costs exactly 1
+
+    async def spend_two(pds: list[PolicyDispatcher]) -> None:  # 2 of a's 10 spent, each gateway saw its budget
+        for pd in pds:
+            await pd.submit("ka", one)
+
+    async with _alone(prefix, 2, lambda url, backend: _budgets(url, backend, prefix), before=spend_two) as (_, _, pds):
+        ok = refused = 0
+        for i in range(20):
+            try:
+                await pds[i % 2].submit("ka", one)
+                ok += 1
+            except Refused as exc:
+                assert exc.reason == "budget_exhausted", exc
+                refused += 1
+        # together never past the 8 left (each its half of what it last saw left: 8 or 9)
+        assert 6 <= ok <= 8 and ok + refused == 20
+        with pytest.raises(Refused) as ei:  # b's budget was never seen: what is left is unknown here
+            await pds[0].submit("kb", one)
+        assert ei.value.reason == "state_unavailable" and "budget" in str(ei.value)
