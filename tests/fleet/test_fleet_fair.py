@@ -162,8 +162,9 @@ def test_a_gateway_killed_costs_only_the_requests_in_its_hands(request: pytest.F
     elsewhere = [rid for rid in lost if rep.outcomes[rid][1] != 1]
     if elsewhere:
         failed.append(f"requests failed at gateways that were not killed: {elsewhere[:5]}")
-    if len(lost) > rep.killed_in_hands:
-        failed.append(f"{len(lost)} requests failed, the killed gateway held {rep.killed_in_hands}")
+    late = [rid for rid in lost if rep.sent_at[rid] > rep.killed_at]
+    if late:  # sent after it died: a load balancer sends those elsewhere, and they must not fail
+        failed.append(f"requests sent after the kill failed: {late[:5]}")
     if not rep.rerouted:
         failed.append("no request was sent elsewhere while the gateway was down (the fault did not happen?)")
     for org, share in rep.shares.items():

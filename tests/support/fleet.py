@@ -126,7 +126,10 @@ class Report:
     #: a gateway killed: the requests it held at that moment (sent, not answered), and the
     #: requests a load balancer sent elsewhere because a gateway refused the connection
     killed_in_hands: int = 0
+    killed_at: float = 0.0  # time.monotonic() when it was killed
     rerouted: int = 0
+    #: request id -> when it was sent (time.monotonic())
+    sent_at: dict[str, float] = field(default_factory=dict)
     #: request id -> (org, gateway index, status, message)
     outcomes: dict[str, tuple[str, int, int, str]] = field(default_factory=dict)
 
@@ -282,6 +285,7 @@ def _faults(sc: Scenario, redis: RedisServer | None, gws: list[Gateway], cfg: Pa
 
         def kill() -> None:
             seen["in_hands"] = res.in_hands.get(i, 0)  # (read first: those failing as it dies leave it)
+            seen["killed_at"] = time.monotonic()
             gws[i].kill()
 
         def restart() -> None:
@@ -350,6 +354,8 @@ def run_scenario(sc: Scenario, *, redis: RedisServer | None = None, workdir: Pat
     rep.health_in_outage = seen["health"]
     rep.killed_in_hands = seen["in_hands"]
     rep.rerouted = res.rerouted
+    rep.killed_at = seen.get("killed_at", 0.0)
+    rep.sent_at = dict(res.sent_at)
     rep.outcomes = dict(res.outcomes)
     if latency_requests:
         rep.added_latency = added  # type: ignore[attr-defined]

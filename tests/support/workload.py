@@ -254,6 +254,8 @@ class RunResult:
     in_hands: dict[int, int] = field(default_factory=dict)
     #: requests a load balancer sent to the next gateway: their own refused the connection
     rerouted: int = 0
+    #: request id -> when it was sent (time.monotonic())
+    sent_at: dict[str, float] = field(default_factory=dict)
 
 
 def _prompt(org: OrgLoad, use: int, rid: str = "") -> str:
@@ -323,7 +325,7 @@ async def run_workload(base_url: str | Sequence[str], orgs: Sequence[OrgLoad], s
         prompt = _prompt(o, use, rid)
         headers = {"X-SFQ-Class": o.cls} if o.cls else {}
         res.sent[o.name] += 1
-        t0 = time.monotonic()
+        t0 = res.sent_at[rid] = time.monotonic()
         try:
             for tried in range(len(urls)):  # a load balancer: a gateway that refuses connections is skipped
                 res.per_gateway[(o.name, g)] += 1
