@@ -8,9 +8,10 @@ Two rules for the whole suite:
 
 * ``timed``: the tests under ``tests/serve``, ``tests/state`` and ``tests/fleet`` start real
   processes (gateways, engines, redis-server) and measure fairness in their first seconds.
-  They get the ``timed`` marker here, so that the parallel run leaves them out
-  (``-n auto -m 'not timed'``) and they run by themselves, one at a time
-  (``-m timed``): a busy second core is what would make them flaky.
+  A core busy with CPU-bound tests beside them would make them flaky; they themselves
+  mostly wait (a third of a core each, measured). So they get the ``timed`` marker here, and
+  the test command runs the rest first, on every core (``-n auto -m 'not timed'``), then
+  these, among themselves only (``-n auto -m timed``).
 * ``SFQ_REQUIRE_LLAMA=1``: the ``integration`` tests (a real llama-server) fail instead of
   skipping when no llama-server is found (CI sets it once it has built one).
 """
