@@ -6,12 +6,15 @@ module directly: the compiled core is reached as ``sfq.Scheduler`` (which is the
 
 Two rules for the whole suite:
 
-* ``timed``: the tests under ``tests/serve``, ``tests/state`` and ``tests/fleet`` start real
-  processes (gateways, engines, redis-server) and measure fairness in their first seconds.
-  A core busy with CPU-bound tests beside them would make them flaky; they themselves
-  mostly wait (a third of a core each, measured). So they get the ``timed`` marker here, and
-  the test command runs the rest first, on every core (``-n auto -m 'not timed'``), then
-  these, among themselves only (``-n auto -m timed``).
+* ``timed`` and ``alone``: the tests under ``tests/serve``, ``tests/state`` and
+  ``tests/fleet`` start real processes (gateways, engines, redis-server) and measure
+  fairness in their first seconds. A core busy with CPU-bound tests beside them would make
+  them flaky; they themselves mostly wait (about half a core each, measured). So they are
+  ``timed``, and the test command runs the rest first, on every core
+  (``-n auto -m 'not timed'``), then the gateway's (``tests/serve``) two at a time
+  (``-n auto -m 'timed and not alone'``), then those of several gateways on one Redis
+  (``tests/state``, ``tests/fleet``, also ``alone``) one at a time, with nothing beside
+  them (``-m alone``): beside other timed tests they failed in two runs of four.
 * ``SFQ_REQUIRE_LLAMA=1``: the ``integration`` tests (a real llama-server) fail instead of
   skipping when no llama-server is found (CI sets it once it has built one).
 """
@@ -32,6 +35,8 @@ if sfq.CORE != "compiled":  # SFQ_NO_EXTENSIONS=1: the "compiled" slot is the tw
 HERE = Path(__file__).resolve().parent
 #: the folders whose tests time real processes (see the module's docstring)
 TIMED = tuple(HERE / d for d in ("serve", "state", "fleet"))
+#: of those, the ones that run several gateways on one redis-server: one at a time, alone
+ALONE = (HERE / "state", HERE / "fleet")
 
 
 @pytest.fixture(params=sorted(TWINS))
@@ -41,10 +46,12 @@ def make(request):
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    timed = pytest.mark.timed
     for item in items:
-        if any(Path(item.path).is_relative_to(d) for d in TIMED):
-            item.add_marker(timed)
+        path = Path(item.path)
+        if any(path.is_relative_to(d) for d in TIMED):
+            item.add_marker(pytest.mark.timed)
+        if any(path.is_relative_to(d) for d in ALONE):
+            item.add_marker(pytest.mark.alone)
 
 
 def pytest_configure(config: pytest.Config) -> None:
