@@ -95,5 +95,11 @@ def test_slots() -> None:
     assert not h.full and h.used == 0
     h.acquire()
     assert h.full
-    with pytest.raises(ValueError):
-        Slots("x", 0)
+    # 0: nothing may start (a gateway's part of a global limit smaller than the gateways
+    # sharing it, while Redis is lost: sfq.state._local); below 0 is an error
+    z = Slots("x", 0)
+    assert z.full
+    with pytest.raises(RuntimeError, match="no free slot"):
+        z.acquire()
+    with pytest.raises(ValueError, match="limit must be an integer >= 0 or None, got -1"):
+        Slots("x", -1)

@@ -149,7 +149,8 @@ class Report:
                 f"Jain {self.jain:.4f}; {tt}; completed {self.completed}; errors {errs or 'none'}")
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items()}
+        """The report's figures (without the per-request outcomes and send times)."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("outcomes", "sent_at")}
 
 
 def _pct(xs: Sequence[float], p: float) -> float:
