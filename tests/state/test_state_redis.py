@@ -526,3 +526,26 @@ async def test_alone_each_gateway_spends_at_most_its_part_of_what_was_left_of_a_
         with pytest.raises(Refused) as ei:  # b's budget was never seen: what is left is unknown here
             await pds[0].submit("kb", one)
         assert ei.value.reason == "state_unavailable" and "budget" in str(ei.value)
+
+
+async def test_alone_a_caller_that_leaves_frees_its_place_and_its_slot(prefix: str):
+    body = {"model": "m", "prompt": "x", "max_tokens": 1}
+    async with _alone(prefix, 1, lambda url, backend: _policy(url, prefix, limits="max_in_flight: 1", backend=backend,
+                                                              lease=1.0)) as (_, up, pds):
+        pd = pds[0]
+        up.hold = True
+        running = asyncio.create_task(pd.submit("ka", body))
+        await _until(lambda: up.now == 1, "the first request to run")
+        waiting = asyncio.create_task(pd.submit("kb", body))
+        await _until(lambda: pd.state.stats()["candidates"] == 1, "the second to wait")
+        waiting.cancel()  # its client went away while it waited alone
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await _until(lambda: pd.state.stats()["candidates"] == 0, "its place to be given up")
+        running.cancel()  # and this one while it ran: its slot comes back
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        up.hold = False
+        up.release()
+        assert (await asyncio.wait_for(pd.submit("kb", body), LIMIT))["choices"]
+        assert pd.state.stats()["holding"] == 0
