@@ -118,11 +118,11 @@ orgs:
     assert "already the key of org 'globex'" in str(ei.value)
 
 
-def test_nested_shares_with_a_shared_ledger_are_refused_at_load() -> None:
-    with pytest.raises(PolicyError) as ei:
-        parse_policy(ACME + 'state: {redis: "redis://127.0.0.1:6379/0"}\n')
-    assert ei.value.path == "orgs.acme.teams"
-    assert "not carried by the shared ledger" in str(ei.value)
+def test_nested_shares_with_a_shared_ledger_are_accepted_at_load() -> None:
+    """Several gateways run nested shares as one does (the fleet's decider runs the engine's
+    tree: docs/design.md §5a.1); tests/state and tests/fleet run them through Redis."""
+    pol = parse_policy(ACME + 'state: {redis: "redis://127.0.0.1:6379/0"}\n')
+    assert pol.nested and pol.state is not None and pol.state.redis
 
 
 # ------------------------------------------------------------------ who a request is
@@ -438,20 +438,6 @@ def test_class_weights_and_strict_classes_keep_their_meaning(core: Callable[[], 
     assert got[0] is urgent
     n = {f: sum(1 for r in got[1:] if r.flow == f) for f in (research, product, globex)}
     assert abs(n[research] - 600) <= 2 and abs(n[product] - 200) <= 2 and abs(n[globex] - 100) <= 2, n
-
-
-def test_a_shared_state_with_nested_shares_is_refused() -> None:
-    """The shared ledger does not carry the tree: a dispatcher given one with a nested policy
-    (the file without its own ``state`` section) refuses at construction."""
-    from sfq.dispatch import PolicyDispatcher
-    from sfq.state import InMemoryState
-
-    class Shared(InMemoryState):
-        shared = True  # (stands for RedisState: the check reads only this)
-
-    with pytest.raises(PolicyError) as ei:
-        PolicyDispatcher(parse_policy(ACME), state=Shared())
-    assert ei.value.path == "orgs.acme.teams" and "not carried by the shared ledger" in str(ei.value)
 
 
 def test_a_team_key_sha256_in_two_teams_is_named_where_it_is_written() -> None:

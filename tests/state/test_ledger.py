@@ -169,26 +169,20 @@ async def _meters(f: Fleet, flows: Sequence[Flow]) -> dict[str, float]:
         q = f.pds[0].engine.queues["p"]
         v = float(q.sched.virtual_time)
         return {"v": v, **{fl.org: max(q.meter(fl), v) for fl in flows}}
-    import redis.asyncio as aioredis
-
-    c = aioredis.Redis.from_url(f.ledger["redis"])
-    try:
-        p = f.ledger["prefix"]
-        v = float(await c.get(f"{p}vt:p") or 0)
-        out = {"v": v}
-        for fl in flows:
-            x = await c.hget(f"{p}fin:p", f"{fl.org}\t{fl.cls}")
-            out[fl.org] = max(float(x) if x is not None else v, v)
-        return out
-    finally:
-        await c.aclose()
+    # several gateways: the meters are the fleet's decider's (one of the gateways: docs/design.md §5a.1)
+    deciders = [pd.state.decider("p") for pd in f.pds]
+    live = [q for q in deciders if q is not None]
+    assert len(live) == 1, "exactly one gateway decides the fleet's order"
+    q = live[0]
+    v = float(q.sched.virtual_time)
+    return {"v": v, **{fl.org: max(q.meter(fl), v) for fl in flows}}
 
 
 @pytest.mark.parametrize("charge", ["served", "settle"])
 async def test_both_ledgers_hold_the_same_meters(redis_server: RedisServer, prefix: str, charge: str) -> None:
-    """The same requests, one at a time, give the same meters in memory and in Redis: the
-    charge at dispatch, a stream's delivered tokens and the settlement reach either ledger
-    alike (a long request of ``z`` keeps the busy period open, so nothing is forgotten)."""
+    """The same requests, one at a time, give the same meters in memory and through Redis (the
+    fleet's decider's queue): the charge at dispatch, a stream's delivered tokens and the
+    settlement reach either alike (a long request of ``z`` keeps the busy period open, so nothing is forgotten)."""
     orgs = {"a": 2.0, "b": 1.0, "z": 1.0}
     flows = [Flow(o, "batch", "p") for o in ("a", "b")]
     seen = []

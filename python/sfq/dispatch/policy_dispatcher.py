@@ -156,18 +156,6 @@ class _Listener:
         self.pd._pump()
 
 
-def _nested_alone(policy: Policy, shared: bool) -> None:
-    """Nested shares (teams, users) run on one dispatcher's own ledger: the shared ledger of
-    several gateways holds one meter per flow and pool, not a tree (docs/design.md §5c).
-    ``PolicyError`` naming the first nested org when a shared state is given with such a policy
-    (a file's own ``state`` section with one is refused at load)."""
-    if shared and policy.nested:
-        name = next(o.name for o in policy.orgs.values() if o.nested)
-        raise PolicyError(f"orgs.{name}.{'teams' if policy.orgs[name].teams else 'users'}",
-                          "nested shares (teams, users) are not carried by the shared ledger yet: run this policy "
-                          "on one dispatcher's own state, or remove this org's teams and users")
-
-
 def _check_cost(cost: object) -> None:
     """A request's ``cost=`` checked by the scheduler core's own rule and message, raised as an
     sfq error (400): :class:`InvalidCostType` (a ``TypeError``) for a non-number, else
@@ -229,7 +217,6 @@ class PolicyDispatcher:
             raise TypeError(f"state must be an sfq.state.SharedState, got {state!r}")
         self.state: SharedState = state
         self._shared = bool(state.shared)
-        _nested_alone(policy, self._shared)
         cs = policy.cost
         self.estimator = estimator if estimator is not None else CostEstimator(
             cs.input_weight, cs.output_weight, default_max_tokens=cs.default_max_tokens, prior_ratio=cs.prior_ratio,
@@ -577,22 +564,34 @@ class PolicyDispatcher:
 
     async def _reserve(self, flow: Flow, est: Estimate | None) -> Hold | None:
         """A shared state's budget reservation for a request of ``flow`` (``None``: its pool
-        has no prices); ``Refused("budget_exhausted"|"state_unavailable")``, recorded."""
+        has no prices): in its org's budget and its team's, both or neither;
+        ``Refused("budget_exhausted"|"state_unavailable")``, recorded."""
         book = self.engine.spend
-        q = book.quote(flow, est)
+        now = book.wall_clock()
+        q = book.quote(flow, est, now)
         if q is None:
             return None
         hold, limit, end = q
-        if not hold.budgeted:
+        budgets: list[tuple[str, str, float]] = []
+        said: list[tuple[str, float, str, str, float]] = []
+        if hold.budgeted:
+            budgets.append((flow.org, hold.key, limit))
+            said.append(book.said_org(hold, limit, end))
+        team = book.team_quote(flow, hold, now)
+        if team is not None:
+            budgets.append((f"{flow.org}\t{flow.team}", hold.team_key, team[0]))
+            said.append(team[1])
+        if not budgets:
             return hold
+        last = max(e for *_, e in said)
         try:
-            ok = await self.state.reserve_spend(hold, limit, end - book.wall_clock() + 2 * 86400)
+            refused = await self.state.reserve_spend(hold, budgets, last - now + 2 * 86400)
         except Refused as exc:
             self.engine.refuse(flow, exc.reason)
             raise
-        if not ok:
+        if refused:
             self.engine.refuse(flow, "budget_exhausted")
-            raise book.refusal(hold, limit, end)
+            raise book.refused(hold, [said[i] for i in refused])
         return hold
 
     def _ended_error(self, r: Request) -> Exception:
@@ -979,7 +978,6 @@ class PolicyDispatcher:
             policy = load_policy(policy)
         if self._closed:
             raise DispatcherClosed()
-        _nested_alone(policy, self._shared)
         engine, ended = self.engine.reloaded(local_policy(policy) if self._shared else policy)
         self.engine = engine
         self.policy = policy

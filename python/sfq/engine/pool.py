@@ -79,7 +79,7 @@ class Request:
                  "drop_reason", "item", "state", "backend", "started_at", "tries", "idempotency_key",
                  "outcome", "reason", "small", "retrying", "est", "epoch", "streaming", "charged", "delivered",
                  "work_flow", "working", "in_core", "avoid", "start_tag", "fixed", "hold",
-                 "charged_total")
+                 "charged_total", "guess")
 
     def __init__(self, flow: Flow, cost: float, tokens: float, arrival: float, deadline: float | None = None,
                  item: Any = None, need: float = 0.0, idempotency_key: str | None = None,
@@ -118,6 +118,9 @@ class Request:
         self.start_tag = 0.0  # cost units: its flow's meter when the core dispatched it (= v then)
         self.fixed = est is None  # ``cost`` is charged as given, never re-estimated or corrected
         self.hold: Hold | None = None  # its spend's reservation (a pool with prices), settled when it ends
+        #: whether its charge is a guess (``guessed``), when another engine priced it (a stand-in
+        #: of a gateway's candidate, ``sfq.state``); ``None``: the estimator says
+        self.guess: bool | None = None
 
     def __repr__(self) -> str:
         return (f"Request(#{self.id} {self.flow.org}/{self.flow.cls}/{self.flow.pool} cost={self.cost:g} "
@@ -184,6 +187,9 @@ def guessed(r: Request, estimator: CostEstimator) -> bool:
     estimate at the prior ratio (no usage report has calibrated its flow or its model yet, as
     on a fleet that just started). A flow that sets ``v`` alone on such charges gets a refund
     floor (``_floors``)."""
+    g = r.guess
+    if g is not None:
+        return g
     e = r.est
     return e is not None and not r.fixed and estimator.on_prior(e.model, r.flow)
 
@@ -892,11 +898,15 @@ class PolicyQueue:
         if self.on_charge is not None:
             self.on_charge(r, delta)
 
-    def correct(self, r: Request, delta: float) -> None:
+    def correct(self, r: Request, delta: float, floor: bool = False) -> None:
         """Move the meter of ``r``'s flow by ``delta`` cost units: a correction another engine
         computed for the same request (a gateway's own engine, for the queue of stand-ins that
-        decides while the shared state of several gateways cannot be reached: ``sfq.state``)."""
+        decides for several gateways, or for one alone while their shared state cannot be
+        reached: ``sfq.state``). ``floor``: a refund (``delta < 0``) stops at the flow's refund
+        floor, as :meth:`settle`'s does (the other engine left the floors to this queue)."""
         if r.in_core:
+            if floor and delta < 0 and self._floors:
+                delta = self._floors.refund(r, delta, self.sched)
             self._adjust(r, delta)
 
     def delivered(self, r: Request, tokens: object) -> float:

@@ -711,14 +711,6 @@ def policy_from_mapping(data: object, *, source: str = "<mapping>") -> Policy:
     named_pools = cast("Mapping[str, PoolSpec]", {**pools, **dict.fromkeys(bad_pools)})
     server = (errs.check(_server, top.get("server"), "server", named_pools) if "server" in top else None) or server
     metrics = (errs.check(_metrics, top.get("metrics"), "metrics") if "metrics" in top else None) or MetricsSpec()
-    if state is not None and state.redis is not None:  # (a state file is one gateway's: nested shares are fine)
-        for name, o in orgs.items():
-            if o.nested:
-                errs.add(PolicyError(f"orgs.{name}.{'teams' if o.teams else 'users'}",
-                                     "nested shares (teams, users) are not carried by the shared ledger yet: "
-                                     "remove the state section (one gateway) or this org's teams and users"))
-    elif errs.bad("state") and any(isinstance(v, dict) and ("teams" in v or "users" in v) for v in named.values()):
-        errs.skip("orgs: teams and users against the state section (not with state.redis)")
     errs.raise_any()
     return Policy(MappingProxyType(pools), MappingProxyType(classes), MappingProxyType(orgs), cost, retry, state,
                   source, org_template=template, server=server, metrics=metrics)

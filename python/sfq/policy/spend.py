@@ -21,8 +21,8 @@ within its org's: a team's spend counts toward both. The engine
   (``state: {file: PATH}``): written atomically (a temporary file, then a rename) at most
   once a second and on close, loaded at start; it holds the current period of orgs with a
   budget only, so its size is bounded by the policy file. Gateways sharing Redis keep the
-  ledger there instead (``sfq.state.RedisState``: one Lua script reserves atomically; org
-  budgets only: a policy with nested shares, hence with team budgets, cannot share a ledger yet).
+  ledger there instead (``sfq.state.RedisState``: one Lua script reserves in the org's budget
+  and its team's, both or neither, atomically over every gateway).
 * :class:`SpendCollector`: ``sfq_spend_total{org,pool}``, currency settled by this gateway
   since it started (a counter). Series exist only for pools with prices and for the orgs
   the file names (any other org, made from ``org_template``, is summed under ``_other``), and
@@ -291,6 +291,27 @@ class SpendBook:
         key, end = self._period_of((flow.org, ""), b.per, self.wall_clock() if now is None else now)
         return Hold(flow.org, flow.pool, key, self.reservation(estimate, prices)), b.amount, end
 
+    def said_org(self, hold: Hold, limit: float, end: float) -> tuple[str, float, str, str, float]:
+        """How a refusal names the org's budget of ``hold`` (:meth:`refused`)."""
+        b = self.budget(hold.org)
+        return (f"org {hold.org!r}", limit, b.per if b is not None else "period", hold.key, end)
+
+    def team_quote(self, flow: Flow, hold: Hold,
+                   now: float) -> tuple[float, tuple[str, float, str, str, float]] | None:
+        """The budget of ``flow``'s team, when it has one: its amount and how a refusal names it;
+        ``hold`` is marked as held in it too (``team``, ``team_key``: the period at ``now``)."""
+        tb = self.team_budget(flow.org, flow.team)
+        if tb is None or flow.team is None:
+            return None
+        tkey, tend = self._period_of((flow.org, flow.team), tb.per, now)
+        hold.team, hold.team_key = flow.team, tkey
+        return tb.amount, (f"team {flow.team!r} of org {flow.org!r}", tb.amount, tb.per, tkey, tend)
+
+    def refused(self, hold: Hold, spent: Sequence[tuple[str, float, str, str, float]]) -> Refused:
+        """The refusal of ``hold`` by the budgets named in ``spent`` (:meth:`said_org`,
+        :meth:`team_quote`)."""
+        return self._refused(hold, spent)
+
     def refusal(self, hold: Hold, limit: float, end: float) -> Refused:
         """The refusal of a request whose reservation the org's budget cannot cover."""
         b = self.budget(hold.org)
@@ -349,13 +370,13 @@ class SpendBook:
         if hold.spent > 0:
             k = (self._label(hold.org), hold.pool)
             self.totals[k] = self.totals.get(k, 0.0) + hold.spent
-        if hold.team is not None:  # (team budgets live in this process's ledger only)
-            self.ledger.settle(hold.org, hold.team_key, hold.amount, hold.spent, team=hold.team)
-        if not hold.budgeted:
+        if self.on_settle is not None:  # a shared ledger: the org's budget and its team's, there
+            if hold.budgeted or hold.team is not None:
+                self.on_settle(hold, hold.spent)
             return
-        if self.on_settle is not None:
-            self.on_settle(hold, hold.spent)
-        else:
+        if hold.team is not None:
+            self.ledger.settle(hold.org, hold.team_key, hold.amount, hold.spent, team=hold.team)
+        if hold.budgeted:
             self.ledger.settle(hold.org, hold.key, hold.amount, hold.spent)
 
     def _label(self, org: str) -> str:

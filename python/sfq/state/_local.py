@@ -116,33 +116,47 @@ class Alone:
     have something to start without any other event (a bucket refills)."""
 
     def __init__(self, policy: Policy, part: Part, sl: Slices, *, clock: Callable[[], float],
-                 estimator: CostEstimator | None) -> None:
+                 estimator: CostEstimator | None, floors: bool = False) -> None:
         self.policy = sliced_policy(policy, part, sl)
         self.clock = clock
         shared = SharedLimits(self.policy)
         self.queues = {name: PolicyQueue(self.policy, name, clock=clock, shared=shared, estimator=estimator)
                        for name in self.policy.pools}
+        #: whether this queue applies the refund floors to the corrections it is told (the fleet's
+        #: decider: the gateways' engines leave them to it); alone, the gateway's own engine's
+        #: corrections arrive whole
+        self.floors = floors
         for q in self.queues.values():
-            q.refund_floors = False  # the gateway's own engine's corrections arrive whole (``correct``)
+            q.refund_floors = floors and q.refund_floors
         self._in: dict[str, Request] = {}  # member -> its stand-in
+
+    @classmethod
+    def fleet(cls, policy: Policy, *, clock: Callable[[], float], estimator: CostEstimator | None) -> Alone:
+        """The fleet's decider (``sfq.state._lead``): the engine's queues of the whole policy,
+        every limit whole, over stand-ins of every gateway's candidates."""
+        return cls(policy, _whole, Slices(0, 1), clock=clock, estimator=estimator, floors=True)
 
     def __contains__(self, member: str) -> bool:
         return member in self._in
 
-    def add(self, member: str, flow: Flow, cost: float, tokens: float, backends: Collection[str]) -> None:
+    def add(self, member: str, flow: Flow, cost: float, tokens: float, backends: Collection[str],
+            guess: bool = False) -> None:
         if member in self._in:
             return
         c = float(cost)
         r = Request(flow, c if c > 0 else 1e-9, float(tokens), self.clock(), item=(member, frozenset(backends)))
+        r.guess = bool(guess)
         self._in[member] = r
         self.queues[flow.pool].queue_new(r, r.arrival)
 
-    def price(self, member: str, cost: float) -> None:
+    def price(self, member: str, cost: float, guess: bool | None = None) -> None:
         """The candidate's charge at dispatch, priced again (the calibration moved since it was
         added): a waiting stand-in is charged this when it starts."""
         r = self._in.get(member)
         if r is not None and r.state == WAITING and cost > 0:
             r.cost = float(cost)
+            if guess is not None:
+                r.guess = bool(guess)
 
     def adopt(self, member: str, flow: Flow, backend: str) -> None:
         q = self.queues[flow.pool]
@@ -174,13 +188,37 @@ class Alone:
     def correct(self, member: str, delta: float) -> None:
         r = self._in.get(member)
         if r is not None and r.state == RUNNING:
-            self.queues[r.flow.pool].correct(r, delta)
+            self.queues[r.flow.pool].correct(r, delta, self.floors)
+
+    def undo(self, member: str) -> None:
+        """A start :meth:`next` decided that did not happen (its candidate had left before the
+        grant reached Redis): its charge taken back whole, its slots freed."""
+        r = self._in.pop(member, None)
+        if r is not None and r.state == RUNNING:
+            q = self.queues[r.flow.pool]
+            q.correct(r, -r.charged)
+            q.finish(r, None)
+
+    def members(self) -> tuple[set[str], set[str]]:
+        """The members of the waiting stand-ins and of the running ones."""
+        waiting: set[str] = set()
+        running: set[str] = set()
+        for m, r in self._in.items():
+            (running if r.state == RUNNING else waiting).add(m)
+        return waiting, running
+
+    def meter(self, flow: Flow) -> float:
+        return self.queues[flow.pool].meter(flow)
 
     def wake_at(self, pool: str) -> float | None:
         return self.queues[pool].wake_at()
 
     def stats(self) -> dict[str, Any]:
         return {name: {"waiting": q.n_waiting, "in_flight": q.in_flight} for name, q in self.queues.items()}
+
+
+def _whole(name: str, limit: int) -> int:
+    return limit
 
 
 def _allowed(r: Request, backend: str) -> bool:

@@ -141,14 +141,21 @@ class SharedState:
     def ended(self, r: Request) -> None:
         """``r`` ended (any outcome): forget it."""
 
-    async def reserve_spend(self, hold: Hold, limit: float, keep: float) -> bool:
-        """Reserve ``hold.amount`` of ``hold.org``'s budget ``limit`` in period ``hold.key``
-        over every gateway (``keep``: seconds the period's record must live); ``False`` when
-        the budget cannot cover it."""
-        return True
+    async def reserve_spend(self, hold: Hold, budgets: Sequence[tuple[str, str, float]], keep: float) -> list[int]:
+        """Reserve ``hold.amount`` in every budget of ``budgets`` over every gateway, or in
+        none: ``(account, period key, limit)``, the account an org (its own budget) or
+        ``org<TAB>team`` (a team's); ``keep``: seconds the periods' records must live. Returns
+        the indexes of the budgets that cannot cover it (empty: reserved in all)."""
+        return []
 
     def settle_spend(self, hold: Hold, actual: float) -> None:
         """The request of ``hold`` ended having spent ``actual`` (currency)."""
+
+    def decider(self, pool: str) -> Any:
+        """The queue whose meters decide the fleet's order of ``pool`` when this gateway holds
+        it (several gateways: one decides for all, docs/design.md §5a.1); ``None`` otherwise
+        (one gateway: its engine's own queue decides)."""
+        return None
 
     def stats(self) -> dict[str, Any]:
         return {"kind": "memory"}

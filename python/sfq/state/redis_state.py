@@ -53,7 +53,7 @@ from ..errors import PolicyError, Refused
 from ..policy.classify import Flow, unknown_org
 from ..policy.config import OrgSpec, Policy, StateSpec
 from ..cost import CostEstimator
-from ..engine.pool import Request, guessed
+from ..engine.pool import PolicyQueue, Request, guessed
 from ..policy.spend import Hold
 from ..policy.limits import TokenBucket
 from . import _lua
@@ -64,12 +64,20 @@ __all__ = ["RedisState", "StateUnavailable", "policy_hash"]
 
 log = logging.getLogger("sfq.state")
 
-#: seconds between re-checks of a candidate denied by the order (another gateway's turn)
-ORDER_POLL = 0.02
-#: seconds between re-checks of a candidate denied by a full limit (a release also wakes it)
-LIMIT_POLL = 0.1
+#: seconds between a waiting candidate's gateway's looks for its grant when no message comes
+#: (the decider publishes each grant; this bounds a lost message, or a decider that died)
+GRANT_POLL = 0.2
 #: round trips in flight at once per pool (a new candidate need not wait for a release's)
 MAX_CALLS = 2
+#: seconds the decider's role lasts unless it renews it (each of its round trips does; at most
+#: ``lease_seconds``): a decider that dies is replaced that much later, by the next gateway
+#: that finds none
+LEAD_TTL = 1.5
+#: seconds between the decider's round trips when nothing wakes it (it renews its role, and
+#: looks again at what a bucket or a dead gateway's expiry frees)
+LEAD_POLL = 0.25
+#: seconds between the decider's looks at which candidates and attempts are still alive
+LIVE_EVERY = 1.0
 #: seconds between probes while Redis cannot be reached
 PROBE = 0.25
 #: seconds a correction of a meter (a stream's delivered tokens) waits for a round trip to ride on
@@ -85,6 +93,11 @@ SEEN_FRESH = 2.0
 #: why a request that waited was refused after all (another org's admission took its place)
 _EVICTED = ("the request's waiting place went to another org's request: its class's queue was full (max_queue_length, "
             "all gateways together) and this org held the most places")
+
+
+def _list(x: Any) -> list[Any]:
+    """A list from Lua's cjson, which writes an empty one as ``{}``."""
+    return x if isinstance(x, list) else []
 
 
 class StateUnavailable(Exception):
@@ -157,9 +170,19 @@ class RedisState(SharedState):
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._dirty: dict[str, bool] = {}
         self._releases: dict[str, list[dict[str, Any]]] = {}  # pool -> releases for the driver's next call
-        #: pool -> member -> [flow, cost units, weight]: the engine's corrections of granted
-        #: attempts' charges, summed per attempt until the pool's next round trip carries them
-        self._adj: dict[str, dict[str, list[Any]]] = {}
+        self._withdrawn: dict[str, list[str]] = {}  # pool -> candidates that left, for the next call
+        #: pool -> member -> cost units: the engine's corrections of granted attempts' charges,
+        #: summed per attempt until the pool's next round trip carries them
+        self._adj: dict[str, dict[str, float]] = {}
+        #: the fleet's decider (docs/design.md §5a.1), when this gateway is it: the engine's
+        #: queues over stand-ins of every gateway's candidates; its decisions not yet in Redis
+        self._leading = False
+        self._lead: Alone | None = None
+        self._decided: list[tuple[str, str]] = []
+        self._lead_evt: asyncio.Event | None = None
+        self._live_at = -math.inf
+        self.decisions = 0  # grants this gateway decided as the decider
+        self._ttl = min(LEAD_TTL, self.lease)  # (a dead decider is replaced no later than its leases expire)
         #: the delivered-service modes: a flow's running work keeps its meter (a flow lease)
         self._flow_work = policy.cost.charge != "seed"
         #: called with a request's id when another gateway's admission took its waiting place
@@ -169,7 +192,7 @@ class RedisState(SharedState):
         self.estimator: CostEstimator | None = None
         self._queued: dict[int, tuple[str, str]] = {}  # request id -> (queue key, member)
         self._retrying: dict[int, tuple[str, str]] = {}  # request id -> (outstanding retries key, member)
-        self._spending: dict[str, tuple[str, str]] = {}  # member -> (spend key, member): reservations held
+        self._spending: dict[str, tuple[list[str], str]] = {}  # member -> (spend keys, member): reservations held
         self._unsettled: list[dict[str, Any]] = []  # settlements Redis did not take yet (sent again on renewal)
         self._budgeted = policy.retry.max_attempts > 1 and policy.retry.budget_per_flow_percent < 100
         self._tickets = itertools.count(1)
@@ -189,7 +212,7 @@ class RedisState(SharedState):
         self._local_buckets: dict[str, TokenBucket] = {}
         self._budget_left: dict[str, float] = {}  # spend key -> unspent and unreserved, last seen
         self._budget_slice: dict[str, float] = {}  # spend key -> what this gateway may still reserve alone
-        self._local_holds: dict[str, tuple[str, float]] = {}  # member -> (spend key, amount) reserved alone
+        self._local_holds: dict[str, tuple[list[str], float]] = {}  # member -> (spend keys, amount) reserved alone
         self.degraded_since: float | None = None
         self._rejoining = False  # putting back what was granted alone: nothing more is, until Redis grants
         p = self.prefix
@@ -215,8 +238,8 @@ class RedisState(SharedState):
             self._client = aioredis.Redis.from_url(
                 self.url, socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
                 retry_on_timeout=False, health_check_interval=0)
-        for name in ("ADMIT", "ACQUIRE", "WITHDRAW", "RENEW", "RETRY", "HELLO", "GATEWAYS", "SPEND_RESERVE",
-                     "SPEND_SETTLE"):
+        for name in ("ADMIT", "OFFER", "DECIDE", "WITHDRAW", "RENEW", "RETRY", "HELLO", "GATEWAYS",
+                     "SPEND_RESERVE", "SPEND_SETTLE"):
             self._scripts[name] = self._client.register_script(getattr(_lua, name))
         self._up = asyncio.get_running_loop().create_future()
         try:
@@ -227,7 +250,9 @@ class RedisState(SharedState):
             self._go_down(f"Redis {self.spec.redis} cannot be reached: {exc}")
         if self._fatal is not None:
             raise PolicyError("state", self._fatal)
-        self._loops = [asyncio.create_task(self._renew_loop()), asyncio.create_task(self._listen_loop())]
+        self._lead_evt = asyncio.Event()
+        self._loops = [asyncio.create_task(self._renew_loop()), asyncio.create_task(self._listen_loop()),
+                       asyncio.create_task(self._lead_loop())]
 
     def refuse_waiting(self) -> None:
         self._refusing = True
@@ -243,12 +268,17 @@ class RedisState(SharedState):
         if self._closed:
             return
         self.refuse_waiting()
-        for pool in set(self._releases) | set(self._adj):  # give back what ended last, now
-            rel, adj = self._releases.get(pool, []), self._take_adj(pool)
-            if (rel or adj) and self._connected:
+        if self._connected:  # give back what ended last, now, and the decider's role
+            pools = set(self._releases) | set(self._adj) | set(self._withdrawn) | {next(iter(self.policy.pools))}
+            for pool in pools:
+                rel, adj, w = self._releases.get(pool, []), self._take_adj(pool), self._withdrawn.get(pool, [])
                 with contextlib.suppress(StateUnavailable):
-                    await self._call("ACQUIRE", {**self._pool_payload(pool), "adj": adj, "rel": rel[:], "c": []})
+                    await self._call_json("OFFER", {"gw": self.gateway_id, "lease": self.lease, "ttl": self._ttl,
+                                                    "a": adj, "rel": rel[:], "w": w[:], "resign": self._leading})
                 rel.clear()
+                w.clear()
+        self._leading = False
+        self._lead = None
         self._closed = True
         for h in self._timers.values():
             h.cancel()
@@ -320,6 +350,32 @@ class RedisState(SharedState):
             raise
         return [x.decode() if isinstance(x, bytes) else x for x in res]
 
+    async def _call_json(self, name: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """A script that answers one JSON object (Lua's cjson writes an empty list as ``{}``:
+        :func:`_list` reads either)."""
+        if self._client is None:
+            raise StateUnavailable("not started")
+        self.round_trips += 1
+        try:
+            res = await asyncio.wait_for(
+                self._scripts[name](args=[self.prefix, json.dumps(payload, separators=(",", ":"))]),
+                self.timeout)
+        except asyncio.TimeoutError:
+            self._go_down(f"Redis {self.spec.redis} did not answer within {self.timeout:g} s")
+            raise StateUnavailable(f"no answer within {self.timeout:g} s") from None
+        except (OSError, Exception) as exc:
+            import redis.exceptions as rexc
+
+            if isinstance(exc, (OSError, rexc.ConnectionError, rexc.TimeoutError)):
+                self._go_down(f"Redis {self.spec.redis} cannot be reached: {exc}")
+                raise StateUnavailable(str(exc)) from None
+            if isinstance(exc, rexc.RedisError):
+                self._go_down(f"Redis {self.spec.redis} answered an error: {exc}")
+                raise StateUnavailable(str(exc)) from None
+            raise
+        out: dict[str, Any] = json.loads(res)
+        return out
+
     async def _hello(self, force: bool = False, up: bool = True) -> None:
         res = await self._call("HELLO", {"lease": self.lease, "hash": self.hash, "force": force})
         if res[0] != 1:
@@ -342,6 +398,8 @@ class RedisState(SharedState):
         self.policy = policy
         self.hash = policy_hash(policy)
         self._cap = {name: pool.limits.max_in_flight or 8 for name, pool in policy.pools.items()}
+        self._lead = None  # the decider starts again, on the new policy, from what Redis holds
+        self._decided = []
         self._fatal = None
         self._spawn(self._hello_forced())
 
@@ -360,6 +418,12 @@ class RedisState(SharedState):
         was = self._available
         self._available = False
         self._reason = reason
+        self._leading = False  # (another gateway may decide meanwhile: this one starts again, if at all)
+        self._lead = None
+        self._decided = []
+        for pending in self._pending.values():  # Redis may come back empty: each is sent whole again
+            for a in pending.values():
+                a.known = False
         if was:
             if self.degraded:
                 self.degraded_since = self.clock()
@@ -430,10 +494,17 @@ class RedisState(SharedState):
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
-    def _wakeup(self, pool: str) -> None:
-        """Another gateway (or this one) freed something in the pool."""
-        if self._pending.get(pool):
-            self._kick(pool)
+    def _wakeup(self, text: str) -> None:
+        """A message on ``P wake``: ``e`` (events for the decider), ``g:<gateway>`` (grants for
+        that gateway, taken by its next round trip)."""
+        if text == "e":
+            if self._leading and self._lead_evt is not None:
+                self._lead_evt.set()
+        elif text == "g:" + self.gateway_id:
+            for pool, pending in list(self._pending.items()):
+                if pending:
+                    self._kick(pool)
+                    break  # (one round trip takes this gateway's grants of every pool)
 
     # ------------------------------------------------------------ renewals and wake-ups
     def _held(self) -> list[list[str]]:
@@ -442,11 +513,11 @@ class RedisState(SharedState):
         for a in self._att.values():
             if a.granted:
                 items.extend([k, a.member] for k in a.keys)
-            elif a.registered:
-                items.append([f"{p}cexp:{a.pool}", a.member])
+            elif a.registered and a.known:
+                items.append([f"{p}cexp", a.member])
         items.extend([k, m] for k, m in self._queued.values())
         items.extend([k, m] for k, m in self._retrying.values())
-        items.extend([f"{k}:res", m] for k, m in self._spending.values())
+        items.extend([f"{k}:res", m] for ks, m in self._spending.values() for k in ks)
         return items
 
     async def _renew(self, add: bool = False, alive: bool = True) -> None:
@@ -456,7 +527,8 @@ class RedisState(SharedState):
         if alive:
             self._gateways = await self._alive()
         items = self._held()
-        res = await self._call("RENEW", {"lease": self.lease, "hash": self.hash, "add": add, "items": items})
+        res = await self._call("RENEW", {"lease": self.lease, "hash": self.hash, "add": add, "items": items,
+                                         "runs": self._runs() if add else []})
         if res[0] != 1:
             if self._fatal is None:
                 self._fatal = self._mismatch(str(res[1]))
@@ -468,13 +540,24 @@ class RedisState(SharedState):
         missing = res[1:]
         if missing and not add:  # Redis lost them (a restart): put back those still held
             held = {(k, m) for k, m in self._held()}
-            cexp = f"{self.prefix}cexp:"
-            # a candidate re-registers itself on its next round trip; only slots and places go back
-            back = [items[int(i)] for i in missing
-                    if tuple(items[int(i)]) in held and not items[int(i)][0].startswith(cexp)]
+            cexp = f"{self.prefix}cexp"
+            lost = {items[int(i)][1] for i in missing if items[int(i)][0] == cexp}
+            if lost:  # a candidate is sent whole again with its pool's next round trip
+                for pool, pending in self._pending.items():
+                    for a in pending.values():
+                        if a.member in lost:
+                            a.known = False
+                    self._kick(pool)
+            back = [items[int(i)] for i in missing if tuple(items[int(i)]) in held and items[int(i)][0] != cexp]
             if back:
                 log.warning("Redis had lost %d of this gateway's leases; putting them back", len(back))
-                await self._call("RENEW", {"lease": self.lease, "hash": self.hash, "add": True, "items": back})
+                await self._call("RENEW", {"lease": self.lease, "hash": self.hash, "add": True, "items": back,
+                                           "runs": self._runs()})
+
+    def _runs(self) -> list[list[str]]:
+        """This gateway's running attempts, as the decider adopts them (``P run``)."""
+        return [[a.member, json.dumps({"pool": a.pool, "flow": list(a.request.flow), "b": a.request.backend})]
+                for a in self._att.values() if a.granted and a.request is not None and a.request.backend]
 
     async def _renew_loop(self) -> None:
         period = self.lease / 4.0  # at least three renewals per lease
@@ -615,40 +698,30 @@ class RedisState(SharedState):
 
     def drop(self, ticket: Ticket | None) -> None:
         if ticket is not None and ticket.queued and self._connected:
-            self._spawn(self._withdraw(None, [f"{self.prefix}queue:{ticket.flow.pool}:{ticket.flow.cls}",
-                                              ticket.member]))
+            self._spawn(self._withdraw([f"{self.prefix}queue:{ticket.flow.pool}:{ticket.flow.cls}", ticket.member]))
 
     # ------------------------------------------------------------ starts
-    def _pool_payload(self, pool: str) -> dict[str, Any]:
-        lim = self.policy.pools[pool].limits
-        rk, tk = self._bucket_keys[pool]
-        return {
-            "pool": pool, "lease": self.lease, "pool_lim": -1 if lim.max_in_flight is None else lim.max_in_flight,
-            "bk": self._backends_of[pool],
-            "rpm": None if not lim.requests_per_minute else [rk, lim.requests_per_minute,
-                                                             lim.requests_per_minute / 60.0],
-            "tpm": None if not lim.tokens_per_minute else [tk, lim.tokens_per_minute, lim.tokens_per_minute / 60.0],
-        }
+    def _seen_keys(self, pool: str) -> list[str]:
+        p = self.prefix
+        return [f"{p}lease:pool:{pool}", *(f"{p}lease:backend:{b}" for b in self._backends_of[pool])]
 
     def _candidate(self, r: Request, a: _Attempt, backends: Sequence[tuple[str, int]]) -> dict[str, Any]:
         pol = self.policy
         flow = r.flow
         cls = pol.classes[flow.cls]
+        p = self.prefix
         groups = []
-        org = self._org(flow.org)
-        if org.max_in_flight is not None:
-            groups.append([f"org:{flow.org}", org.max_in_flight])
+        if self._org(flow.org).max_in_flight is not None:
+            groups.append(f"{p}lease:org:{flow.org}")
         if cls.max_in_flight is not None:
-            groups.append([f"class:{flow.cls}", cls.max_in_flight])
+            groups.append(f"{p}lease:class:{flow.cls}")
         q = self._queued.get(r.id)
-        return {"m": a.member, "flow": f"{flow.org}\t{flow.cls}", "cost": r.cost,
-                "w": pol.flow_weight(flow.org, flow.cls), "wf": self._flow_work and not cls.strict,
+        return {"m": a.member, "pool": flow.pool, "flow": list(flow), "cost": r.cost, "tokens": r.tokens,
                 "guess": self._flow_work and not cls.strict and self.estimator is not None
                 and guessed(r, self.estimator),
-                "strict": pol.strict_classes.index(flow.cls) if cls.strict else -1,
-                "backends": [[n, int(lm)] for n, lm in backends], "groups": groups, "tokens": r.tokens,
+                "strict": cls.strict, "backends": [n for n, _ in backends], "groups": groups,
                 "q": None if q is None else list(q),
-                "first": (f"{self.prefix}rb:first:{flow.org}\t{flow.cls}\t{flow.pool}"
+                "first": (f"{p}rb:first:{flow.org}\t{flow.cls}\t{flow.pool}"
                           if self._budgeted and r.tries <= 1 else None)}
 
     async def acquire(self, r: Request, backends: Sequence[tuple[str, int]], until: float | None) -> str:
@@ -662,7 +735,7 @@ class RedisState(SharedState):
             self._over(old, None, r)
         a = self._att[r.id] = _Attempt(f"{self.gateway_id}:{r.id}:{r.tries}", pool)
         a.payload = self._candidate(r, a, backends)
-        a.flow = a.payload["flow"]
+        a.flow = "\t".join(map(str, r.flow))
         a.request = r
         a.fut = asyncio.get_running_loop().create_future()
         self._pending.setdefault(pool, {})[a.member] = a
@@ -700,88 +773,219 @@ class RedisState(SharedState):
             return  # _go_up kicks every pool; a call in flight looks again when it answers
         pending = self._pending.get(pool, {})
         releases = self._releases.get(pool, [])
-        if not releases and not self._adj.get(pool) and not any(not a.inflight for a in pending.values()):
+        if (not releases and not self._adj.get(pool) and not self._withdrawn.get(pool)
+                and not any(not a.inflight for a in pending.values())):
             return
         self._dirty[pool] = False
         self._calls[pool] = self._calls.get(pool, 0) + 1
         self._spawn(self._one_call(pool))
 
     async def _one_call(self, pool: str) -> None:
-        """One round trip for every candidate of the pool this gateway holds (those not already
-        in a call in flight) and every release waiting to go."""
+        """One round trip for the pool: the candidates the engine handed on since the last one
+        (each flow's next ones up to the cap, its head first: the engine hands requests on in
+        their flow's order), prices that moved, candidates that left, corrections and
+        releases; and this gateway's grants (of every pool) that the decider made."""
         pending = self._pending.setdefault(pool, {})
         releases = self._releases.setdefault(pool, [])
-        # every registered candidate, and each flow's next ones up to the cap (its head first:
-        # the engine hands requests on in their flow's order)
+        withdrawn = self._withdrawn.setdefault(pool, [])
         cap = self._cap[pool]
         per_flow: dict[str, int] = {}
         for a in pending.values():
-            if a.registered:
+            if a.registered and a.known:
                 per_flow[a.flow] = per_flow.get(a.flow, 0) + 1
-        batch = []
+        new, prices, batch = [], [], []
         for a in pending.values():
             if a.inflight:
                 continue
-            if not a.registered:
+            if not a.known:
                 n = per_flow.get(a.flow, 0)
                 if n >= cap:
                     continue
                 per_flow[a.flow] = n + 1
                 a.registered = True
+                new.append(self._priced(a, True))
+            else:
+                x = self._priced(a, False)
+                if x is None:
+                    continue
+                prices.append(x)
             a.inflight = True
             batch.append(a)
         rel = releases[:]
         releases.clear()
+        w = withdrawn[:]
+        withdrawn.clear()
         adj = self._take_adj(pool)
-        res: list[Any] = []
+        res: dict[str, Any] | None = None
         try:
-            res = await self._call("ACQUIRE", {**self._pool_payload(pool), "adj": adj, "rel": rel,
-                                               "c": [self._priced(x) for x in batch]})
+            res = await self._call_json("OFFER", {"gw": self.gateway_id, "lease": self.lease, "ttl": self._ttl,
+                                                  "c": new, "p": prices, "w": w, "a": adj, "rel": rel,
+                                                  "seen": self._seen_keys(pool), "resign": False})
         except StateUnavailable:
             pass  # the releases are lost (those leases expire by themselves), and the corrections
         finally:
             for a in batch:
                 a.inflight = False
             self._calls[pool] -= 1
-        wait = LIMIT_POLL
-        if res:
-            why, hint, n = str(res[0]), float(res[1]), int(res[2])
-            k = int(res[3])
-            p = self.prefix
+        if res is not None:
             at = self.clock()
-            for key, c in zip([f"{p}lease:pool:{pool}", *(f"{p}lease:backend:{b}" for b in self._backends_of[pool])],
-                              res[4:4 + k]):
+            for key, c in zip(self._seen_keys(pool), _list(res.get("seen"))):
                 self._seen[key] = (at, int(c))
-            res = res[:3] + res[4 + k:]  # (the grants at 3, as before)
-            if why == "order":
-                wait = ORDER_POLL
-            elif why == "bucket":
-                wait = min(wait, max(hint, 0.001))
             for a in batch:
                 a.known = True
-            for m in res[3 + 2 * n:]:  # Redis no longer knew them (a restart): sent whole next time
-                lost = next((x for x in batch if x.member == str(m)), None)
-                if lost is not None:
-                    lost.known = False
-            for i in range(3, 3 + 2 * n, 2):
-                m, backend = str(res[i]), str(res[i + 1])
-                att = pending.get(m)
-                if att is None or att.fut is None or att.fut.done():  # its caller gave up meanwhile
-                    att = next((x for x in batch if x.member == m), None)
-                    if att is not None and att.request is not None:
-                        self._granted(att.request, att, backend)
-                        self._release(att, None, att.request)
-                    continue
-                del pending[m]
-                assert att.request is not None
-                self._granted(att.request, att, backend)
-                att.fut.set_result(backend)
-        if self._dirty.get(pool) or releases:
+            lost = set(_list(res.get("lost")))
+            for a in batch:
+                if a.member in lost:  # Redis no longer knew it (a restart): sent whole next time
+                    a.known = False
+            if res.get("became") or res.get("lead") == self.gateway_id:
+                if not self._leading:
+                    log.info("this gateway decides the fleet's order now")
+                self._leading = True
+                if self._lead_evt is not None and (new or prices or w or adj or rel or res.get("became")):
+                    self._lead_evt.set()
+            elif self._leading:  # another gateway took the role over (this one was too slow to renew it)
+                self._leading = False
+                self._lead = None
+                self._decided = []
+            for m, backend, keys in _list(res.get("g")):
+                self._grant(str(m), str(backend), [str(k) for k in _list(keys)])
+        if self._dirty.get(pool) or releases or withdrawn:
             self._kick(pool)
         elif self._adj.get(pool):  # corrections alone wait for company, ADJUST_DELAY at most
             self._arm(pool, ADJUST_DELAY)
         if pending:
-            self._arm(pool, wait)
+            self._arm(pool, GRANT_POLL)
+
+    def _grant(self, member: str, backend: str, keys: list[str]) -> None:
+        """The decider granted ``member`` a start on ``backend`` (``keys``: the leases Redis
+        took for it). One whose caller gave up meanwhile is given back at once."""
+        for pool, pending in self._pending.items():
+            a = pending.get(member)
+            if a is not None:
+                break
+        else:
+            a = None
+        if a is not None and a.request is not None and a.fut is not None and not a.fut.done():
+            del self._pending[a.pool][member]
+            self._granted(a.request, a, backend)
+            a.fut.set_result(backend)
+            return
+        if any(x.member == member and x.granted for x in self._att.values()):
+            return  # granted already (alone, while Redis was lost: the decider adopts it)
+        pool = keys[0][len(self.prefix) + len("lease:pool:"):] if keys else ""
+        if a is not None:
+            self._pending[a.pool].pop(member, None)
+        if pool in self.policy.pools:
+            self._releases.setdefault(pool, []).append({"m": member, "keys": keys, "tok": None})
+            self._kick(pool)
+
+    # ------------------------------------------------------------ the fleet's decider
+    async def _lead_loop(self) -> None:
+        """While this gateway is the fleet's decider: a round trip whenever something happened
+        (a gateway's events, published on ``P wake``; its own decisions to send), and every
+        :data:`LEAD_POLL` seconds anyway (its role renewed, a bucket's refill, the dead's expiry)."""
+        assert self._lead_evt is not None
+        evt = self._lead_evt
+        while not self._closed:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(evt.wait(), LEAD_POLL)
+            evt.clear()
+            if not self._leading or not self._connected or self._rejoining:
+                continue
+            try:
+                await self._decide()
+            except StateUnavailable:
+                pass
+            except Exception:  # (never the loop's end: the next round trip starts the decider again)
+                log.exception("sfq: the fleet's decider failed; starting it again from what Redis holds")
+                self._lead = None
+                self._decided = []
+
+    async def _decide(self) -> None:
+        """One round trip of the decider: its last decisions to Redis, what happened since
+        back, and the next decisions (the engine's ``pop`` over the stand-ins)."""
+        init = self._lead is None
+        now = self.clock()
+        live = init or now - self._live_at >= LIVE_EVERY
+        grants, self._decided = self._decided, []
+        res = await self._call_json("DECIDE", {"gw": self.gateway_id, "lease": self.lease, "ttl": self._ttl,
+                                               "init": init, "live": live, "pools": list(self.policy.pools),
+                                               "g": [list(x) for x in grants]})
+        if not res.get("ok"):
+            log.info("another gateway decides the fleet's order now (%s)", res.get("lead") or "none")
+            self._leading = False
+            self._lead = None
+            return
+        self.decisions += len(grants) - len(_list(res.get("gone")))
+        if live:
+            self._live_at = now
+        lead = self._lead
+        if lead is None:
+            lead = self._lead = Alone.fleet(self.policy, clock=self.clock, estimator=self.estimator)
+            for m, run in _list(res.get("run")):
+                x = json.loads(run)
+                if x.get("pool") in self.policy.pools:
+                    lead.adopt(str(m), Flow(*x["flow"]), str(x["b"]))
+            for c in sorted((json.loads(c) for c in _list(res.get("cand"))), key=lambda c: c.get("seq", 0)):
+                self._stand_in(lead, c)
+        else:
+            for m in _list(res.get("gone")):
+                lead.undo(str(m))
+            for e in _list(res.get("ev")):
+                self._event(lead, json.loads(e))
+        if live:
+            waiting, running = lead.members()
+            for m in waiting - set(_list(res.get("lc"))):
+                lead.remove(m)
+            for m in running - set(_list(res.get("lr"))):
+                lead.done(m, None)
+        wake = math.inf
+        for pool in self.policy.pools:
+            while True:
+                nxt = lead.next(pool)
+                if nxt is None:
+                    break
+                self._decided.append(nxt)
+            w = lead.wake_at(pool)
+            if w is not None:
+                wake = min(wake, w)
+        if self._decided:
+            assert self._lead_evt is not None
+            self._lead_evt.set()
+        elif wake < math.inf:  # a bucket refills: look again then
+            loop = asyncio.get_running_loop()
+            evt = self._lead_evt
+            assert evt is not None
+            loop.call_later(max(wake - self.clock(), 0.001), evt.set)
+
+    def _stand_in(self, lead: Alone, c: dict[str, Any]) -> None:
+        if c.get("pool") not in self.policy.pools:
+            return
+        try:
+            flow = Flow(*c["flow"])
+            self.policy.classes[flow.cls]
+        except (TypeError, KeyError):
+            return  # (not this policy's: a gateway of another policy, refused at its next renewal)
+        lead.add(str(c["m"]), flow, float(c["cost"]), float(c["tokens"]), [str(b) for b in _list(c["backends"])],
+                 bool(c.get("guess")))
+
+    def _event(self, lead: Alone, e: dict[str, Any]) -> None:
+        t, m = e.get("t"), str(e.get("m"))
+        if t == "c":
+            self._stand_in(lead, e)
+        elif t == "p":
+            lead.price(m, float(e["cost"]), bool(e.get("guess")))
+        elif t == "w":
+            lead.remove(m)
+        elif t == "a":
+            lead.correct(m, float(e["d"]))
+        elif t == "r":
+            tok = e.get("tok")
+            lead.done(m, None if tok is None else float(tok))
+        elif t == "u" and m not in lead:
+            x = json.loads(e["run"])
+            if x.get("pool") in self.policy.pools:
+                lead.adopt(m, Flow(*x["flow"]), str(x["b"]))
 
     def _grant_alone(self, pool: str) -> None:
         """Degraded: grant the pool's candidates that this gateway's slices of the global limits
@@ -796,9 +1000,8 @@ class RedisState(SharedState):
             if r is None:
                 continue
             if a.member not in alone:
-                alone.add(a.member, r.flow, a.payload["cost"], a.payload["tokens"],
-                          [b for b, _ in a.payload["backends"]])
-            elif self.reprice is not None and a.payload["strict"] < 0:  # priced at the grant, as with Redis
+                alone.add(a.member, r.flow, a.payload["cost"], a.payload["tokens"], a.payload["backends"])
+            elif self.reprice is not None and not a.payload["strict"]:  # priced at the grant, as with Redis
                 alone.price(a.member, self.reprice(r))
         while True:
             nxt = alone.next(pool)
@@ -860,25 +1063,24 @@ class RedisState(SharedState):
                     held[k] = held.get(k, 0) + 1
         return held
 
-    def _priced(self, a: _Attempt) -> dict[str, Any]:
-        """What a round trip sends of the candidate ``a``: the whole of it the first time, its
-        name after; with its price again when the engine's calibration moved since it was sent
-        (``reprice``: the grant charges the price at the grant, as one engine charges the
-        estimate at dispatch; a candidate handed on before its flow's first usage report would
-        otherwise be granted, maybe many seconds later, at the prior's price)."""
+    def _priced(self, a: _Attempt, whole: bool) -> Any:
+        """What a round trip sends of the candidate ``a``: the whole of it (``whole``: the first
+        time, or again when Redis lost it), else ``[member, cost, guess]`` when the engine's
+        calibration moved since it was sent (``reprice``: the grant charges the price at the
+        grant, as one engine charges the estimate at dispatch; a candidate handed on before its
+        flow's first usage report would otherwise be granted, maybe many seconds later, at the
+        prior's price), else ``None``."""
         p = a.payload
         r = a.request
-        if self.reprice is None or r is None or p["strict"] >= 0:
-            return p if not a.known else {"m": a.member}
+        if self.reprice is None or r is None or p["strict"]:
+            return p if whole else None
         cost = self.reprice(r)
-        guess = bool(p["wf"] and self.estimator is not None and guessed(r, self.estimator))
-        if not a.known:  # (sent whole: Redis registers it at this price)
-            p["cost"], p["guess"] = cost, guess
+        guess = bool(self._flow_work and self.estimator is not None and guessed(r, self.estimator))
+        changed = cost != p["cost"] or guess != p["guess"]
+        p["cost"], p["guess"] = cost, guess
+        if whole:
             return p
-        if cost == p["cost"] and guess == p["guess"]:  # the price it was registered at
-            return {"m": a.member}
-        # sent with every round trip while it differs (a lost call loses nothing); Redis writes a change
-        return {"m": a.member, "cost": cost, "guess": guess}
+        return [a.member, cost, guess] if changed else None
 
     def _arm(self, pool: str, wait: float) -> None:
         """Look again in ``wait`` seconds at the latest (a lease of a dead gateway expires, a
@@ -907,8 +1109,6 @@ class RedisState(SharedState):
             a.keys.append(f"{p}lease:org:{flow.org}")
         if self.policy.classes[flow.cls].max_in_flight is not None:
             a.keys.append(f"{p}lease:class:{flow.cls}")
-        if a.payload.get("wf"):
-            a.keys.append(f"{p}lease:flow:{flow.pool}:{a.flow}")
         self._queued.pop(r.id, None)
 
     def _give_up(self, a: _Attempt) -> None:
@@ -923,8 +1123,9 @@ class RedisState(SharedState):
             if a.request is not None:  # granted just now: give it back
                 self._release(a, None, a.request)
             return
-        if not self._closed and a.registered and self._connected:
-            self._spawn(self._withdraw(a.pool, None, a.member))
+        if not self._closed and a.registered and self._connected:  # the decider learns it, next round trip
+            self._withdrawn.setdefault(a.pool, []).append(a.member)
+            self._kick(a.pool)
 
     def _over(self, a: _Attempt, actual_tokens: float | None, r: Request) -> None:
         if a.granted:
@@ -942,7 +1143,7 @@ class RedisState(SharedState):
     def _retry_over(self, r: Request) -> None:
         out = self._retrying.pop(r.id, None)
         if out is not None:
-            self._spawn(self._withdraw(None, list(out)))
+            self._spawn(self._withdraw(list(out)))
 
     async def retry_allowed(self, r: Request) -> bool:
         if not self._budgeted:
@@ -969,7 +1170,7 @@ class RedisState(SharedState):
         self._retry_over(r)
         q = self._queued.pop(r.id, None)
         if q is not None:
-            self._spawn(self._withdraw(None, list(q)))
+            self._spawn(self._withdraw(list(q)))
 
     def charged(self, r: Request, delta: float) -> None:
         """The engine corrected the charge of ``r``'s flow by ``delta`` cost units (a stream's
@@ -985,23 +1186,19 @@ class RedisState(SharedState):
                 self._alone.correct(a.member, delta)
             return
         per = self._adj.setdefault(a.pool, {})
-        x = per.get(a.member)
-        if x is None:
-            per[a.member] = [a.flow, delta, a.payload["w"]]
-        else:
-            x[1] += delta
+        per[a.member] = per.get(a.member, 0.0) + delta
         self._arm(a.pool, ADJUST_DELAY)  # a stream's charges ride on a round trip at most this much later
 
     def _take_adj(self, pool: str) -> list[list[Any]]:
         per = self._adj.pop(pool, None)
-        return [[f, d, w, m] for m, (f, d, w) in per.items() if d] if per else []
+        return [[m, d] for m, d in per.items() if d] if per else []
 
     def _release(self, a: _Attempt, actual_tokens: float | None, r: Request) -> None:
         """Give the attempt's slots back, in the pool driver's next round trip (with the grants
         it makes); a usage report corrects the tokens bucket by the difference."""
-        diff = 0.0
+        tok = None
         if actual_tokens is not None and math.isfinite(actual_tokens):
-            diff = float(actual_tokens) - r.tokens
+            tok = float(actual_tokens)
         if self._closed:
             return
         if self._alone is not None:
@@ -1009,71 +1206,82 @@ class RedisState(SharedState):
         if a.local and not self._connected:  # granted alone, ended alone: Redis never had it
             self._kick(a.pool)
             return
-        rel = {"m": a.member, "keys": a.keys, "diff": diff}
-        if a.payload.get("wf"):
-            rel["flow"] = a.flow  # its flow's work in flight ends: the refund floor learns it
+        rel = {"m": a.member, "keys": a.keys, "tok": tok}
         self._releases.setdefault(a.pool, []).append(rel)
         self._kick(a.pool)
 
-    async def _withdraw(self, pool: str | None, q: list[str] | None, member: str = "") -> None:
+    async def _withdraw(self, q: list[str]) -> None:
+        """A waiting place (or an outstanding retry) given back."""
         if not self._connected:
             return  # (what it held expires in Redis by itself)
         with contextlib.suppress(StateUnavailable):
-            await self._call("WITHDRAW", {"m": member, "pool": pool, "q": q})
-        if pool is not None:
-            self._wakeup(pool)
+            await self._call("WITHDRAW", {"q": q})
 
     # ------------------------------------------------------------ spend (budgets)
-    async def reserve_spend(self, hold: Hold, limit: float, keep: float) -> bool:
-        """Reserve ``hold.amount`` of ``hold.org``'s budget ``limit`` for period ``hold.key``,
-        atomically over every gateway (a lease, renewed while the request runs; freed within
-        ``lease_seconds`` if this gateway dies). ``keep``: seconds the period's keys must live.
-        Degraded: this gateway's slice of what was left when Redis was lost;
-        ``Refused("state_unavailable")`` when Redis cannot be reached and this gateway never
-        saw the budget's period (it cannot know what is left)."""
+    def _spend_key(self, account: str, period: str) -> str:
+        """``account``: an org (its own budget) or ``org<TAB>team`` (a team's)."""
+        return f"{self.prefix}spend:{account}:{period}"
+
+    async def reserve_spend(self, hold: Hold, budgets: Sequence[tuple[str, str, float]], keep: float) -> list[int]:
+        """Reserve ``hold.amount`` in every budget of ``budgets`` (``(account, period,
+        limit)``: an org's own, ``org<TAB>team`` a team's) or in none, atomically over every
+        gateway (a lease, renewed while the request runs; freed within ``lease_seconds`` if
+        this gateway dies); returns the indexes of those that cannot cover it (empty: held in
+        all). ``keep``: seconds the periods' keys must live. Degraded: this gateway's slice of
+        what was left of each when Redis was lost; ``Refused("state_unavailable")`` when Redis
+        cannot be reached and this gateway never saw one of the budgets' periods (it cannot know
+        what is left)."""
         hold.member = f"{self.gateway_id}:s{next(self._tickets)}"
-        key = f"{self.prefix}spend:{hold.org}:{hold.key}"
+        keys = [self._spend_key(acc, per) for acc, per, _ in budgets]
         if self._connected:
             try:
-                res = await self._call("SPEND_RESERVE", {"k": key, "m": hold.member, "a": hold.amount, "lim": limit,
-                                                         "lease": self.lease, "keep": max(1, math.ceil(keep))})
+                res: dict[str, Any] | None = await self._call_json(
+                    "SPEND_RESERVE", {"ks": [[k, lim] for k, (_, _, lim) in zip(keys, budgets)], "m": hold.member,
+                                      "a": hold.amount, "lease": self.lease, "keep": max(1, math.ceil(keep))})
             except StateUnavailable:
                 res = None
             if res is not None:
-                left = limit - float(res[1]) - float(res[2])
-                if res[0] != 1:
-                    self._budget_left[key] = left
-                    return False
-                self._budget_left[key] = left - hold.amount
-                self._spending[hold.member] = (key, hold.member)
-                return True
+                refused = [int(i) for i in _list(res.get("refused"))]
+                for k, left in zip(keys, _list(res.get("left"))):
+                    self._budget_left[k] = float(left) - (0.0 if refused else hold.amount)
+                if not refused:
+                    self._spending[hold.member] = (keys, hold.member)
+                return refused
         if not self.degraded:
             raise self._unavailable()
-        part = self._budget_slice.get(key)
-        if part is None:
-            seen = self._budget_left.get(key)
-            if seen is None:
-                raise Refused("state_unavailable", f"the gateways' shared state cannot be used ({self.reason}) and "
-                                                   f"this gateway has not seen org {hold.org!r}'s budget for "
-                                                   f"{hold.key} yet: what is left of it is unknown here")
-            part = self._budget_slice[key] = max(0.0, seen) / self._slices().n
-        if hold.amount > part or (hold.amount <= 0 and part <= 0):
-            return False
-        self._budget_slice[key] = part - hold.amount
-        self._local_holds[hold.member] = (key, hold.amount)
-        self._spending[hold.member] = (key, hold.member)
-        return True
+        parts = []
+        for k, (acc, per, _) in zip(keys, budgets):
+            part = self._budget_slice.get(k)
+            if part is None:
+                seen = self._budget_left.get(k)
+                if seen is None:
+                    who = "team {1!r} of org {0!r}".format(*acc.split("\t", 1)) if "\t" in acc else f"org {acc!r}"
+                    raise Refused("state_unavailable", f"the gateways' shared state cannot be used ({self.reason}) "
+                                                       f"and this gateway has not seen {who}'s budget for {per} "
+                                                       "yet: what is left of it is unknown here")
+                part = self._budget_slice[k] = max(0.0, seen) / self._slices().n
+            parts.append(part)
+        refused = [i for i, part in enumerate(parts) if hold.amount > part or (hold.amount <= 0 and part <= 0)]
+        if refused:
+            return refused
+        for k in keys:
+            self._budget_slice[k] -= hold.amount
+        self._local_holds[hold.member] = (keys, hold.amount)
+        self._spending[hold.member] = (keys, hold.member)
+        return []
 
     def settle_spend(self, hold: Hold, actual: float) -> None:
-        """The request of ``hold`` ended having spent ``actual``: the shared ledger takes it
-        (with the next renewal when Redis cannot be reached now)."""
+        """The request of ``hold`` ended having spent ``actual``: the shared ledger takes it in
+        each budget it was reserved in (with the next renewal when Redis cannot be reached now)."""
         entry = self._spending.pop(hold.member, None)
         if entry is None:
             return
         alone = self._local_holds.pop(hold.member, None)
-        if alone is not None and alone[0] in self._budget_slice:  # reserved alone: the slice keeps the difference
-            self._budget_slice[alone[0]] += alone[1] - actual
-        payload = {"k": entry[0], "m": hold.member, "s": actual, "keep": 3 * 86400 + 31 * 86400}
+        if alone is not None:  # reserved alone: each slice keeps the difference
+            for k in alone[0]:
+                if k in self._budget_slice:
+                    self._budget_slice[k] += alone[1] - actual
+        payload = {"ks": entry[0], "m": hold.member, "s": actual, "keep": 3 * 86400 + 31 * 86400}
         self._spawn(self._settle(payload))
 
     async def _settle(self, payload: dict[str, Any]) -> None:
@@ -1082,10 +1290,12 @@ class RedisState(SharedState):
         except StateUnavailable:
             self._unsettled.append(payload)
 
-    async def spent(self, org: str, period: str) -> float:
-        """What ``org`` spent in ``period`` over every gateway (settled requests; for tests)."""
+    async def spent(self, org: str, period: str, team: str | None = None) -> float:
+        """What ``org`` (or its ``team``) spent in ``period`` over every gateway (settled
+        requests; for tests)."""
         assert self._client is not None
-        v = await asyncio.wait_for(self._client.hget(f"{self.prefix}spend:{org}:{period}", "s"), self.timeout)
+        acc = org if team is None else f"{org}\t{team}"
+        v = await asyncio.wait_for(self._client.hget(self._spend_key(acc, period), "s"), self.timeout)
         return float(v) if v is not None else 0.0
 
     # ------------------------------------------------------------ views
@@ -1094,7 +1304,14 @@ class RedisState(SharedState):
                 "gateway": self.gateway_id, "gateways": len(self._gateways), "on_loss": self.spec.on_loss,
                 "prefix": self.prefix, "lease_seconds": self.lease, "holding": sum(a.granted for a in self._att.values()),
                 "candidates": sum(not a.granted for a in self._att.values()), "round_trips": self.round_trips,
-                "candidates_by_pool": {p: len(v) for p, v in self._pending.items()}}
+                "candidates_by_pool": {p: len(v) for p, v in self._pending.items()},
+                "decider": self._leading, "decisions": self.decisions}
+
+    def decider(self, pool: str) -> PolicyQueue | None:
+        """The fleet's decider's queue of ``pool`` when this gateway decides (its meters are the
+        fleet's), else ``None`` (for tests and operators' views)."""
+        lead = self._lead if self._leading else None
+        return None if lead is None else lead.queues.get(pool)
 
     async def global_counts(self) -> dict[str, int]:
         """Every lease set's live count (for tests and ``/health``)."""
