@@ -479,3 +479,27 @@ def test_a_reload_keeps_nested_requests_and_flattens_them_when_the_org_stops_nes
     e3.complete(running)
     got = _drain(e3, 3)
     assert got == waiting and all(r.flow == ("acme", "batch", "p") for r in got)
+
+
+def test_team_weights_hold_in_an_org_without_users(core: Callable[[], Any]) -> None:
+    """An org with teams and no ``users``: each team is a leaf of the org's node, at its weight
+    (3:1 here; once the weights were told only to a team node, made for users, and such teams
+    went 1:1)."""
+    text = POOL + """\
+orgs:
+  acme:
+    classes: [batch]
+    teams:
+      research: {weight: 3, keys: ["sk-r"]}
+      product: {weight: 1, keys: ["sk-p"]}
+  globex: {keys: ["sk-g"], classes: [batch]}
+"""
+    e = PolicyEngine(parse_policy(text), clock=Clock(), scheduler=core)
+    research, product = Flow("acme", "batch", "p", "research"), Flow("acme", "batch", "p", "product")
+    globex = Flow("globex", "batch", "p")
+    for f in (research, product, globex):
+        for _ in range(300):
+            e.submit(f, cost=1.0)
+    got = _drain(e, 400)
+    n = {f: sum(1 for r in got if r.flow == f) for f in (research, product, globex)}
+    assert abs(n[research] - 150) <= 2 and abs(n[product] - 50) <= 2 and abs(n[globex] - 200) <= 2, n

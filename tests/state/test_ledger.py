@@ -224,3 +224,51 @@ async def test_an_over_declaring_org_that_came_first_does_not_own_the_fleet(ledg
                              late("b", True), late("c", False))
         windows = [shares(f.engine.log, list(orgs), t, t + 0.75) for t in (t0 + 0.75, t0 + 1.5, t0 + 2.25, t0 + 3.0)]
     assert max(w["a"] for w in windows) <= 1 / 3 + 0.15, (ledger["kind"], windows)
+
+
+def _nested_policy(url: str, *, redis: str | None, prefix: str) -> Any:
+    state = f'state: {{redis: "{redis}", prefix: "{prefix}", lease_seconds: 5}}' if redis else ""
+    return parse_policy(f"""
+pools:
+  p:
+    models: [m]
+    backends: [{{url: "{url}", max_in_flight: 2}}]
+classes:
+  batch: {{weight: 1}}
+orgs:
+  acme:
+    classes: [batch]
+    teams:
+      research: {{keys: [k-research], weight: 3}}
+      product: {{keys: [k-product], weight: 1}}
+  globex: {{keys: [k-globex], classes: [batch]}}
+cost: {{input_weight: 1, output_weight: 2, charge: served}}
+{state}
+""")
+
+
+async def test_nested_shares_hold_through_the_ledger(ledger: dict[str, Any]) -> None:
+    """Org -> team shares with several gateways as with one: acme and globex split the
+    engine 1:1, and acme's half goes 3:1 to research and product, each team's requests
+    reaching the gateways alternately (streamed and plain, one team over-declaring)."""
+    f = Fleet(ledger, {"research": 1.0, "product": 1.0, "globex": 1.0})
+    await f.engine.start()
+    pol = _nested_policy(f.engine.url, redis=ledger["redis"], prefix=ledger["prefix"])
+    f.pds = [PolicyDispatcher(pol) for _ in range(ledger["gateways"])]
+    for pd in f.pds:
+        await pd.start()
+    try:
+        t0 = time.monotonic()
+        end = t0 + 4.0
+        await asyncio.gather(
+            f.flood("research", clients=4, until=end, use=40, max_tokens=40, stream=True),
+            f.flood("product", clients=4, until=end, use=40, max_tokens=400, stream=False),
+            f.flood("globex", clients=4, until=end, use=40, max_tokens=40, stream=False))
+        got = shares(f.engine.log, ["research", "product", "globex"], t0 + 1.0, end)
+    finally:
+        await f.__aexit__()
+    want = {"research": 0.375, "product": 0.125, "globex": 0.5}
+    worst = max(abs(got[o] - e) for o, e in want.items())
+    assert worst <= 0.07, (ledger["kind"], got)
+    if ledger["kind"] == "redis":
+        assert sum(pd.state.decider("p") is not None for pd in f.pds) <= 1

@@ -120,3 +120,63 @@ def test_a_killed_gateway_gives_its_reservations_back(
     status, body = gateways[1].post("sk-b", "team-b again")
     assert status == 200, body
     wait_until(lambda: _spent(redis_server, prefix, "team-b") >= 1, "the settlement")
+
+
+def _team_policy(upstream: Upstream, redis: RedisServer, prefix: str) -> str:
+    return f"""\
+pools:
+  main:
+    models: [m]
+    backends: [{{url: "{upstream.url}", max_in_flight: 64}}]
+    prices: {{input: 0, output: 1000000}}
+classes:
+  batch: {{weight: 1, max_queue_age_seconds: 60}}
+orgs:
+  acme:
+    classes: [batch]
+    budget: {{amount: 10, per: day}}
+    teams:
+      research: {{keys: ["sk-research"], weight: 3, budget: {{amount: 4, per: day}}}}
+      product: {{keys: ["sk-product"]}}
+state: {{redis: "{redis.url}", prefix: "{prefix}", lease_seconds: 1}}
+"""
+
+
+def test_a_team_budget_and_its_orgs_hold_over_two_gateways_together(
+        redis_server: RedisServer, upstream: Upstream, tmp_path: Path, prefix: str, gateways: list[Gateway]) -> None:
+    """Nested shares and team budgets through a fleet: a team's request reserves in its team's
+    budget and its org's, both or neither, atomically over both gateways. Research (4 a day)
+    sends 12 at once: 4 admitted, 8 refused naming the team; then product (no budget of its
+    own) sends 12: the org's 10 has 6 left, so 6 are admitted and 6 refused naming the org."""
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text(_team_policy(upstream, redis_server, prefix))
+    gateways += [Gateway(cfg, wait=False), Gateway(cfg, wait=False)]
+    for g in gateways:
+        g.listen()
+    upstream.rearm()
+    before = upstream.total
+    for key, admitted, who in (("sk-research", 4, "team 'research' of org 'acme'"), ("sk-product", 6, "org 'acme'")):
+        statuses: list[int] = [0] * 12
+        bodies: list[dict[str, object]] = [{}] * 12
+
+        def go(i: int, key: str = key) -> None:
+            statuses[i], bodies[i] = gateways[i % 2].post(key, f"{key} {i}")
+
+        ts = [threading.Thread(target=go, args=(i,)) for i in range(12)]
+        for t in ts:
+            t.start()
+        try:
+            wait_until(lambda: statuses.count(429) >= 12 - admitted, f"{12 - admitted} refusals of {key}")
+        finally:
+            upstream.release()
+            for t in ts:
+                t.join(LIMIT * 2)
+            upstream.rearm()
+        assert statuses.count(200) == admitted and statuses.count(429) == 12 - admitted, (key, statuses)
+        said = {str(b["error"]["message"]) for b in bodies if "error" in b}  # type: ignore[index]
+        assert said and all(who in m and "has spent its budget" in m for m in said), said
+    assert upstream.total - before == 10  # the refused never reached the upstream
+    wait_until(lambda: _spent(redis_server, prefix, "acme") >= 10, "the settlements to reach Redis")
+    assert _spent(redis_server, prefix, "acme") == pytest.approx(10.0)
+    assert _spent(redis_server, prefix, "acme\tresearch") == pytest.approx(4.0)
+    upstream.release()

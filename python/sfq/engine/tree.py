@@ -99,7 +99,9 @@ class TreeScheduler:
                 p = ((top, f.user), (self.root, flat))
             else:
                 team = org.teams[f.team]
-                if f.user is None:
+                if f.user is None:  # (the team is the leaf: its weight is told to the org's node)
+                    if team.weight != 1.0:
+                        top.sched.set_weight(f.team, team.weight)
                     p = ((top, f.team), (self.root, flat))
                 else:
                     mid = self._node((flat, f.team), top, f.team, team.weight)
