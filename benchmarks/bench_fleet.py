@@ -138,6 +138,8 @@ def run(configs: list[tuple[int, str, str]], *, rounds: int, warmup: float, seco
             "jain": min(x["jain"] for x in rs),
             "ttft_p99_s": round(statistics.median(ttft), 4) if ttft else None,
             "added_p50_ms": round(statistics.median(added) * 1000, 3) if added else None,
+            "round_trips_per_request": (round(statistics.median(x["round_trips_per_request"] for x in rs), 3)
+                                        if all(x.get("round_trips_per_request") is not None for x in rs) else None),
             "completed": {k: sum(x["completed"][k] for x in rs) for k in rs[0]["completed"]},
             "errors": sum(len(v) for x in rs for v in x["errors"].values()),
             "engines_peak": max(max(x["engines_peak"]) for x in rs), "slots": rs[0]["slots"],
@@ -150,15 +152,16 @@ def run(configs: list[tuple[int, str, str]], *, rounds: int, warmup: float, seco
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| gateways | routing | state | shares (fair: " + " / ".join(
                  f"{v:.0%}" for v in rows[0]["expected"].values()) + ") | max dev (pts) | worst window (pts) "
-             "| Jain | I TTFT p99 (ms) | added p50 (ms) | completed | errors | most held / slots |",
-             "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| Jain | I TTFT p99 (ms) | added p50 (ms) | Redis trips / req | completed | errors | most held / slots |",
+             "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         sh = " / ".join(f"{v:.1%}" for v in r["shares"].values())
         tt = f"{r['ttft_p99_s'] * 1000:.0f}" if r["ttft_p99_s"] is not None else ""
         ad = f"{r['added_p50_ms']:.2f}" if r["added_p50_ms"] is not None else ""
+        rt = f"{r['round_trips_per_request']:.2f}" if r.get("round_trips_per_request") is not None else ""
         errs = r["errors"] + len(r["outcome_problems"])
         lines.append(f"| {r['gateways']} | {r['routing']} | {r['state']} | {sh} | {r['max_deviation_pts']:.1f} | "
-                     f"{r['max_window_deviation_pts']:.1f} | {r['jain']:.4f} | {tt} | {ad} | "
+                     f"{r['max_window_deviation_pts']:.1f} | {r['jain']:.4f} | {tt} | {ad} | {rt} | "
                      f"{sum(r['completed'].values())} | {errs} | {r['engines_peak']} / {r['slots']} |")
     return "\n".join(lines)
 

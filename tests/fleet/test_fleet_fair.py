@@ -161,10 +161,11 @@ def test_a_gateway_killed_costs_only_the_requests_in_its_hands(request: pytest.F
     lost = [rid for rid, o in rep.outcomes.items() if o[2] != 200]
     elsewhere = [rid for rid in lost if rep.outcomes[rid][1] != 1]
     if elsewhere:
-        failed.append(f"requests failed at gateways that were not killed: {elsewhere[:5]}")
+        failed.append(f"requests failed at gateways that were not killed: "
+                      f"{[(rid, rep.outcomes[rid]) for rid in elsewhere[:5]]}")
     late = [rid for rid in lost if rep.sent_at[rid] > rep.killed_at]
     if late:  # sent after it died: a load balancer sends those elsewhere, and they must not fail
-        failed.append(f"requests sent after the kill failed: {late[:5]}")
+        failed.append(f"requests sent after the kill failed: {[(rid, rep.outcomes[rid]) for rid in late[:5]]}")
     if not rep.rerouted:
         failed.append("no request was sent elsewhere while the gateway was down (the fault did not happen?)")
     for org, share in rep.shares.items():

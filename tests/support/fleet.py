@@ -132,6 +132,8 @@ class Report:
     sent_at: dict[str, float] = field(default_factory=dict)
     #: request id -> (org, gateway index, status, message)
     outcomes: dict[str, tuple[str, int, int, str]] = field(default_factory=dict)
+    #: Redis round trips of every gateway during the load, per request sent (shared state only)
+    round_trips_per_request: float | None = None
 
     def deviation_from(self, other: Report) -> float:
         """The largest |share here - share there| over the backlogged orgs, in points."""
@@ -146,7 +148,9 @@ class Report:
         errs = {k: len(v) for k, v in self.errors.items() if v}
         return (f"[{self.scenario}: {self.gateways} gw {self.routing} {self.state}] {sh}; max deviation "
                 f"{self.deviation:.1f} pts (per {len(self.window_shares)} windows: {self.window_deviation:.1f}); "
-                f"Jain {self.jain:.4f}; {tt}; completed {self.completed}; errors {errs or 'none'}")
+                f"Jain {self.jain:.4f}; {tt}; completed {self.completed}; errors {errs or 'none'}"
+                + ("" if self.round_trips_per_request is None else
+                   f"; Redis round trips per request {self.round_trips_per_request:.2f}"))
 
     def as_dict(self) -> dict[str, Any]:
         """The report's figures (without the per-request outcomes and send times)."""
@@ -336,8 +340,11 @@ def run_scenario(sc: Scenario, *, redis: RedisServer | None = None, workdir: Pat
                 e.served = 0
         res = RunResult(0.0, 0.0, fleet.log)
         faults = _faults(sc, redis, gws, cfg, res, seen)
+        trips0 = sum(g.round_trips() for g in gws)
         try:
             asyncio.run(run_workload(urls, orgs, sc.warmup + sc.seconds, fleet.log, result=res))
+            if sc.uses_redis and sc.redis_outage is None and sc.gateway_kill is None:
+                seen["round_trips"] = sum(g.round_trips() for g in gws) - trips0
         finally:
             for t in faults:
                 t.cancel()
@@ -358,6 +365,8 @@ def run_scenario(sc: Scenario, *, redis: RedisServer | None = None, workdir: Pat
     rep.killed_at = seen.get("killed_at", 0.0)
     rep.sent_at = dict(res.sent_at)
     rep.outcomes = dict(res.outcomes)
+    if "round_trips" in seen and res.outcomes:
+        rep.round_trips_per_request = round(seen["round_trips"] / len(res.outcomes), 3)
     if latency_requests:
         rep.added_latency = added  # type: ignore[attr-defined]
     return rep

@@ -115,6 +115,15 @@ class Gateway:
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read() or b"{}")
 
+    def round_trips(self) -> int:
+        """The Redis round trips this gateway made so far (``/stats``; 0 in memory or unreachable)."""
+        try:
+            with urllib.request.urlopen(self.url + "/stats", timeout=LIMIT) as r:
+                st = json.loads(r.read()).get("state") or {}
+        except (OSError, ValueError):
+            return 0
+        return int(st.get("round_trips", 0))
+
     def health(self) -> tuple[int, dict[str, Any]]:
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=LIMIT) as r:

@@ -149,6 +149,22 @@ class Alone:
         self._in[member] = r
         self.queues[flow.pool].queue_new(r, r.arrival)
 
+    def start(self, member: str, flow: Flow, cost: float, tokens: float, backend: str, guess: bool = False) -> None:
+        """A candidate that Redis started at once on ``backend`` (nothing waited in its pool and
+        every limit had room): charged and counted as the engine starts an uncontended request.
+        Should the queue not start it (its view of the limits lags Redis's: a dead gateway's
+        attempts not yet forgotten), it is counted as running anyway, uncharged."""
+        if member in self._in:
+            return
+        self.add(member, flow, cost, tokens, (backend,), guess)
+        r = self._in[member]
+        q = self.queues[flow.pool]
+        if q.pop(lambda x, b: x is r and b == backend) is r:  # (look before you pop: nothing else can start)
+            return
+        q.cancel(r)
+        del self._in[member]
+        self.adopt(member, flow, backend)
+
     def price(self, member: str, cost: float, guess: bool | None = None) -> None:
         """The candidate's charge at dispatch, priced again (the calibration moved since it was
         added): a waiting stand-in is charged this when it starts."""

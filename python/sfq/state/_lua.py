@@ -5,37 +5,39 @@ candidate's staleness never depend on a gateway's clock. Each script takes ``ARG
 key prefix) and ``ARGV[2]`` (a JSON payload) and builds its keys from the prefix: the state
 needs one Redis server (or a primary), not a Redis Cluster.
 
-Keys (``P`` = the prefix):
+Redis computes no order and charges no meter: the fleet's decider (one gateway, running the
+engine's own queues: docs/design.md §5a.1) does. The scripts move its inputs and the records
+that must outlive any one gateway. Keys (``P`` = the prefix):
 
-* ``P lease:<kind>:<name>`` sorted set: a slot held (``<gateway>:<request>``) scored by its
-  expiry; ``kind`` is ``pool``, ``backend``, ``org`` or ``class``.
-* ``P bucket:<name>`` hash ``l`` (level), ``t`` (time): a token bucket; absent = full.
-* ``P fin:<pool>`` hash flow -> meter ``S``, ``P vt:<pool>`` the virtual time ``v``, ``P
-  fmax:<pool>`` the largest finish tag: the engine's meters (cost units divided by weight),
-  changed only by the engine's charges (at dispatch, as delivered, at settlement).
-* ``P bl:<pool>`` sorted set: the backlogged flows (a candidate waiting at some gateway)
-  scored by their meter; ``P cf:<pool>:<flow>`` sorted set: a flow's candidates by arrival;
-  ``P fgroups:<pool>`` hash flow -> its slot groups; ``P scand:<pool>``: the strict classes'
-  candidates (rank, then arrival); ``P cexp:<pool>`` every candidate's expiry; ``P
-  cmeta:<pool>`` hash: what the order needs to know of each candidate (JSON).
-* ``P lease:flow:<pool>:<flow>`` sorted set: the flow's attempts running (the delivered-service
-  modes: a flow with work in flight keeps its meter when it rejoins); ``P floor:<pool>`` hash
-  flow -> its refund floor (JSON), while it has one.
+* ``P lease:<kind>:<name>`` sorted set: a slot held (``<gateway>:<request>:<try>``) scored by
+  its expiry; ``kind`` is ``pool``, ``backend``, ``org`` or ``class``.
+* ``P bucket:<name>`` hash ``l`` (level), ``t`` (time): a token bucket (an org's rate, at
+  admission); absent = full. The pools' buckets are the decider's.
+* ``P cand:<pool>`` hash member -> a waiting candidate (JSON: its flow, price, tokens, the
+  backends it may use, its slot groups, waiting place and retry-budget key), ``P cexp``
+  sorted set: every candidate's expiry (renewed by its gateway); ``P seq``: their order of
+  arrival.
+* ``P ev`` list: what happened since the decider last looked (JSON events: ``c`` a candidate,
+  ``s`` one started at once, ``p`` a new price, ``w`` a withdrawal, ``a`` a correction of a
+  running attempt's charge, ``r`` a release, ``u`` a running attempt put back).
+* ``P run`` hash member -> a running attempt (its pool, flow and backend): what a new decider
+  adopts. ``P lead``: the decider's id (expires unless renewed). ``P grant:<gateway>`` hash
+  member -> the grant (backend, leases) until the gateway's next round trip takes it.
 * ``P queue:<pool>:<class>`` sorted set: the class's waiting requests (max_queue_length),
   each member ending with a tab and its org.
 * ``P rb:first|retry:<flow>`` sorted sets: the flow's first attempts and retries over the
   last minute; ``P rb:out:<flow>``: its retries waiting or running (leases): the retry budget.
-* ``P seq``: the order of arrival of candidates; ``P wake``: the pub/sub channel that tells
-  the other gateways to look again (a slot freed, a turn passed); ``P evict``: the channel
-  that names a waiting place taken from the org holding the most (``ADMIT``).
+* ``P wake``: the pub/sub channel: ``e`` (events for the decider), ``g:<gateway>`` and the
+  grants (JSON) after a newline; ``P evict``: the channel that names a waiting place taken
+  from the org holding the most (``ADMIT``).
 * ``P gw`` sorted set: the live gateways (their ids, scored by the expiry of their last
   renewal): how many share each limit, and each one's rank, for the slices a gateway keeps
   while Redis cannot be reached.
 * ``P policy``: the hash of the policy in force (expires unless a gateway renews it).
-* ``P spend:<org>:<period>`` hash ``s``: what the org spent in the period (currency, settled
-  requests); ``... :res`` sorted set: its running requests' reservations (leases, renewed by
-  their gateway), ``... :amt`` hash member -> the reserved amount. They expire some days after
-  the period ends.
+* ``P spend:<account>:<period>`` hash ``s``: what the account (an org, or ``<org><TAB><team>``)
+  spent in the period (currency, settled requests); ``... :res`` sorted set: its running
+  requests' reservations (leases, renewed by their gateway), ``... :amt`` hash member -> the
+  reserved amount. They expire some days after the period ends.
 """
 
 from __future__ import annotations
@@ -114,29 +116,32 @@ end
 return {1, evict}
 """
 
-#: A gateway's round trip (docs/design.md §5a.1: the fleet's decider): what its engine handed
-#: on since the last one, as events for the decider (``P ev``), and the grants the decider made
-#: for it. New candidates join ``P cand`` (and ``P cexp``, renewed by their gateway); a price
-#: changes a waiting one; a withdrawn one leaves (the decider learns it; a grant that crossed
-#: it comes back here and the gateway gives it back); a correction of a running attempt's charge
-#: goes to the decider; a release frees the attempt's leases. A gateway that finds no decider
-#: becomes it (``P lead``, expiring unless the decider renews it). Published on ``P wake``:
-#: ``e`` (events wait for the decider).
-#: {gw, lease, ttl, c: [{m, pool, flow: [...], cost, tokens, guess, strict, backends: [names],
-#:  groups: [lease keys], q: [key, member] | null, first: key | null}, ...], p: [[m, cost, guess]],
-#:  w: [m, ...], a: [[m, delta], ...], rel: [{m, keys, tok | null}, ...], seen: [lease keys],
-#:  resign: bool}
+#: A gateway's round trip for one pool (docs/design.md §5a.1: the fleet's decider): what its
+#: engine handed on since the last one, as events for the decider (``P ev``), and the grants
+#: the decider made for this gateway (of any pool). Corrections of running attempts' charges
+#: first (an attempt's last ones ride with its release), then releases (their leases freed),
+#: withdrawals (a grant that crossed one comes back here and the gateway gives it back), new
+#: candidates, new prices of waiting ones. A new candidate that finds nothing waiting in its
+#: pool and room in every limit starts at once (``fast``: the pool has no token buckets, which
+#: only the decider keeps), on the least-loaded backend it may use, as one engine starts an
+#: uncontended request (``start_alone``); the decider is told (``s``) and charges it. Others
+#: join ``P cand:<pool>`` (and ``P cexp``, renewed by their gateway). A gateway that finds no
+#: decider becomes it (``P lead``, expiring unless the decider renews it). ``P wake`` ``e``:
+#: events wait for the decider.
+#: {gw, lease, ttl, pool, pool_lim (-1: none), fast, c: [{m, pool, flow: [...], cost, tokens, guess,
+#:  strict, backends: [names], lims: [their max_in_flight], groups: [[lease key, limit], ...],
+#:  q: [key, member] | null, first: key | null}, ...], p: [[m, cost, guess]], w: [m, ...],
+#:  a: [[m, delta], ...], rel: [{m, keys, tok | null}, ...], seen: [lease keys], resign: bool}
 #: -> JSON {lead (the decider's id or ''), became (this gateway is it now), g: [[m, backend,
 #:     keys], ...] (the grants), lost: [members priced that Redis no longer knew], seen: [counts]}
 OFFER = _COMMON + r"""
-local cand, cexp, ev = P .. 'cand', P .. 'cexp', P .. 'ev'
+local cand, cexp, ev = P .. 'cand:' .. A.pool, P .. 'cexp', P .. 'ev'
 local function has(x) return x ~= nil and x ~= cjson.null end
 local n = 0
 local function push(e)
   redis.call('RPUSH', ev, cjson.encode(e))
   n = n + 1
 end
--- the corrections first: an attempt's last ones ride with its release
 for _, x in ipairs(A.a or {}) do push({t = 'a', m = x[1], d = x[2]}) end
 for _, r in ipairs(A.rel or {}) do
   for _, k in ipairs(r.keys) do redis.call('ZREM', k, r.m) end
@@ -149,12 +154,46 @@ for _, m in ipairs(A.w or {}) do
     push({t = 'w', m = m})
   end
 end
+local g = {}
+local plk = P .. 'lease:pool:' .. A.pool
+-- the backend an uncontended candidate starts on now, or nil (nothing waits in the pool: every
+-- limit with room, the least-loaded of its backends; ties to the first named)
+local function at_once(c)
+  if not A.fast or redis.call('HLEN', cand) > 0 then return nil end
+  if A.pool_lim >= 0 and count(plk) >= A.pool_lim then return nil end
+  for _, x in ipairs(c.groups or {}) do
+    if count(x[1]) >= x[2] then return nil end
+  end
+  local best, bn = nil, nil
+  for i, b in ipairs(c.backends) do
+    local k = count(P .. 'lease:backend:' .. b)
+    if k < c.lims[i] and (bn == nil or k < bn) then best, bn = b, k end
+  end
+  return best
+end
 for _, c in ipairs(A.c or {}) do
-  c.seq = redis.call('INCR', P .. 'seq')
-  redis.call('HSET', cand, c.m, cjson.encode(c))
-  redis.call('ZADD', cexp, NOW + A.lease, c.m)
-  c.t = 'c'
-  push(c)
+  local b = at_once(c)
+  if b then
+    local exp = NOW + A.lease
+    local keys = {plk, P .. 'lease:backend:' .. b}
+    for _, x in ipairs(c.groups or {}) do keys[#keys + 1] = x[1] end
+    for _, k in ipairs(keys) do redis.call('ZADD', k, exp, c.m) end
+    redis.call('HSET', P .. 'run', c.m, cjson.encode({pool = c.pool, flow = c.flow, b = b}))
+    if has(c.q) then redis.call('ZREM', c.q[1], c.q[2]) end
+    if has(c.first) then
+      redis.call('ZADD', c.first, NOW, c.m)
+      redis.call('PEXPIRE', c.first, 61000)
+    end
+    c.t, c.b = 's', b
+    push(c)
+    g[#g + 1] = {c.m, b, keys}
+  else
+    c.seq = redis.call('INCR', P .. 'seq')
+    redis.call('HSET', cand, c.m, cjson.encode(c))
+    redis.call('ZADD', cexp, NOW + A.lease, c.m)
+    c.t = 'c'
+    push(c)
+  end
 end
 local lost = {}
 for _, x in ipairs(A.p or {}) do
@@ -180,7 +219,6 @@ elseif lead == '' then
 end
 if n > 0 and lead ~= A.gw then redis.call('PUBLISH', P .. 'wake', 'e') end
 local gk = P .. 'grant:' .. A.gw
-local g = {}
 local got = redis.call('HGETALL', gk)
 if #got > 0 then
   redis.call('DEL', gk)
@@ -191,17 +229,18 @@ if #got > 0 then
 end
 local seen = {}
 for _, k in ipairs(A.seen or {}) do seen[#seen + 1] = count(k) end
-return cjson.encode({lead = lead, became = became, g = g, lost = lost, seen = seen, n = n})
+return cjson.encode({lead = lead, became = became, g = g, lost = lost, seen = seen})
 """
 
 #: The fleet's decider's round trip: it is still the decider (``P lead``, renewed), the grants it
-#: decided since the last one (each a candidate still in ``P cand``: its leases taken, its
+#: decided since the last one (each a candidate still in ``P cand:<pool>``: its leases taken, its
 #: waiting place freed, its first attempt counted in its flow's retry budget, ``P run`` told,
-#: ``P grant:<gw>`` and ``P wake`` ``g:<gw>`` for its gateway; the others ``gone``: they left
-#: meanwhile), then what happened since (``P ev``, taken). ``init``: a decider that starts (or
-#: starts again) takes every candidate and running attempt instead of the events; ``live``: the
-#: live candidates and running attempts too (a gateway that died stops renewing them).
-#: {gw, lease, ttl, init, live, pools: [names], g: [[m, backend], ...]}
+#: ``P grant:<gw>`` for its gateway, and on ``P wake`` ``g:<gw>`` followed by the grants, so that
+#: the gateway needs no round trip to learn them; the others ``gone``: they left meanwhile), then
+#: what happened since (``P ev``, taken). ``init``: a decider that starts (or starts again)
+#: takes every candidate and running attempt instead of the events; ``live``: the live
+#: candidates and running attempts too (a gateway that died stops renewing them).
+#: {gw, lease, ttl, init, live, pools: [names], g: [[m, backend, pool], ...]}
 #: -> JSON {ok: false, lead} | {ok: true, gone: [m], ev: [event JSON], cand: [candidate JSON],
 #:          run: [[m, run JSON]], lc: [live candidates], lr: [live running]}
 DECIDE = _COMMON + r"""
@@ -211,12 +250,12 @@ if (lead and lead ~= A.gw) or (not lead and not A.init) then
   return cjson.encode({ok = false, lead = lead or ''})
 end
 redis.call('SET', lk, A.gw, 'PX', math.ceil(A.ttl * 1000))
-local cand, cexp, run = P .. 'cand', P .. 'cexp', P .. 'run'
+local cexp, run = P .. 'cexp', P .. 'run'
 local function has(x) return x ~= nil and x ~= cjson.null end
 local gone, owners = {}, {}
 local exp = NOW + A.lease
 for _, x in ipairs(A.g or {}) do
-  local m, b = x[1], x[2]
+  local m, b, cand = x[1], x[2], P .. 'cand:' .. x[3]
   local cj = redis.call('HGET', cand, m)
   if not cj then
     gone[#gone + 1] = m
@@ -225,7 +264,7 @@ for _, x in ipairs(A.g or {}) do
     redis.call('HDEL', cand, m)
     redis.call('ZREM', cexp, m)
     local keys = {P .. 'lease:pool:' .. c.pool, P .. 'lease:backend:' .. b}
-    for _, k in ipairs(c.groups or {}) do keys[#keys + 1] = k end
+    for _, k in ipairs(c.groups or {}) do keys[#keys + 1] = k[1] end
     for _, k in ipairs(keys) do redis.call('ZADD', k, exp, m) end
     redis.call('HSET', run, m, cjson.encode({pool = c.pool, flow = c.flow, b = b}))
     if has(c.q) then redis.call('ZREM', c.q[1], c.q[2]) end
@@ -234,16 +273,22 @@ for _, x in ipairs(A.g or {}) do
       redis.call('PEXPIRE', c.first, 61000)
     end
     local owner = string.match(m, '^([^:]+):')
-    redis.call('HSET', P .. 'grant:' .. owner, m, cjson.encode({b = b, k = keys}))
+    local gj = cjson.encode({b = b, k = keys})
+    redis.call('HSET', P .. 'grant:' .. owner, m, gj)
     redis.call('PEXPIRE', P .. 'grant:' .. owner, math.ceil(A.lease * 3000))
-    owners[owner] = true
+    owners[owner] = owners[owner] or {}
+    local o = owners[owner]
+    o[#o + 1] = {m, b, keys}
   end
 end
-for o, _ in pairs(owners) do redis.call('PUBLISH', P .. 'wake', 'g:' .. o) end
+for o, gs in pairs(owners) do redis.call('PUBLISH', P .. 'wake', 'g:' .. o .. '\n' .. cjson.encode(gs)) end
 local out = {ok = true, gone = gone, ev = {}, cand = {}, run = {}, lc = {}, lr = {}}
 if A.init or A.live then
   -- candidates whose gateway stopped renewing them leave; so do attempts whose leases expired
-  for _, m in ipairs(redis.call('ZRANGEBYSCORE', cexp, '-inf', NOW)) do redis.call('HDEL', cand, m) end
+  local stale = redis.call('ZRANGEBYSCORE', cexp, '-inf', NOW)
+  for _, p in ipairs(A.pools) do
+    for _, m in ipairs(stale) do redis.call('HDEL', P .. 'cand:' .. p, m) end
+  end
   redis.call('ZREMRANGEBYSCORE', cexp, '-inf', NOW)
   local live = {}
   for _, p in ipairs(A.pools) do
@@ -264,7 +309,9 @@ if A.init or A.live then
 end
 if A.init then
   redis.call('DEL', P .. 'ev')
-  out.cand = redis.call('HVALS', cand)
+  for _, p in ipairs(A.pools) do
+    for _, c in ipairs(redis.call('HVALS', P .. 'cand:' .. p)) do out.cand[#out.cand + 1] = c end
+  end
 else
   out.ev = redis.call('LRANGE', P .. 'ev', 0, -1)
   redis.call('DEL', P .. 'ev')

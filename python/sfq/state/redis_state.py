@@ -3,26 +3,27 @@
 Every ``sfq serve`` (or embedder's :class:`~sfq.policy.PolicyDispatcher`) started with the
 same policy and the same Redis behaves as one gateway (``docs/API.md``, "Several gateways,
 one queue"). Each keeps its own waiting requests and its engine orders them; a start the
-engine decides becomes a *candidate* in Redis, and one Lua script (:data:`~sfq.state._lua.ACQUIRE`,
-one round trip) grants it only when
+engine decides becomes a *candidate*, and **one gateway, the fleet's decider, runs the
+engine's own queues** (:class:`~sfq.state._local.Alone`, the whole policy) over stand-ins of
+every gateway's candidates and grants them (docs/design.md §5a, §5a.1):
 
-* the pool, the backend chosen, the org and the strict class have a free slot (global
-  counts: each slot is a *lease*, a member of a sorted set scored by its expiry in Redis's
-  own time, renewed by its holder at least three times per ``lease_seconds``), the pool's
-  token buckets allow it (refilled on Redis's time), and
-* no candidate ahead of it in the global order could go instead: strict classes first (in
-  the file's order, first come first served), then the weighted flows by SFQ start tag
-  (Goyal, Vin and Cheng, 1996), the tag being the flow's meter in the engine's ledger, which
-  Redis holds for every gateway (docs/design.md, "The ledger"): a flow rejoins at ``max(S,
-  v)``, a grant charges the engine's charge at dispatch, and every correction the engine
-  makes afterwards (:meth:`RedisState.charged`: a stream's delivered tokens, the settlement,
-  a refund, within the refund floor) moves the same meter. The Lua re-implements those rules of the engine (a second
-  implementation: docs/design.md §5a.1), so the next free slot goes to the flow with the
-  smallest meter whichever gateway holds it.
+* a gateway's round trip (:data:`~sfq.state._lua.OFFER`) hands on its new candidates, new
+  prices, withdrawals, the corrections of its running attempts' charges (a stream's delivered
+  tokens, a settlement, a refund: :meth:`RedisState.charged`) and its releases, as events for
+  the decider, and takes the grants the decider made for it; a candidate that finds nothing
+  waiting in its pool and room in every limit starts at once, as one engine starts an
+  uncontended request;
+* the decider's round trip (:data:`~sfq.state._lua.DECIDE`) writes its grants (the leases:
+  one per slot held, a member of a sorted set scored by its expiry in Redis's own time,
+  renewed by its holder at least three times per ``lease_seconds``) and takes the events;
+  its queues decide the next grants as one engine pops: strict classes, start tags (a tree of
+  them under nested shares), slots, buckets, the busy period, the refund floors;
+* the role is a Redis key that expires unless renewed: a gateway that finds none takes it,
+  and a new decider starts from the candidates and running attempts Redis holds.
 
-A denied candidate waits for a release (Redis pub/sub) or a short bounded poll. A gateway
-that dies stops renewing: its leases and candidates expire within ``lease_seconds``. Every
-Redis call has a timeout.
+A grant reaches its gateway in a pub/sub message (a lost one by its next round trip, within
+:data:`GRANT_POLL`). A gateway that dies stops renewing: its leases and candidates expire
+within ``lease_seconds``. Every Redis call has a timeout.
 
 While Redis cannot be reached the gateway is *degraded* (``state.on_loss: local``, the
 default): it goes on alone, admitting, ordering and granting its own requests within its slice
@@ -178,7 +179,7 @@ class RedisState(SharedState):
         #: queues over stand-ins of every gateway's candidates; its decisions not yet in Redis
         self._leading = False
         self._lead: Alone | None = None
-        self._decided: list[tuple[str, str]] = []
+        self._decided: list[tuple[str, str, str]] = []  # (member, backend, pool)
         self._lead_evt: asyncio.Event | None = None
         self._live_at = -math.inf
         self.decisions = 0  # grants this gateway decided as the decider
@@ -273,8 +274,8 @@ class RedisState(SharedState):
             for pool in pools:
                 rel, adj, w = self._releases.get(pool, []), self._take_adj(pool), self._withdrawn.get(pool, [])
                 with contextlib.suppress(StateUnavailable):
-                    await self._call_json("OFFER", {"gw": self.gateway_id, "lease": self.lease, "ttl": self._ttl,
-                                                    "a": adj, "rel": rel[:], "w": w[:], "resign": self._leading})
+                    await self._call_json("OFFER", {**self._pool_args(pool), "a": adj, "rel": rel[:], "w": w[:],
+                                                    "resign": self._leading})
                 rel.clear()
                 w.clear()
         self._leading = False
@@ -500,11 +501,13 @@ class RedisState(SharedState):
         if text == "e":
             if self._leading and self._lead_evt is not None:
                 self._lead_evt.set()
-        elif text == "g:" + self.gateway_id:
-            for pool, pending in list(self._pending.items()):
-                if pending:
-                    self._kick(pool)
-                    break  # (one round trip takes this gateway's grants of every pool)
+        elif text.startswith("g:" + self.gateway_id + "\n"):  # the grants themselves: no round trip
+            try:
+                grants = json.loads(text[len(self.gateway_id) + 3:])
+            except ValueError:
+                grants = []
+            for m, backend, keys in _list(grants):
+                self._grant(str(m), str(backend), [str(k) for k in _list(keys)])
 
     # ------------------------------------------------------------ renewals and wake-ups
     def _held(self) -> list[list[str]]:
@@ -701,6 +704,13 @@ class RedisState(SharedState):
             self._spawn(self._withdraw([f"{self.prefix}queue:{ticket.flow.pool}:{ticket.flow.cls}", ticket.member]))
 
     # ------------------------------------------------------------ starts
+    def _pool_args(self, pool: str) -> dict[str, Any]:
+        lim = self.policy.pools[pool].limits
+        return {"gw": self.gateway_id, "lease": self.lease, "ttl": self._ttl, "pool": pool,
+                "pool_lim": -1 if lim.max_in_flight is None else lim.max_in_flight,
+                # an uncontended candidate starts at once unless a token bucket (the decider's) applies
+                "fast": not lim.requests_per_minute and not lim.tokens_per_minute}
+
     def _seen_keys(self, pool: str) -> list[str]:
         p = self.prefix
         return [f"{p}lease:pool:{pool}", *(f"{p}lease:backend:{b}" for b in self._backends_of[pool])]
@@ -710,16 +720,18 @@ class RedisState(SharedState):
         flow = r.flow
         cls = pol.classes[flow.cls]
         p = self.prefix
-        groups = []
-        if self._org(flow.org).max_in_flight is not None:
-            groups.append(f"{p}lease:org:{flow.org}")
+        groups: list[list[Any]] = []
+        org = self._org(flow.org)
+        if org.max_in_flight is not None:
+            groups.append([f"{p}lease:org:{flow.org}", org.max_in_flight])
         if cls.max_in_flight is not None:
-            groups.append(f"{p}lease:class:{flow.cls}")
+            groups.append([f"{p}lease:class:{flow.cls}", cls.max_in_flight])
         q = self._queued.get(r.id)
         return {"m": a.member, "pool": flow.pool, "flow": list(flow), "cost": r.cost, "tokens": r.tokens,
                 "guess": self._flow_work and not cls.strict and self.estimator is not None
                 and guessed(r, self.estimator),
-                "strict": cls.strict, "backends": [n for n, _ in backends], "groups": groups,
+                "strict": cls.strict, "backends": [n for n, _ in backends], "lims": [int(lm) for _, lm in backends],
+                "groups": groups,
                 "q": None if q is None else list(q),
                 "first": (f"{p}rb:first:{flow.org}\t{flow.cls}\t{flow.pool}"
                           if self._budgeted and r.tries <= 1 else None)}
@@ -818,9 +830,8 @@ class RedisState(SharedState):
         adj = self._take_adj(pool)
         res: dict[str, Any] | None = None
         try:
-            res = await self._call_json("OFFER", {"gw": self.gateway_id, "lease": self.lease, "ttl": self._ttl,
-                                                  "c": new, "p": prices, "w": w, "a": adj, "rel": rel,
-                                                  "seen": self._seen_keys(pool), "resign": False})
+            res = await self._call_json("OFFER", {**self._pool_args(pool), "c": new, "p": prices, "w": w, "a": adj,
+                                                  "rel": rel, "seen": self._seen_keys(pool), "resign": False})
         except StateUnavailable:
             pass  # the releases are lost (those leases expire by themselves), and the corrections
         finally:
@@ -859,19 +870,19 @@ class RedisState(SharedState):
     def _grant(self, member: str, backend: str, keys: list[str]) -> None:
         """The decider granted ``member`` a start on ``backend`` (``keys``: the leases Redis
         took for it). One whose caller gave up meanwhile is given back at once."""
-        for pool, pending in self._pending.items():
-            a = pending.get(member)
-            if a is not None:
-                break
-        else:
+        try:
+            a: _Attempt | None = self._att.get(int(member.split(":")[-2]))
+        except (ValueError, IndexError):
             a = None
+        if a is not None and a.member != member:
+            a = None
+        if a is not None and a.granted:
+            return  # granted already (the message, then the round trip; or alone, while Redis was lost)
         if a is not None and a.request is not None and a.fut is not None and not a.fut.done():
-            del self._pending[a.pool][member]
+            self._pending[a.pool].pop(member, None)
             self._granted(a.request, a, backend)
             a.fut.set_result(backend)
             return
-        if any(x.member == member and x.granted for x in self._att.values()):
-            return  # granted already (alone, while Redis was lost: the decider adopts it)
         pool = keys[0][len(self.prefix) + len("lease:pool:"):] if keys else ""
         if a is not None:
             self._pending[a.pool].pop(member, None)
@@ -945,7 +956,7 @@ class RedisState(SharedState):
                 nxt = lead.next(pool)
                 if nxt is None:
                     break
-                self._decided.append(nxt)
+                self._decided.append((nxt[0], nxt[1], pool))
             w = lead.wake_at(pool)
             if w is not None:
                 wake = min(wake, w)
@@ -966,12 +977,15 @@ class RedisState(SharedState):
             self.policy.classes[flow.cls]
         except (TypeError, KeyError):
             return  # (not this policy's: a gateway of another policy, refused at its next renewal)
+        if c.get("t") == "s":  # it started at once (nothing waited in its pool): charged as it started
+            lead.start(str(c["m"]), flow, float(c["cost"]), float(c["tokens"]), str(c["b"]), bool(c.get("guess")))
+            return
         lead.add(str(c["m"]), flow, float(c["cost"]), float(c["tokens"]), [str(b) for b in _list(c["backends"])],
                  bool(c.get("guess")))
 
     def _event(self, lead: Alone, e: dict[str, Any]) -> None:
         t, m = e.get("t"), str(e.get("m"))
-        if t == "c":
+        if t == "c" or t == "s":
             self._stand_in(lead, e)
         elif t == "p":
             lead.price(m, float(e["cost"]), bool(e.get("guess")))
