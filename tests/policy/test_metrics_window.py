@@ -1,7 +1,8 @@
 """The share window's math (pure functions) and the bounded series of ``PolicyMetrics``, on an
 injected clock: backlogged seconds (a request waiting throughout), expected shares among
-backlogged flows (what it got for a flow that was not), Jain's index, wait quantiles; at most ``max_org_series`` org labels, the rest under ``_other``, totals exact and
-every counter monotonic while orgs change label."""
+backlogged flows (what it got for a flow that was not), Jain's index, wait quantiles; deadline
+misses per class; at most ``max_org_series`` org labels, the rest under ``_other``, totals exact
+and every counter monotonic while orgs change label."""
 
 from __future__ import annotations
 
@@ -224,6 +225,59 @@ def test_an_org_kept_waiting_whole_seconds_is_expected_its_weights_share() -> No
     assert st["jain"] < 0.6
 
 
+def test_deadline_misses_per_class_in_stats_and_series() -> None:
+    """``sfq_deadline_missed_total`` and ``/stats``' classes: a request whose deadline or queue
+    age ran out counts once, refused in the queue or failed after it started; a refusal for
+    another reason does not. Each class shows its weight (a strict one none), and each org its
+    classes."""
+    clock = Clock()
+    m = PolicyMetrics(clock=clock)
+    m.policy = parse_policy("""\
+pools:
+  main: {models: [m], backends: [{url: "http://127.0.0.1:1"}]}
+classes:
+  system: {strict: true, max_in_flight: 1, max_queue_length: 4}
+  interactive: {weight: 6}
+  batch: {weight: 1, max_queue_age_seconds: 5}
+orgs:
+  product: {keys: [kp], classes: [interactive, system]}
+  analytics: {keys: [ka], classes: [batch, interactive]}
+""")
+    batch, inter, system = ("analytics", "batch", "main"), ("product", "interactive", "main"), \
+        ("product", "system", "main")
+    for reason in ("queue_timeout", "deadline"):  # ran out in the queue
+        m.queued(batch)
+        m.left_queue(batch)
+        m.timeout(batch)
+        m.ended(batch, "refused", reason)
+    m.queued(inter)
+    m.started(inter, 0.1, 1.0, False)
+    m.attempt_ended(inter, timeout=True)
+    m.ended(inter, "failed", "deadline")  # ran out while running
+    m.ended(batch, "refused", "rate_limited")  # not a miss
+    m.began(system, 1.0)
+    m.attempt_ended(system, served_cost=1.0)
+    m.ended(system, "completed")
+    st = m.stats()["pools"]["main"]
+    assert st["classes"] == {
+        "batch": {"weight": 1.0, "strict": False, "waiting": 0, "in_flight": 0, "deadline_missed": 2,
+                  "requests": {"completed": 0, "failed": 0, "cancelled_before_start": 0,
+                               "cancelled_during_execution": 0, "refused": 3, "joined": 0}},
+        "interactive": {"weight": 6.0, "strict": False, "waiting": 0, "in_flight": 0, "deadline_missed": 1,
+                        "requests": {"completed": 0, "failed": 1, "cancelled_before_start": 0,
+                                     "cancelled_during_execution": 0, "refused": 0, "joined": 0}},
+        "system": {"weight": None, "strict": True, "waiting": 0, "in_flight": 0, "deadline_missed": 0,
+                   "requests": {"completed": 1, "failed": 0, "cancelled_before_start": 0,
+                                "cancelled_during_execution": 0, "refused": 0, "joined": 0}}}
+    assert st["orgs"]["product"]["classes"] == ["interactive", "system"]
+    assert st["orgs"]["analytics"]["classes"] == ["batch"]
+    missed = {tuple(sorted(dict(k[1]).items())): v for k, v in _samples(m).items()
+              if k[0] == "sfq_deadline_missed_total"}
+    assert missed == {(("class", "batch"), ("org", "analytics"), ("pool", "main")): 2.0,
+                      (("class", "interactive"), ("org", "product"), ("pool", "main")): 1.0}
+    assert m.snapshot()[batch]["deadline_missed"] == 2
+
+
 def test_window_seconds_and_max_org_series_are_checked() -> None:
     with pytest.raises(ValueError, match="window_seconds .* got 0.5"):
         PolicyMetrics(window_seconds=0.5)
@@ -399,8 +453,9 @@ orgs:
 def test_the_window_trims_only_what_left_it_and_stays_bounded() -> None:
     """Random arrivals, starts, ends and clock steps against a log of every event that is
     never trimmed: the window's figures (each org's served cost, each flow's backlogged
-    seconds (a request waiting throughout), its waits) match the log's over the last ``window_seconds`` at every step, and a
-    flow keeps at most a window's worth of records and spans."""
+    seconds (a request waiting throughout), its waits) match the log's over the last
+    ``window_seconds`` at every step, and a flow keeps at most a window's worth of records and
+    spans."""
     rnd = random.Random(31)
     clock = Clock()
     w = 5

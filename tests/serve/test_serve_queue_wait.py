@@ -1,4 +1,4 @@
-"""``X-SFQ-Queue-Wait`` through a real ``sfq serve`` in front of a real ``sfq demo-backend``,
+"""``X-SFQ-Queue-Wait`` (and deadline misses) through a real ``sfq serve`` in front of a real ``sfq demo-backend``,
 read with the official ``openai`` client (``with_raw_response``): 0 for a request that started
 at once, what a queued one waited, what a refused one waited before its refusal, 0 for one
 refused before the queue; the access log's ``queue_wait`` says the same number. No assertion
@@ -67,6 +67,14 @@ def _logged(gw: GatewayProcess, rid: str) -> dict[str, Any]:
     return line
 
 
+def _missed(gw: GatewayProcess) -> dict[str, tuple[int, float]]:
+    """Per class: ``/stats``' deadline misses and ``sfq_deadline_missed_total`` (every org)."""
+    _, body = gw.get("/stats?pool=local")
+    classes = json.loads(body)["pools"]["local"].get("classes", {})
+    return {c: (int(classes.get(c, {}).get("deadline_missed", 0)),
+                gw.metric("sfq_deadline_missed_total", **{"class": c})) for c in ("interactive", "batch")}
+
+
 def _waiting(gw: GatewayProcess) -> int:
     _, body = gw.get("/stats?pool=local")
     return int(json.loads(body)["pools"]["local"]["waiting"])
@@ -113,6 +121,7 @@ def test_0_for_a_start_at_once_and_what_a_queued_request_waited(gw: GatewayProce
 
 
 def test_a_refusal_says_how_long_it_waited_and_one_refused_before_the_queue_0(gw: GatewayProcess):
+    before = _missed(gw)
     holder = _Holder(gw)
     try:
         # a deadline (X-SFQ-Timeout) and a class's queue age (batch: 0.2 s) run out in the queue
@@ -128,6 +137,10 @@ def test_a_refusal_says_how_long_it_waited_and_one_refused_before_the_queue_0(gw
             line = _logged(gw, e.value.response.headers["x-request-id"])
             assert line["reason"] in ("deadline", "queue_timeout") and line["wait"] is None
             assert round(line["queue_wait"] * 1000) == waited
+        # each is one deadline miss of its class, in /stats and /metrics
+        after = _missed(gw)
+        for c in ("interactive", "batch"):
+            assert after[c] == (before[c][0] + 1, before[c][1] + 1), (c, before, after)
         # refused before the queue: a wrong key, a bad header, an unknown model
         for key, model, headers, status in (("sk-nobody", "demo", {}, 401),
                                             ("sk-product", "demo", {"X-SFQ-Timeout": "soon"}, 400),

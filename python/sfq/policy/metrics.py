@@ -95,6 +95,8 @@ _go_float: Callable[[float], str] = floatToGoString  # (prometheus_client's own 
 _LE = tuple(_go_float(b) for b in WAIT_BUCKETS) + ("+Inf",)
 _NB = len(WAIT_BUCKETS) + 1
 _ZERO: dict[tuple[str, str], float] = {}
+#: the reasons of a request whose deadline or queue age ran out (``sfq_deadline_missed_total``)
+MISSED = frozenset(("deadline", "queue_timeout"))
 
 
 class FlowCounters:
@@ -109,7 +111,7 @@ class FlowCounters:
 
     __slots__ = ("waiting", "in_flight", "outcomes", "reasons", "charged_cost", "served_cost", "cancelled_work",
                  "upstream_429", "timeouts", "attempts", "retries", "waits", "refused_by", "wait_buckets", "created",
-                 "joins", "since", "spans", "recent")
+                 "joins", "missed", "since", "spans", "recent")
 
     def __init__(self) -> None:
         self.created = time.time()
@@ -128,6 +130,7 @@ class FlowCounters:
         self.refused_by: dict[str, int] = {}
         self.wait_buckets = [0] * _NB
         self.joins = 0  # requests that joined a running one of the same Idempotency-Key
+        self.missed = 0  # requests that ended because their deadline or queue age ran out
         self.since: float | None = None
         # (lists, not deques: an empty deque is 760 bytes, two of them per active flow; each is
         # cut from the front at most once a second and holds at most the window's seconds)
@@ -138,7 +141,8 @@ class FlowCounters:
         return {"waiting": self.waiting, "in_flight": self.in_flight, **self.outcomes,
                 "reasons": dict(self.reasons), "charged_cost": self.charged_cost, "served_cost": self.served_cost,
                 "cancelled_work_tokens": self.cancelled_work, "upstream_429": self.upstream_429,
-                "timeouts": self.timeouts, "attempts": self.attempts, "retries": self.retries,
+                "timeouts": self.timeouts, "deadline_missed": self.missed, "attempts": self.attempts,
+                "retries": self.retries,
                 "retry_share": self.retries / self.attempts if self.attempts else 0.0,
                 "mean_wait": self.waits / self.attempts if self.attempts else None}
 
@@ -157,7 +161,8 @@ class FlowCounters:
         for name, value in (("sfq_charged_cost", self.charged_cost), ("sfq_served_cost", self.served_cost),
                             ("sfq_cancelled_work_tokens", self.cancelled_work),
                             ("sfq_upstream_429", self.upstream_429), ("sfq_timeouts", self.timeouts),
-                            ("sfq_attempts", self.attempts), ("sfq_retries", self.retries)):
+                            ("sfq_deadline_missed", self.missed), ("sfq_attempts", self.attempts),
+                            ("sfq_retries", self.retries)):
             if value:
                 v[name, ""] = value
         return v
@@ -258,7 +263,7 @@ def wait_quantile(counts: Sequence[int], q: float) -> float | None:
 class _Org:
     """One org's figures in one pool over the window (made at read time)."""
 
-    __slots__ = ("served", "expected", "waiting", "in_flight", "oldest", "waits", "flows", "weight")
+    __slots__ = ("served", "expected", "waiting", "in_flight", "oldest", "waits", "flows", "classes", "weight")
 
     def __init__(self) -> None:
         self.served = 0.0
@@ -268,6 +273,7 @@ class _Org:
         self.oldest: float | None = None  # the queued_at (clock) of its oldest waiting request
         self.waits: list[int] | None = None  # waits in the window per bucket (None: none)
         self.flows: list[FlowCounters] = []
+        self.classes: list[str] = []  # the class of each of ``flows``
         self.weight: float | None = None
 
     def add(self, o: _Org) -> None:
@@ -279,6 +285,7 @@ class _Org:
             self.oldest = o.oldest
         self.add_waits(o.waits)
         self.flows += o.flows
+        self.classes += o.classes
 
     def add_waits(self, w: list[int] | None) -> None:
         if w is not None:
@@ -506,6 +513,8 @@ class PolicyMetrics:
         outcomes[outcome] += 1
         if reason is not None:
             fc.reasons[reason] = fc.reasons.get(reason, 0) + 1
+            if reason in MISSED:
+                fc.missed += 1
             if outcome == "refused":
                 fc.refused_by[reason] = fc.refused_by.get(reason, 0) + 1
 
@@ -551,7 +560,7 @@ class PolicyMetrics:
         w = self._w
         top = int(now)
         lo = top - w + 1
-        per_pool: dict[str, list[tuple[str, float, bool, int, float, float, FlowCounters]]] = {}
+        per_pool: dict[str, list[tuple[str, float, bool, int, float, float, FlowCounters, str]]] = {}
         backlogged_by_sec: dict[str, list[float]] = {}
         waits: dict[Key, list[int]] = {}
         score: dict[str, float] = {}
@@ -581,7 +590,7 @@ class PolicyMetrics:
                 waits[key] = wq
             if mask or served or fc.waiting or fc.in_flight:
                 score[org] = score.get(org, 0.0) + served + (1e-9 if mask else 0.0)
-            per_pool.setdefault(pool, []).append((org, weight, strict, mask, served, mine, fc))
+            per_pool.setdefault(pool, []).append((org, weight, strict, mask, served, mine, fc, cls))
         oldest = dict(self.oldest()) if self.oldest is not None else {}
         pools: dict[str, dict[str, _Org]] = {}
         pool_served: dict[str, float] = {}
@@ -589,7 +598,7 @@ class PolicyMetrics:
             exp = expected_shares([(r[1], r[2], r[3], r[4], r[5]) for r in rows], backlogged_by_sec[pool])
             orgs: dict[str, _Org] = {}
             total = 0.0
-            for (org, _, cls_strict, _, served, _, fc), e in zip(rows, exp):
+            for (org, _, cls_strict, _, served, _, fc, cls), e in zip(rows, exp):
                 o = orgs.get(org)
                 if o is None:
                     o = orgs[org] = _Org()
@@ -601,6 +610,7 @@ class PolicyMetrics:
                 o.waiting += fc.waiting
                 o.in_flight += fc.in_flight
                 o.flows.append(fc)
+                o.classes.append(cls)
             pools[pool] = orgs
             pool_served[pool] = total
         for (org, _, pool), wq in waits.items():
@@ -688,10 +698,35 @@ class PolicyMetrics:
                     "oldest_wait_seconds": None if o.oldest is None else max(0.0, f.now - o.oldest),
                     "wait_p50": None if o.waits is None else wait_quantile(o.waits, 0.5),
                     "wait_p99": None if o.waits is None else wait_quantile(o.waits, 0.99),
-                    "requests": o.outcomes()}
+                    "classes": sorted(set(o.classes)), "requests": o.outcomes()}
             out[name] = {"jain": f.jain(name), "waiting": waiting, "in_flight": in_flight, "served_cost": total,
-                         "orgs": orgs}
+                         "orgs": orgs, "classes": self._classes(name)}
         return {"time": f.time, "window_seconds": self.window, "pools": out}
+
+    def _classes(self, pool: str) -> dict[str, dict[str, Any]]:
+        """``/stats``' classes of one pool: each class a request of the pool was in, with its
+        weight (``None`` for a strict class), its requests now, its deadline misses and its
+        requests by outcome since the start (over every org)."""
+        p = self.policy
+        out: dict[str, dict[str, Any]] = {}
+        for (org, cls, fp), fc in self.flows.items():
+            if fp != pool or not org or not cls:
+                continue
+            c = out.get(cls)
+            if c is None:
+                spec = p.classes.get(cls) if p is not None else None
+                strict = spec is not None and spec.strict
+                c = out[cls] = {"weight": None if strict else (spec.weight if spec is not None else 1.0),
+                                "strict": strict, "waiting": 0, "in_flight": 0, "deadline_missed": 0,
+                                "requests": dict.fromkeys((*OUTCOMES, "joined"), 0)}
+            c["waiting"] += fc.waiting
+            c["in_flight"] += fc.in_flight
+            c["deadline_missed"] += fc.missed
+            req = c["requests"]
+            for k, n in fc.outcomes.items():
+                req[k] += n
+            req["joined"] += fc.joins
+        return dict(sorted(out.items()))
 
 
 def _minus(a: Mapping[tuple[str, str], float], b: Mapping[tuple[str, str], float]) -> dict[tuple[str, str], float]:
@@ -719,6 +754,9 @@ _FAMILIES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
      _LABELS),
     ("sfq_upstream_429", "Upstream 429 answers", "counter", _LABELS),
     ("sfq_timeouts", "Queue-age or deadline expiries and backend timeouts", "counter", _LABELS),
+    ("sfq_deadline_missed", "Requests ended because their deadline (X-SFQ-Timeout, timeout=) or their class's "
+                            "max_queue_age_seconds ran out: in the queue, between retries or while running",
+     "counter", _LABELS),
     ("sfq_attempts", "Attempts started (first tries and retries)", "counter", _LABELS),
     ("sfq_retries", "Retries started", "counter", _LABELS),
     ("sfq_share", "The org's share of the pool's served cost over the window", "gauge", ("pool", "org")),
