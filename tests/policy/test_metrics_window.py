@@ -1,7 +1,8 @@
 """The share window's math (pure functions) and the bounded series of ``PolicyMetrics``, on an
-injected clock: backlogged seconds, expected shares among backlogged flows, Jain's index, wait
-quantiles; at most ``max_org_series`` org labels, the rest under ``_other``, totals exact and
-every counter monotonic while orgs change label."""
+injected clock: backlogged seconds (a request waiting throughout), expected shares among
+backlogged flows (what it got for a flow that was not), Jain's index, wait quantiles; deadline
+misses per class; at most ``max_org_series`` org labels, the rest under ``_other``, totals exact
+and every counter monotonic while orgs change label."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from sfq.policy.metrics import (
     OTHER_ORG,
     WAIT_BUCKETS,
     PolicyMetrics,
-    busy_mask,
+    backlogged_mask,
     expected_shares,
     jain,
     wait_quantile,
@@ -35,45 +36,63 @@ class Clock:
 
 
 # ------------------------------------------------------------------ pure functions
-def test_busy_mask_marks_every_second_a_span_meets() -> None:
+def test_backlogged_mask_marks_every_second_a_span_of_waiting_covers_whole() -> None:
     # window: seconds 100..109 (bit i = second 100 + i)
-    assert busy_mask([], None, 109.5, 100, 109) == 0
-    assert busy_mask([(101.2, 101.9)], None, 109.5, 100, 109) == 0b10
-    assert busy_mask([(101.9, 103.1)], None, 109.5, 100, 109) == 0b1110
-    assert busy_mask([(90.0, 100.5)], None, 109.5, 100, 109) == 0b1  # clipped to the window
-    assert busy_mask([], 108.2, 109.5, 100, 109) == 0b11 << 8  # still backlogged: up to now
-    assert busy_mask([(80.0, 90.0)], None, 109.5, 100, 109) == 0  # before the window
+    assert backlogged_mask([], None, 109.5, 100, 109) == 0
+    assert backlogged_mask([(101.2, 101.9)], None, 109.5, 100, 109) == 0  # a moment: no second throughout
+    assert backlogged_mask([(101.9, 103.1)], None, 109.5, 100, 109) == 0b100  # only 102 is covered whole
+    assert backlogged_mask([(101.0, 103.0)], None, 109.5, 100, 109) == 0b110  # [101, 102] and [102, 103]
+    assert backlogged_mask([(90.0, 100.5)], None, 109.5, 100, 109) == 0  # 99 is before the window, 100 not whole
+    assert backlogged_mask([(90.0, 101.5)], None, 109.5, 100, 109) == 0b1  # clipped to the window
+    assert backlogged_mask([], 107.2, 109.5, 100, 109) == 0b1 << 8  # still waiting: 108; 109 is not over yet
+    assert backlogged_mask([], 108.0, 110.0, 100, 109) == 0b11 << 8  # 109 ends now
+    assert backlogged_mask([(80.0, 90.0)], None, 109.5, 100, 109) == 0  # before the window
+    # two spans with a gap inside a second do not add up to that second
+    assert backlogged_mask([(100.2, 101.5), (101.6, 102.8)], None, 109.5, 100, 109) == 0
 
 
 def test_expected_shares_follow_weights_among_the_backlogged() -> None:
     everywhere = 0b1111
     # weights 1 and 2, both backlogged throughout: a third and two thirds
-    e = expected_shares([(1.0, False, everywhere, 10.0), (2.0, False, everywhere, 30.0)], [10.0] * 4)
+    e = expected_shares([(1.0, False, everywhere, 10.0, 10.0), (2.0, False, everywhere, 30.0, 30.0)], [10.0] * 4)
     assert e == pytest.approx([1 / 3, 2 / 3])
-    # a third flow never backlogged is promised nothing and changes nothing
-    e = expected_shares([(1.0, False, everywhere, 10.0), (2.0, False, everywhere, 30.0), (5.0, False, 0, 0.0)],
-                        [10.0] * 4)
+    # a third flow never backlogged and never served is promised nothing and changes nothing
+    e = expected_shares([(1.0, False, everywhere, 10.0, 10.0), (2.0, False, everywhere, 30.0, 30.0),
+                         (5.0, False, 0, 0.0, 0.0)], [10.0] * 4)
     assert e == pytest.approx([1 / 3, 2 / 3, 0.0])
-    # B backlogged in the last two seconds only: A alone is promised all of the first two
-    e = expected_shares([(1.0, False, 0b1111, 20.0), (1.0, False, 0b1100, 20.0)], [10.0] * 4)
+    # B backlogged in the last two seconds only, A throughout, each second 10 served between them
+    # (A 10, 10, then 5, 5; B 5, 5): A alone is promised all of the first two
+    e = expected_shares([(1.0, False, 0b1111, 30.0, 30.0), (1.0, False, 0b1100, 10.0, 10.0)], [10.0] * 4)
     assert e == pytest.approx([(10 + 10 + 5 + 5) / 40, (5 + 5) / 40])
     # each second weighs by what was served in it
-    e = expected_shares([(1.0, False, 0b11, 1.0), (1.0, False, 0b10, 1.0)], [0.0, 2.0])
+    e = expected_shares([(1.0, False, 0b11, 1.0, 1.0), (1.0, False, 0b10, 1.0, 1.0)], [0.0, 2.0])
     assert e == pytest.approx([0.5, 0.5])
     # one flow alone: everything
-    assert expected_shares([(3.0, False, 0b1, 5.0)], [5.0]) == pytest.approx([1.0])
+    assert expected_shares([(3.0, False, 0b1, 5.0, 5.0)], [5.0]) == pytest.approx([1.0])
+
+
+def test_a_flow_not_backlogged_is_expected_what_it_got_and_the_backlogged_share_the_rest() -> None:
+    # A (weight 1) waits throughout both seconds; B (weight 6) never waits a whole second and is
+    # served 2 of each second's 10: B is expected its 20 %, A the other 80 %, and both are fair
+    e = expected_shares([(1.0, False, 0b11, 16.0, 16.0), (6.0, False, 0, 4.0, 0.0)], [8.0, 8.0])
+    assert e == pytest.approx([0.8, 0.2]) and jain([0.8 / e[0], 0.2 / e[1]]) == pytest.approx(1.0)
+    # B backlogged in the second second only: there it is promised 6/7 of what the two got (10)
+    e = expected_shares([(1.0, False, 0b11, 14.0, 14.0), (6.0, False, 0b10, 6.0, 4.0)], [8.0, 10.0])
+    assert e == pytest.approx([(8 + 10 / 7) / 20, (2 + 60 / 7) / 20])
+    assert sum(e) == pytest.approx(1.0)
 
 
 def test_a_strict_class_is_expected_what_it_got_and_the_weighted_share_the_rest() -> None:
-    e = expected_shares([(1.0, True, 0b11, 20.0), (1.0, False, 0b11, 40.0), (3.0, False, 0b11, 40.0)], [40.0, 40.0])
+    e = expected_shares([(1.0, True, 0b11, 20.0, 0.0), (1.0, False, 0b11, 40.0, 40.0), (3.0, False, 0b11, 40.0, 40.0)],
+                        [40.0, 40.0])
     assert e == pytest.approx([0.2, 0.2, 0.6])
     assert sum(e) == pytest.approx(1.0)
 
 
 def test_with_nothing_served_the_promise_is_by_time() -> None:
-    e = expected_shares([(1.0, False, 0b11, 0.0), (1.0, False, 0b10, 0.0)], [0.0, 0.0])
+    e = expected_shares([(1.0, False, 0b11, 0.0, 0.0), (1.0, False, 0b10, 0.0, 0.0)], [0.0, 0.0])
     assert e == pytest.approx([0.75, 0.25])
-    assert expected_shares([(1.0, False, 0, 0.0)], [0.0, 0.0]) == [0.0]
+    assert expected_shares([(1.0, False, 0, 0.0, 0.0)], [0.0, 0.0]) == [0.0]
 
 
 def test_jain() -> None:
@@ -133,6 +152,130 @@ def test_shares_and_expectations_over_the_window() -> None:
     st = m.stats()["pools"]["main"]
     assert st["served_cost"] == 0.0 and st["jain"] is None
     assert st["orgs"]["o0"]["expected_share"] == 0.0 and st["orgs"]["o0"]["wait_p50"] is None
+
+
+def _second(m: PolicyMetrics, clock: Clock, start: float, events: list[tuple[float, str, Any, float]]) -> None:
+    """Play ``events`` ``(offset in the second, what, flow, value)`` from ``start``, in order."""
+    for at, what, k, v in events:
+        clock.t = start + at
+        if what == "queued":
+            m.queued(k, int(v))
+        elif what == "started":
+            m.started(k, v, 1.0, False)
+        else:
+            m.attempt_ended(k, served_cost=v)
+            m.ended(k, "completed")
+
+
+def test_an_org_that_waits_only_a_moment_is_expected_what_it_got() -> None:
+    """o1 (weight 2) sends one request a second, which waits 50 ms for a slot and runs 0.75 s;
+    o0 (weight 1) has requests waiting all the time. o1 is never kept waiting a whole second:
+    it asks for less than its weight's share and gets all it asks, so it is expected what it got
+    and Jain's index is 1 (counting a second in which it had a request waiting or running at any
+    moment as backlogged, it would be expected 2/3 and the index would be 0.66)."""
+    clock = Clock()
+    m = PolicyMetrics(clock=clock, window_seconds=10)
+    m.policy = _policy()
+    a, b = ("o0", "batch", "main"), ("o1", "batch", "main")
+    m.queued(a, 100)
+    for s in range(10):
+        _second(m, clock, 1000.0 + s, [(0.1, "queued", b, 1), (0.15, "started", b, 0.05), (0.2, "started", a, 0.2),
+                                       (0.8, "ended", a, 30.0), (0.9, "ended", b, 10.0)])
+    clock.t = 1010.0
+    st = m.stats()["pools"]["main"]
+    o0, o1 = st["orgs"]["o0"], st["orgs"]["o1"]
+    assert o1["share"] == pytest.approx(0.25) and o1["expected_share"] == pytest.approx(0.25)
+    assert o0["share"] == pytest.approx(0.75) and o0["expected_share"] == pytest.approx(0.75)
+    assert st["jain"] == pytest.approx(1.0)
+    # the same, every request of o1 already running (it never waits at all): the same figures
+    m2 = PolicyMetrics(clock=clock, window_seconds=10)
+    m2.policy = _policy()
+    m2.queued(a, 100)
+    for s in range(10):
+        clock.t = 1100.0 + s + 0.1
+        m2.began(b, 1.0)
+        _second(m2, clock, 1100.0 + s, [(0.2, "started", a, 0.2), (0.8, "ended", a, 30.0), (0.9, "ended", b, 10.0)])
+    clock.t = 1110.0
+    st = m2.stats()["pools"]["main"]
+    assert st["orgs"]["o1"]["expected_share"] == pytest.approx(0.25) and st["jain"] == pytest.approx(1.0)
+
+
+def test_an_org_kept_waiting_whole_seconds_is_expected_its_weights_share() -> None:
+    """o1 (weight 2) has a request waiting from 1000.0 to 1003.0 while only o0 (weight 1) is
+    served, 30 a second: in those three seconds o1 is promised 2/3 of the service, and Jain's
+    index says it was not served so. In the second after, o1 is not backlogged any more."""
+    clock = Clock()
+    m = PolicyMetrics(clock=clock, window_seconds=10)
+    m.policy = _policy()
+    a, b = ("o0", "batch", "main"), ("o1", "batch", "main")
+    m.queued(a, 100)
+    m.queued(b)
+    for s in range(3):
+        _second(m, clock, 1000.0 + s, [(0.2, "started", a, 0.2), (0.8, "ended", a, 30.0)])
+    _second(m, clock, 1003.0, [(0.0, "started", b, 3.0), (0.2, "started", a, 0.2), (0.5, "ended", b, 10.0),
+                               (0.8, "ended", a, 30.0)])
+    clock.t = 1004.0
+    st = m.stats()["pools"]["main"]
+    total = 130.0
+    o1 = st["orgs"]["o1"]
+    assert o1["share"] == pytest.approx(10 / total)
+    assert o1["expected_share"] == pytest.approx((2 / 3 * 90 + 10) / total)  # its weight's share while it waited
+    assert st["orgs"]["o0"]["expected_share"] == pytest.approx((1 / 3 * 90 + 30) / total)
+    assert st["jain"] == pytest.approx(jain([(120 / total) / (60 / total), (10 / total) / (70 / total)]))
+    assert st["jain"] < 0.6
+
+
+def test_deadline_misses_per_class_in_stats_and_series() -> None:
+    """``sfq_deadline_missed_total`` and ``/stats``' classes: a request whose deadline or queue
+    age ran out counts once, refused in the queue or failed after it started; a refusal for
+    another reason does not. Each class shows its weight (a strict one none), and each org its
+    classes."""
+    clock = Clock()
+    m = PolicyMetrics(clock=clock)
+    m.policy = parse_policy("""\
+pools:
+  main: {models: [m], backends: [{url: "http://127.0.0.1:1"}]}
+classes:
+  system: {strict: true, max_in_flight: 1, max_queue_length: 4}
+  interactive: {weight: 6}
+  batch: {weight: 1, max_queue_age_seconds: 5}
+orgs:
+  product: {keys: [kp], classes: [interactive, system]}
+  analytics: {keys: [ka], classes: [batch, interactive]}
+""")
+    batch, inter, system = ("analytics", "batch", "main"), ("product", "interactive", "main"), \
+        ("product", "system", "main")
+    for reason in ("queue_timeout", "deadline"):  # ran out in the queue
+        m.queued(batch)
+        m.left_queue(batch)
+        m.timeout(batch)
+        m.ended(batch, "refused", reason)
+    m.queued(inter)
+    m.started(inter, 0.1, 1.0, False)
+    m.attempt_ended(inter, timeout=True)
+    m.ended(inter, "failed", "deadline")  # ran out while running
+    m.ended(batch, "refused", "rate_limited")  # not a miss
+    m.began(system, 1.0)
+    m.attempt_ended(system, served_cost=1.0)
+    m.ended(system, "completed")
+    st = m.stats()["pools"]["main"]
+    assert st["classes"] == {
+        "batch": {"weight": 1.0, "strict": False, "waiting": 0, "in_flight": 0, "deadline_missed": 2,
+                  "requests": {"completed": 0, "failed": 0, "cancelled_before_start": 0,
+                               "cancelled_during_execution": 0, "refused": 3, "joined": 0}},
+        "interactive": {"weight": 6.0, "strict": False, "waiting": 0, "in_flight": 0, "deadline_missed": 1,
+                        "requests": {"completed": 0, "failed": 1, "cancelled_before_start": 0,
+                                     "cancelled_during_execution": 0, "refused": 0, "joined": 0}},
+        "system": {"weight": None, "strict": True, "waiting": 0, "in_flight": 0, "deadline_missed": 0,
+                   "requests": {"completed": 1, "failed": 0, "cancelled_before_start": 0,
+                                "cancelled_during_execution": 0, "refused": 0, "joined": 0}}}
+    assert st["orgs"]["product"]["classes"] == ["interactive", "system"]
+    assert st["orgs"]["analytics"]["classes"] == ["batch"]
+    missed = {tuple(sorted(dict(k[1]).items())): v for k, v in _samples(m).items()
+              if k[0] == "sfq_deadline_missed_total"}
+    assert missed == {(("class", "batch"), ("org", "analytics"), ("pool", "main")): 2.0,
+                      (("class", "interactive"), ("org", "product"), ("pool", "main")): 1.0}
+    assert m.snapshot()[batch]["deadline_missed"] == 2
 
 
 def test_window_seconds_and_max_org_series_are_checked() -> None:
@@ -310,8 +453,9 @@ orgs:
 def test_the_window_trims_only_what_left_it_and_stays_bounded() -> None:
     """Random arrivals, starts, ends and clock steps against a log of every event that is
     never trimmed: the window's figures (each org's served cost, each flow's backlogged
-    seconds, its waits) match the log's over the last ``window_seconds`` at every step, and a
-    flow keeps at most a window's worth of records and spans."""
+    seconds (a request waiting throughout), its waits) match the log's over the last
+    ``window_seconds`` at every step, and a flow keeps at most a window's worth of records and
+    spans."""
     rnd = random.Random(31)
     clock = Clock()
     w = 5
@@ -320,13 +464,13 @@ def test_the_window_trims_only_what_left_it_and_stays_bounded() -> None:
     keys = [("o0", "batch", "main"), ("o1", "batch", "main"), ("o2", "batch", "main")]
     served: dict[Any, list[tuple[int, float]]] = {k: [] for k in keys}  # (second, cost)
     waits: dict[Any, list[tuple[int, float]]] = {k: [] for k in keys}  # (second, wait)
-    spans: dict[Any, list[list[float]]] = {k: [] for k in keys}  # every backlogged span, closed
+    spans: dict[Any, list[list[float]]] = {k: [] for k in keys}  # every span of waiting, closed
     since: dict[Any, float | None] = dict.fromkeys(keys)
     waiting = dict.fromkeys(keys, 0)
     running = dict.fromkeys(keys, 0)
 
     def idle(k: Any) -> None:
-        if waiting[k] + running[k] == 0 and since[k] is not None:
+        if waiting[k] == 0 and since[k] is not None:
             spans[k].append([since[k], clock.t])
             since[k] = None
 
@@ -343,12 +487,12 @@ def test_the_window_trims_only_what_left_it_and_stays_bounded() -> None:
             waiting[k] -= 1
             running[k] += 1
             waits[k].append((int(clock.t), wait))
+            idle(k)
         elif op < 0.8 and running[k]:
             cost = float(rnd.randint(1, 50))
             m.attempt_ended(k, served_cost=cost)
             running[k] -= 1
             served[k].append((int(clock.t), cost))
-            idle(k)
         elif op < 0.85 and waiting[k]:
             m.left_queue(k)
             waiting[k] -= 1
@@ -368,7 +512,8 @@ def test_the_window_trims_only_what_left_it_and_stays_bounded() -> None:
             fc = m.flows.get(k)
             if fc is None:
                 continue
-            assert busy_mask(fc.spans, fc.since, clock.t, lo, top) == busy_mask(spans[k], since[k], clock.t, lo, top)
+            assert (backlogged_mask(fc.spans, fc.since, clock.t, lo, top)
+                    == backlogged_mask(spans[k], since[k], clock.t, lo, top))
             in_window = [x for s, x in waits[k] if lo <= s <= top]
             got = [0] * (len(WAIT_BUCKETS) + 1)
             for sec, _, wc in fc.recent:

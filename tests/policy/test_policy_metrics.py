@@ -87,6 +87,9 @@ class _Children:
         self.upstream_429 = Counter("sfq_upstream_429", "Upstream 429 answers", lab, registry=r)
         self.timeouts = Counter("sfq_timeouts", "Queue-age or deadline expiries and backend timeouts", lab,
                                 registry=r)
+        self.missed = Counter("sfq_deadline_missed", "Requests ended because their deadline (X-SFQ-Timeout, "
+                              "timeout=) or their class's max_queue_age_seconds ran out: in the queue, between "
+                              "retries or while running", lab, registry=r)
         self.attempts = Counter("sfq_attempts", "Attempts started (first tries and retries)", lab, registry=r)
         self.retries = Counter("sfq_retries", "Retries started", lab, registry=r)
         self.known: set[tuple[str, str, str]] = set()
@@ -146,6 +149,8 @@ class _Children:
         self.requests.labels(*k, outcome).inc()
         if reason is not None:
             (self.refusals if outcome == "refused" else self.failures).labels(*k, reason).inc()
+            if reason in ("deadline", "queue_timeout"):
+                self.missed.labels(*k).inc()
 
     def joined(self, k: Any) -> None:
         self.requests.labels(*k, "joined").inc()

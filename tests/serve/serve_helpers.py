@@ -369,3 +369,29 @@ def read_response(s: Any, limit: float = LIMIT) -> bytes:
         if not piece:
             return got
         got += piece
+
+
+class DemoProcess:
+    """``python -m sfq demo-backend`` on a free loopback port (``slots`` requests generate at
+    once, ``tokens_per_second`` each): the engine the docs' quick start runs."""
+
+    def __init__(self, *, slots: int = 4, tokens_per_second: float = 50.0) -> None:
+        cmd = [sys.executable, "-m", "sfq", "demo-backend", "--port", "0", "--slots", str(slots),
+               "--tokens-per-second", str(tokens_per_second)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.err: list[str] = []
+        threading.Thread(target=GatewayProcess._read, args=(self.proc.stderr, self.err), daemon=True).start()
+        line = wait_until(lambda: next((x for x in self.err if "listening on http://" in x), None)
+                          or (self.proc.poll() is not None and "exited"), "the demo engine to listen")
+        if line == "exited":
+            raise RuntimeError(f"sfq demo-backend exited with {self.proc.returncode}:\n{''.join(self.err)}")
+        self.url = line.split("listening on ")[1].split()[0].rstrip(":")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(LIMIT)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(LIMIT)

@@ -142,10 +142,11 @@ async def test_the_line_is_the_logging_paths_line(tmp_path: Path, logging_restor
     a, b = json.loads(buffered, object_pairs_hook=list), json.loads(through_logging, object_pairs_hook=list)
     assert [k for k, _ in a] == [k for k, _ in b] == [
         "ts", "request_id", "path", "status", "org", "class", "pool", "model", "stream", "outcome", "reason", "wait",
-        "tries", "backend", "cost_charged", "prompt_tokens", "completion_tokens", "duration", "events",
+        "queue_wait", "tries", "backend", "cost_charged", "prompt_tokens", "completion_tokens", "duration", "events",
         "error_status"]
     assert [kv for kv in a if kv[0] != "ts"] == [kv for kv in b if kv[0] != "ts"]
     assert dict(a)["completion_tokens"] == 2 ** 70 and dict(a)["wait"] == 0.25 and dict(a)["cost_charged"] == 3.0
+    assert dict(a)["queue_wait"] == 0.25  # (from admission to the start: the same as its answer's header said)
 
 
 async def test_off_builds_no_line(logging_restored: None, monkeypatch: pytest.MonkeyPatch):

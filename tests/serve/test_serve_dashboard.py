@@ -4,8 +4,10 @@ driven by Selenium), against a real ``sfq serve`` and a real loopback engine.
 * the page is served without a key, pins its one script in its Content-Security-Policy, holds
   no key; ``--no-dashboard`` answers 404 there (``/stats`` stays);
 * two orgs of equal weight flood the engine through the official ``openai`` client: the page
-  loads with no console error, shows both orgs, each near half; one org stops, and the page's
-  figure for the other rises to nearly all of the pool (the window is 2 s), its history drawn;
+  loads with no console error, shows both orgs, each near half, and the class they send (its
+  weight, 3, in the classes table and on each org's row); one org stops, and the page's figure
+  for the other rises to nearly all of the pool (the window is 2 s), its history drawn from the
+  first poll (no empty time before it), requests waiting and in flight drawn as two series;
   no key reaches the page or ``/stats``;
 * orgs named as markup (an ``<img onerror>``, a ``<script>``) are shown as text: nothing of
   theirs runs, no element of theirs is made.
@@ -81,7 +83,8 @@ def shares(driver: Any) -> dict[str, float | None]:
     one script (the page redraws its table at every poll)."""
     return dict(driver.execute_script("""
         const out = [];
-        for (const tr of document.querySelectorAll('section[data-pool="main"] tbody tr')) {
+        const rows = document.querySelectorAll('section[data-pool="main"] table[data-table="orgs"] tbody tr');
+        for (const tr of rows) {
           const td = tr.querySelector('[data-k="share"]');
           out.push([tr.getAttribute("data-org"), td && td.hasAttribute("data-value") ? Number(td.dataset.value) : null]);
         }
@@ -95,7 +98,8 @@ def shown(driver: Any, script: str) -> Any:
 
 def started(tmp: Path, orgs: list[OrgLoad], fleet: Fleet, extra: tuple[str, ...] = ()) -> Gateway:
     cfg = tmp / "policy.yaml"
-    cfg.write_text(policy_text([e.url for e in fleet.engines], orgs, extra="metrics: {window_seconds: 2}\n"))
+    text = policy_text([e.url for e in fleet.engines], orgs, extra="metrics: {window_seconds: 2}\n")
+    cfg.write_text(text.replace("  batch: {weight: 1}\n", "  batch: {weight: 3}\n"))  # (a class weight to show)
     return Gateway(cfg, extra=("--access-log", "off", *extra))
 
 
@@ -154,6 +158,23 @@ def test_the_page_shows_both_orgs_and_follows_their_shares(tmp_path: Path, fleet
                                  .getAttribute("d")""")
         assert line.count("L") >= 10, line
         assert int(shown(browser, "document.body.dataset.polls")) >= 10
+        # the class they send, with its weight: in the classes table and on each org's row
+        cls = shown(browser, """[...document.querySelectorAll(
+            'section[data-pool="main"] table[data-table="classes"] tbody tr')].map(
+            (tr) => [tr.dataset.class, tr.querySelector('[data-k="weight"]').textContent])""")
+        assert cls == [["batch", "3"]], cls
+        on_rows = shown(browser, """[...document.querySelectorAll(
+            'section[data-pool="main"] table[data-table="orgs"] tbody tr [data-k="classes"]')].map(
+            (td) => td.textContent)""")
+        assert on_rows == ["batch \u00d73", "batch \u00d73"], on_rows  # (batch x3)
+        # requests waiting and in flight: two series, two colours, a point per poll each; both charts
+        # start at the first poll kept (the left edge, x = 14), not at an empty stretch before it
+        queue = shown(browser, """[...document.querySelectorAll('svg[data-chart="queue"] path')].map(
+            (p) => [p.dataset.series, p.getAttribute("stroke"), p.getAttribute("d")])""")
+        assert [q[0] for q in queue] == ["waiting", "in_flight"] and queue[0][1] != queue[1][1], queue
+        for _, _, d in queue:
+            assert d.startswith("M14.0,") and d.count("L") >= 10, d
+        assert errors(browser) == []
         assert errors(browser) == []
         shot = os.environ.get("SFQ_DASHBOARD_SCREENSHOT") or str(tmp_path / "dashboard.png")
         assert browser.save_screenshot(shot)
@@ -182,7 +203,7 @@ def test_org_names_are_text_not_markup(tmp_path: Path, fleet: Fleet, browser: An
         errors(browser)
         browser.get(gw.url + "/dashboard?interval=0.25")
         wait_until(lambda: shares(browser).keys() == {img, script}, "the page to list both orgs")
-        cells = shown(browser, """[...document.querySelectorAll("tbody tr")].map(
+        cells = shown(browser, """[...document.querySelectorAll('table[data-table="orgs"] tbody tr')].map(
                                     (tr) => [tr.dataset.org, tr.querySelector("td.org").textContent])""")
         assert sorted(cells) == sorted([[img, img], [script, script]]), cells
         assert shown(browser, 'document.querySelectorAll("main img, main script").length') == 0

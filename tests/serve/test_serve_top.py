@@ -67,6 +67,12 @@ def test_a_frame_puts_each_orgs_share_next_to_its_promise() -> None:
     assert lines.index(next(x for x in lines if x.startswith("acme"))) < lines.index(
         next(x for x in lines if x.startswith("<img"))), "the largest share first"
     assert "[1] llama  [2] mistral" in frame
+    # the classes: weight (strict for a strict class), waiting, in flight, deadline misses, completed,
+    # failed, refused
+    assert "deadline missed" in frame
+    assert _row(frame, "interactive") == ["6", "2", "5", "0", "50", "1", "0"]
+    assert _row(frame, "batch") == ["1", "10", "3", "7", "15", "0", "2"]
+    assert _row(frame, "<b>system</b>") == ["strict", "0", "0", "0", "0", "0", "0"]
     other = _frame(stats, "mistral")
     assert "pool mistral  Jain -" in other and _row(other, "beta")[:3] == ["1", "100.0%", "0.0%"]
     assert "pool llama" in _frame(stats, "no-such-pool")  # an unknown pool: the first one
@@ -106,6 +112,10 @@ def test_once_prints_the_gateways_figures(loaded: Gateway) -> None:
     # the heavy org, listed first, got about twice the light one's service, as its weight promises
     assert out.stdout.index("\nheavy ") < out.stdout.index("\nlight ")
     assert abs(pool["orgs"]["heavy"]["share"] - 2 / 3) < 0.1, pool
+    # the classes the load used, with their weights, as /stats has them
+    assert set(pool["classes"]) == {"batch"} and pool["classes"]["batch"]["weight"] == 1.0
+    batch = pool["classes"]["batch"]
+    assert _row(out.stdout, "batch") == ["1", "0", "0", "0", f"{batch['requests']['completed']}", "0", "0"]
     assert "sk-heavy-secret" not in out.stdout and "sk-light-secret" not in out.stdout
 
 

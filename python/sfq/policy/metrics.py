@@ -10,18 +10,22 @@ collected.
 
 **The share window.** Each flow keeps, for the last ``window_seconds``, the cost it was
 served per second (a sparse ring: one record per second that had an event) and the spans of
-time it was *backlogged* (a request waiting or running). Both are updated in O(1) per event;
-the figures are made only when read (a scrape, ``/stats``):
+time it was *backlogged* (a request waiting: queued, not started) that covered a whole second.
+Both are updated in O(1) per event; the figures are made only when read (a scrape, ``/stats``):
 
 * ``share``: the org's part of its pool's served cost over the window;
 * ``expected_share``: what the weights promise it. A flow is backlogged in a second when it
-  had a request waiting or running at any moment of that second. In each second the
-  backlogged weighted flows of a pool are promised ``weight / (sum of their weights)`` of that
-  second's weighted service (a flow's weight is its org's weight times its class's, as the
-  engine charges it); the promise over the window is those promises weighted by each second's
-  served cost (by time when nothing was served), so that a pool that served each second
-  exactly as promised shows ``share == expected_share``. A strict class is served before the
-  weighted ones: its flows are expected what they got, and the weighted flows share the rest;
+  had a request waiting *throughout* that second: SFQ's guarantee (Goyal, Vin and Cheng,
+  "Start-time Fair Queuing", SIGCOMM 1996) bounds the service of two flows over any interval
+  in which both are continuously backlogged, and says nothing of a flow that is not. A flow
+  that waits a moment for the next free slot, or whose every request is already running, is
+  getting what it asks: in that second it is expected what it got, as a strict class always
+  is. The flows backlogged in a second share the rest of that second's weighted service (what
+  they were served in it) by ``weight / (sum of their weights)`` (a flow's weight is its org's
+  weight times its class's, as the engine charges it). The promise over the window is the sum
+  of each second's, over the window's served cost (by time when nothing was served), so that a
+  pool that served each second as promised shows ``share == expected_share``. A strict class
+  is served before the weighted ones: its flows are expected what they got;
 * ``jain``: Jain's index of ``share / expected_share`` over the orgs with an expected share.
 
 Served cost is counted when an attempt ends (a completed request's usage, or for one that
@@ -58,8 +62,8 @@ from prometheus_client.utils import floatToGoString
 if TYPE_CHECKING:
     from .config import Policy
 
-__all__ = ["OUTCOMES", "REASONS", "PolicyMetrics", "FlowCounters", "WAIT_BUCKETS", "OTHER_ORG", "busy_mask",
-           "expected_shares", "jain", "wait_quantile"]
+__all__ = ["OUTCOMES", "REASONS", "PolicyMetrics", "FlowCounters", "WAIT_BUCKETS", "OTHER_ORG",
+           "backlogged_mask", "expected_shares", "jain", "wait_quantile"]
 
 OUTCOMES = ("completed", "failed", "cancelled_before_start", "cancelled_during_execution", "refused")
 #: why a request was refused (before start) or why it failed (``failed`` outcomes carry one too)
@@ -91,20 +95,23 @@ _go_float: Callable[[float], str] = floatToGoString  # (prometheus_client's own 
 _LE = tuple(_go_float(b) for b in WAIT_BUCKETS) + ("+Inf",)
 _NB = len(WAIT_BUCKETS) + 1
 _ZERO: dict[tuple[str, str], float] = {}
+#: the reasons of a request whose deadline or queue age ran out (``sfq_deadline_missed_total``)
+MISSED = frozenset(("deadline", "queue_timeout"))
 
 
 class FlowCounters:
     """Plain counters of one (org, class, pool). ``refused_by``: the refusals among ``reasons``
     (the rest are failures); ``wait_buckets``: waits before start per bucket of
     ``WAIT_BUCKETS`` (not cumulative; the last one is over the largest bound); ``created``: when
-    the flow was first seen (``time.time()``). The share window: ``since`` (clock time the
-    flow became backlogged, ``None`` while it has nothing waiting or running), ``spans``
-    (its backlogged spans ``[start, end]`` still in the window) and ``recent`` (one record
+    the flow was first seen (``time.time()``). The share window: ``since`` (clock time since
+    which the flow has had a request waiting, ``None`` while nothing waits), ``spans`` (its
+    spans ``[start, end]`` of waiting still in the window, those that covered a whole second:
+    no other can make it backlogged in a second) and ``recent`` (one record
     ``[second, served cost, wait counts per bucket or None]`` per second with an event)."""
 
     __slots__ = ("waiting", "in_flight", "outcomes", "reasons", "charged_cost", "served_cost", "cancelled_work",
                  "upstream_429", "timeouts", "attempts", "retries", "waits", "refused_by", "wait_buckets", "created",
-                 "joins", "since", "spans", "recent")
+                 "joins", "missed", "since", "spans", "recent")
 
     def __init__(self) -> None:
         self.created = time.time()
@@ -123,6 +130,7 @@ class FlowCounters:
         self.refused_by: dict[str, int] = {}
         self.wait_buckets = [0] * _NB
         self.joins = 0  # requests that joined a running one of the same Idempotency-Key
+        self.missed = 0  # requests that ended because their deadline or queue age ran out
         self.since: float | None = None
         # (lists, not deques: an empty deque is 760 bytes, two of them per active flow; each is
         # cut from the front at most once a second and holds at most the window's seconds)
@@ -133,7 +141,8 @@ class FlowCounters:
         return {"waiting": self.waiting, "in_flight": self.in_flight, **self.outcomes,
                 "reasons": dict(self.reasons), "charged_cost": self.charged_cost, "served_cost": self.served_cost,
                 "cancelled_work_tokens": self.cancelled_work, "upstream_429": self.upstream_429,
-                "timeouts": self.timeouts, "attempts": self.attempts, "retries": self.retries,
+                "timeouts": self.timeouts, "deadline_missed": self.missed, "attempts": self.attempts,
+                "retries": self.retries,
                 "retry_share": self.retries / self.attempts if self.attempts else 0.0,
                 "mean_wait": self.waits / self.attempts if self.attempts else None}
 
@@ -152,7 +161,8 @@ class FlowCounters:
         for name, value in (("sfq_charged_cost", self.charged_cost), ("sfq_served_cost", self.served_cost),
                             ("sfq_cancelled_work_tokens", self.cancelled_work),
                             ("sfq_upstream_429", self.upstream_429), ("sfq_timeouts", self.timeouts),
-                            ("sfq_attempts", self.attempts), ("sfq_retries", self.retries)):
+                            ("sfq_deadline_missed", self.missed), ("sfq_attempts", self.attempts),
+                            ("sfq_retries", self.retries)):
             if value:
                 v[name, ""] = value
         return v
@@ -162,17 +172,18 @@ Key = tuple[str, str, str]
 
 
 # ------------------------------------------------------------------ the window's math (pure)
-def busy_mask(spans: Iterable[Sequence[float]], since: float | None, now: float, lo: int, top: int) -> int:
+def backlogged_mask(spans: Iterable[Sequence[float]], since: float | None, now: float, lo: int, top: int) -> int:
     """The seconds ``lo..top`` (whole clock seconds) in which a flow was backlogged, as bits
-    (bit ``i``: second ``lo + i``): those that meet one of its ``spans`` ``[start, end]`` or
-    the open span from ``since`` (``None``: none) to ``now``."""
+    (bit ``i``: second ``lo + i``): those that one of its waiting ``spans`` ``[start, end]``,
+    or the open span from ``since`` (``None``: none) to ``now``, covers whole (``start <=
+    second`` and ``second + 1 <= end``; the current second counts once it is over)."""
     mask = 0
     for a, b in spans:
-        i, j = max(int(a // 1), lo), min(int(b // 1), top)
+        i, j = max(math.ceil(a), lo), min(math.floor(b) - 1, top)
         if i <= j:
             mask |= ((1 << (j - i + 1)) - 1) << (i - lo)
     if since is not None:
-        i, j = max(int(since // 1), lo), min(int(now // 1), top)
+        i, j = max(math.ceil(since), lo), min(math.floor(now) - 1, top)
         if i <= j:
             mask |= ((1 << (j - i + 1)) - 1) << (i - lo)
     return mask
@@ -187,19 +198,21 @@ def _bits(mask: int) -> Iterator[int]:
         i += 1
 
 
-def expected_shares(flows: Sequence[tuple[float, bool, int, float]], served_by_second: Sequence[float]
+def expected_shares(flows: Sequence[tuple[float, bool, int, float, float]], backlogged_by_second: Sequence[float]
                     ) -> list[float]:
     """What the weights promise each flow of one pool over a window (the module docstring's
-    rule). ``flows``: ``(weight, strict, busy mask, served cost in the window)``;
-    ``served_by_second``: the pool's weighted (not strict) flows' served cost in each second
-    of the window (bit ``i`` of a mask is ``served_by_second[i]``). A strict flow is expected
-    what it got; a weighted flow backlogged in no second is expected 0. The promises add up to
-    1 when anything was backlogged."""
+    rule). ``flows``: ``(weight, strict, backlogged mask, served cost in the window, served
+    cost in its backlogged seconds)``; ``backlogged_by_second``: in each second of the window,
+    the served cost of the weighted (not strict) flows backlogged in it (bit ``i`` of a mask is
+    ``backlogged_by_second[i]``). A strict flow is expected what it got, and so is a weighted
+    flow in the seconds it was not backlogged; in each second the backlogged flows share what
+    they were served by their weights. The promises add up to 1 when anything was served (or,
+    with nothing served, when anything was backlogged: then by time)."""
     total = sum(f[3] for f in flows)
-    n = len(served_by_second)
+    n = len(backlogged_by_second)
     wsum = [0.0] * n
     by_mask: dict[int, float] = {}
-    for w, strict, mask, _ in flows:
+    for w, strict, mask, _, _ in flows:
         if mask and not strict:
             by_mask[mask] = by_mask.get(mask, 0.0) + w
     for mask, w in by_mask.items():
@@ -208,12 +221,13 @@ def expected_shares(flows: Sequence[tuple[float, bool, int, float]], served_by_s
     g: dict[int, float] = {}
     if total > 0:
         for mask in by_mask:
-            g[mask] = sum(served_by_second[i] / wsum[i] for i in _bits(mask)) / total
-        return [served / total if strict else w * g[mask] if mask else 0.0 for w, strict, mask, served in flows]
+            g[mask] = sum(backlogged_by_second[i] / wsum[i] for i in _bits(mask))
+        return [served / total if strict or not mask else (served - mine + w * g[mask]) / total
+                for w, strict, mask, served, mine in flows]
     busy = sum(1 for x in wsum if x > 0)
     for mask in by_mask:
         g[mask] = sum(1.0 / wsum[i] for i in _bits(mask)) / busy
-    return [0.0 if strict or not mask else w * g[mask] for w, strict, mask, _ in flows]
+    return [0.0 if strict or not mask else w * g[mask] for w, strict, mask, _, _ in flows]
 
 
 def jain(values: Iterable[float]) -> float | None:
@@ -249,7 +263,7 @@ def wait_quantile(counts: Sequence[int], q: float) -> float | None:
 class _Org:
     """One org's figures in one pool over the window (made at read time)."""
 
-    __slots__ = ("served", "expected", "waiting", "in_flight", "oldest", "waits", "flows", "weight")
+    __slots__ = ("served", "expected", "waiting", "in_flight", "oldest", "waits", "flows", "classes", "weight")
 
     def __init__(self) -> None:
         self.served = 0.0
@@ -259,6 +273,7 @@ class _Org:
         self.oldest: float | None = None  # the queued_at (clock) of its oldest waiting request
         self.waits: list[int] | None = None  # waits in the window per bucket (None: none)
         self.flows: list[FlowCounters] = []
+        self.classes: list[str] = []  # the class of each of ``flows``
         self.weight: float | None = None
 
     def add(self, o: _Org) -> None:
@@ -270,6 +285,7 @@ class _Org:
             self.oldest = o.oldest
         self.add_waits(o.waits)
         self.flows += o.flows
+        self.classes += o.classes
 
     def add_waits(self, w: list[int] | None) -> None:
         if w is not None:
@@ -396,29 +412,29 @@ class PolicyMetrics:
             del rec[:i]
         return r
 
-    def _idle(self, fc: FlowCounters) -> None:
-        """The flow has nothing waiting or running any more: close its backlogged span."""
+    def _unqueued(self, fc: FlowCounters) -> None:
+        """The flow has nothing waiting any more: close its span of waiting, kept only when it
+        covered a whole second (a shorter one makes no second backlogged)."""
         start = fc.since
         if start is None:
             return
         fc.since = None
         now = self.clock()
+        if math.ceil(start) + 1 > now:
+            return
         sp = fc.spans
-        if sp and int(start) <= int(sp[-1][1]) + 1:  # (no second between them: one span)
-            sp[-1][1] = now
-        else:
-            sp.append([start, now])
-            old = now - self._w - 1
-            i = 0
-            while sp[i][1] < old:  # (stops at the span just added at the latest)
-                i += 1
-            if i:
-                del sp[:i]
+        sp.append([start, now])
+        old = now - self._w - 1
+        i = 0
+        while sp[i][1] < old:  # (stops at the span just added at the latest)
+            i += 1
+        if i:
+            del sp[:i]
 
     def queued(self, key: Key, n: int = 1) -> None:
         fc = self.flows.get(key) or self._get(key)
         fc.waiting += n
-        if fc.since is None:
+        if fc.since is None and fc.waiting > 0:
             fc.since = self.clock()
 
     def started(self, key: Key, wait: float, cost: float, retry: bool) -> None:
@@ -436,10 +452,9 @@ class PolicyMetrics:
             h = self._hist[key[1], key[2]] = [[0] * _NB, 0.0, time.time()]
         h[0][b] += 1
         h[1] += wait
-        now = self.clock()
-        if fc.since is None:
-            fc.since = now
-        r = self._record(fc, now)
+        if fc.waiting <= 0:
+            self._unqueued(fc)
+        r = self._record(fc, self.clock())
         w = r[2]
         if w is None:
             w = r[2] = [0] * _NB
@@ -474,14 +489,12 @@ class PolicyMetrics:
             fc.upstream_429 += 1
         if timeout:
             fc.timeouts += 1
-        if fc.waiting + fc.in_flight <= 0:
-            self._idle(fc)
 
     def left_queue(self, key: Key) -> None:
         fc = self.flows.get(key) or self._get(key)
         fc.waiting -= 1
-        if fc.waiting + fc.in_flight <= 0:
-            self._idle(fc)
+        if fc.waiting <= 0:
+            self._unqueued(fc)
 
     def timeout(self, key: Key) -> None:
         fc = self.flows.get(key) or self._get(key)
@@ -500,6 +513,8 @@ class PolicyMetrics:
         outcomes[outcome] += 1
         if reason is not None:
             fc.reasons[reason] = fc.reasons.get(reason, 0) + 1
+            if reason in MISSED:
+                fc.missed += 1
             if outcome == "refused":
                 fc.refused_by[reason] = fc.refused_by.get(reason, 0) + 1
 
@@ -545,27 +560,29 @@ class PolicyMetrics:
         w = self._w
         top = int(now)
         lo = top - w + 1
-        per_pool: dict[str, list[tuple[str, float, bool, int, float, FlowCounters]]] = {}
-        served_by_sec: dict[str, list[float]] = {}
+        per_pool: dict[str, list[tuple[str, float, bool, int, float, float, FlowCounters, str]]] = {}
+        backlogged_by_sec: dict[str, list[float]] = {}
         waits: dict[Key, list[int]] = {}
         score: dict[str, float] = {}
         for key, fc in self.flows.items():
             org, cls, pool = key
             if not org or not pool or not cls:
                 continue  # refused before its org, class or pool was known: in no pool's figures
-            mask = busy_mask(fc.spans, fc.since, now, lo, top)
-            served = 0.0
+            mask = backlogged_mask(fc.spans, fc.since, now, lo, top) if fc.spans or fc.since is not None else 0
+            served = mine = 0.0
             wq: list[int] | None = None
             weight, strict = self._weight(org, cls)
-            secs = served_by_sec.get(pool)
+            secs = backlogged_by_sec.get(pool)
             if secs is None:
-                secs = served_by_sec[pool] = [0.0] * w
+                secs = backlogged_by_sec[pool] = [0.0] * w
+            counted = mask if not strict else 0
             for sec, cost, wc in fc.recent:
                 if sec < lo:
                     continue
                 if cost:
                     served += cost
-                    if not strict:
+                    if counted >> (sec - lo) & 1:
+                        mine += cost
                         secs[sec - lo] += cost
                 if wc is not None:
                     wq = list(wc) if wq is None else [a + b for a, b in zip(wq, wc)]
@@ -573,15 +590,15 @@ class PolicyMetrics:
                 waits[key] = wq
             if mask or served or fc.waiting or fc.in_flight:
                 score[org] = score.get(org, 0.0) + served + (1e-9 if mask else 0.0)
-            per_pool.setdefault(pool, []).append((org, weight, strict, mask, served, fc))
+            per_pool.setdefault(pool, []).append((org, weight, strict, mask, served, mine, fc, cls))
         oldest = dict(self.oldest()) if self.oldest is not None else {}
         pools: dict[str, dict[str, _Org]] = {}
         pool_served: dict[str, float] = {}
         for pool, rows in per_pool.items():
-            exp = expected_shares([(r[1], r[2], r[3], r[4]) for r in rows], served_by_sec[pool])
+            exp = expected_shares([(r[1], r[2], r[3], r[4], r[5]) for r in rows], backlogged_by_sec[pool])
             orgs: dict[str, _Org] = {}
             total = 0.0
-            for (org, _, cls_strict, _, served, fc), e in zip(rows, exp):
+            for (org, _, cls_strict, _, served, _, fc, cls), e in zip(rows, exp):
                 o = orgs.get(org)
                 if o is None:
                     o = orgs[org] = _Org()
@@ -593,6 +610,7 @@ class PolicyMetrics:
                 o.waiting += fc.waiting
                 o.in_flight += fc.in_flight
                 o.flows.append(fc)
+                o.classes.append(cls)
             pools[pool] = orgs
             pool_served[pool] = total
         for (org, _, pool), wq in waits.items():
@@ -680,10 +698,35 @@ class PolicyMetrics:
                     "oldest_wait_seconds": None if o.oldest is None else max(0.0, f.now - o.oldest),
                     "wait_p50": None if o.waits is None else wait_quantile(o.waits, 0.5),
                     "wait_p99": None if o.waits is None else wait_quantile(o.waits, 0.99),
-                    "requests": o.outcomes()}
+                    "classes": sorted(set(o.classes)), "requests": o.outcomes()}
             out[name] = {"jain": f.jain(name), "waiting": waiting, "in_flight": in_flight, "served_cost": total,
-                         "orgs": orgs}
+                         "orgs": orgs, "classes": self._classes(name)}
         return {"time": f.time, "window_seconds": self.window, "pools": out}
+
+    def _classes(self, pool: str) -> dict[str, dict[str, Any]]:
+        """``/stats``' classes of one pool: each class a request of the pool was in, with its
+        weight (``None`` for a strict class), its requests now, its deadline misses and its
+        requests by outcome since the start (over every org)."""
+        p = self.policy
+        out: dict[str, dict[str, Any]] = {}
+        for (org, cls, fp), fc in self.flows.items():
+            if fp != pool or not org or not cls:
+                continue
+            c = out.get(cls)
+            if c is None:
+                spec = p.classes.get(cls) if p is not None else None
+                strict = spec is not None and spec.strict
+                c = out[cls] = {"weight": None if strict else (spec.weight if spec is not None else 1.0),
+                                "strict": strict, "waiting": 0, "in_flight": 0, "deadline_missed": 0,
+                                "requests": dict.fromkeys((*OUTCOMES, "joined"), 0)}
+            c["waiting"] += fc.waiting
+            c["in_flight"] += fc.in_flight
+            c["deadline_missed"] += fc.missed
+            req = c["requests"]
+            for k, n in fc.outcomes.items():
+                req[k] += n
+            req["joined"] += fc.joins
+        return dict(sorted(out.items()))
 
 
 def _minus(a: Mapping[tuple[str, str], float], b: Mapping[tuple[str, str], float]) -> dict[tuple[str, str], float]:
@@ -711,13 +754,16 @@ _FAMILIES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
      _LABELS),
     ("sfq_upstream_429", "Upstream 429 answers", "counter", _LABELS),
     ("sfq_timeouts", "Queue-age or deadline expiries and backend timeouts", "counter", _LABELS),
+    ("sfq_deadline_missed", "Requests ended because their deadline (X-SFQ-Timeout, timeout=) or their class's "
+                            "max_queue_age_seconds ran out: in the queue, between retries or while running",
+     "counter", _LABELS),
     ("sfq_attempts", "Attempts started (first tries and retries)", "counter", _LABELS),
     ("sfq_retries", "Retries started", "counter", _LABELS),
     ("sfq_share", "The org's share of the pool's served cost over the window", "gauge", ("pool", "org")),
-    ("sfq_expected_share", "The share the weights promise the org among the pool's orgs backlogged in the window",
-     "gauge", ("pool", "org")),
+    ("sfq_expected_share", "The share the weights promise the org over the window: among the orgs with a request "
+     "waiting throughout a second, by weight; what it got in a second it was not", "gauge", ("pool", "org")),
     ("sfq_oldest_wait_seconds", "Age of the org's oldest waiting request", "gauge", ("pool", "org")),
-    ("sfq_fairness_jain", "Jain's index of served / expected share over the pool's orgs backlogged in the window",
+    ("sfq_fairness_jain", "Jain's index of served / expected share over the pool's orgs with an expected share",
      "gauge", ("pool",)),
     ("sfq_org_weight", "The org's weight (policy file)", "gauge", ("org",)),
 )

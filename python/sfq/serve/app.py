@@ -22,9 +22,13 @@ retries, deadlines, ordering) lives in :mod:`sfq.policy`, so an embedder who nev
   reaches a backend; after, the backend call is aborted.
 * Every model request is counted once in ``sfq_requests_total`` (refused before the policy
   saw it too) and gets one access-log line on the logger ``sfq.serve.access``: a JSON object
-  (request id, status sent, org, class, pool, model, wait, outcome, cost charged, actual
-  tokens, ...). Every response names its request (``x-request-id``); what a backend said
-  when it failed goes to the log under that id, never to the client.
+  (request id, status sent, org, class, pool, model, wait, queue wait, outcome, cost charged,
+  actual tokens, ...). Every response names its request (``x-request-id``); what a backend
+  said when it failed goes to the log under that id, never to the client.
+* Every answer of a model route says how long its request waited in the queue
+  (``X-SFQ-Queue-Wait``, whole milliseconds: from its admission to the start of the attempt
+  that answered; for a request that never started, to its refusal; 0 for one refused before
+  it was admitted). A stream carries it on its response's start.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ from .accesslog import direct
 from .edge import SERVER, Edge, fd_budget, new_request_id
 from .errors import HTTPError, error_body, http_error_of, sse_error
 
-__all__ = ["Gateway", "ACCESS_LOGGER", "MAX_OUTPUT_TOKENS", "MAX_N"]
+__all__ = ["Gateway", "ACCESS_LOGGER", "MAX_OUTPUT_TOKENS", "MAX_N", "QUEUE_WAIT_HEADER"]
 
 ACCESS_LOGGER = "sfq.serve.access"
 log = logging.getLogger("sfq.serve")
@@ -64,6 +68,8 @@ access = logging.getLogger(ACCESS_LOGGER)
 
 _CHAT = "/v1/chat/completions"
 _COMPLETIONS = "/v1/completions"
+#: the header of every model route's answer: milliseconds its request waited in the queue
+QUEUE_WAIT_HEADER = "X-SFQ-Queue-Wait"
 _DONE = b"data: [DONE]\n\n"
 _UNKNOWN = ("", "", "")
 _std_dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
@@ -114,7 +120,7 @@ class _Entry:
     """What the access-log line of one request says, and what the gateway has recorded of it."""
 
     __slots__ = ("t0", "path", "rid", "model", "stream", "flow", "r", "status", "outcome", "reason", "usage",
-                 "events", "counted", "writing", "stalled", "timer", "error_status", "joining")
+                 "events", "counted", "writing", "stalled", "timer", "error_status", "joining", "waited")
 
     def __init__(self, t0: float, path: str, rid: str) -> None:
         self.t0 = t0
@@ -135,10 +141,21 @@ class _Entry:
         self.timer: asyncio.TimerHandle | None = None
         self.error_status: int | None = None
         self.joining = False  # it joins a running request of the same Idempotency-Key
+        self.waited: float | None = None  # seconds in the queue, as its answer's X-SFQ-Queue-Wait said
 
     def admitted(self, r: Request) -> None:
         self.r = r
         self.counted = True
+
+    def queue_wait(self, now: float) -> float:
+        """Seconds its request waited in the queue: from its admission to the start of its
+        current (or last) attempt; to ``now`` (the engine's clock) when it has not started; 0
+        when it was never admitted (refused before the queue, or joined a running request)."""
+        r = self.r
+        if r is None:
+            return 0.0
+        start = r.started_at
+        return max(0.0, (start if start is not None else now) - r.arrival)
 
 
 class Gateway:
@@ -513,7 +530,7 @@ class Gateway:
             self._joined(e)
         e.usage = reply.get("usage") if isinstance(reply, dict) else None
         e.status = 200
-        return _json(200, reply, self._headers(e.rid))
+        return _json(200, reply, {**self._headers(e.rid), **self._waited(e)})
 
     async def _read(self, request: web.Request, payload: Any, unread: bool, e: _Entry) -> bytes:
         """The body, at most the read cap, within the body deadline (``_TooLarge``,
@@ -644,7 +661,7 @@ class Gateway:
                 return self._failed(e, exc)
             except OverflowError as exc:
                 return self._overflow(e, exc)
-            resp = web.StreamResponse(status=200, headers={**_SSE_HEADERS, "x-request-id": e.rid})
+            resp = web.StreamResponse(status=200, headers={**_SSE_HEADERS, "x-request-id": e.rid, **self._waited(e)})
             await resp.prepare(request)
             e.status = 200
             if deadline is not None:  # a client that stops reading is ended at its deadline, not left to hold a slot
@@ -765,10 +782,19 @@ class Gateway:
                 return f"'{name}' must be an integer from 1 to {most}, got {_short(v)}"
         return None
 
+    def _waited(self, e: _Entry) -> dict[str, str]:
+        """The answer's ``X-SFQ-Queue-Wait`` (whole milliseconds); the seconds are kept for the
+        access log, which says the same number."""
+        w = e.waited = e.queue_wait(self.pd.engine.clock())
+        return {QUEUE_WAIT_HEADER: str(round(w * 1000.0))}
+
     def _refuse(self, e: _Entry, err: HTTPError, extra: Mapping[str, str] | None = None) -> web.Response:
         e.status = err.status
         e.reason = e.reason or err.code
-        return self._error(err, e.rid, extra)
+        h = self._waited(e)
+        if extra:
+            h.update(extra)
+        return self._error(err, e.rid, h)
 
     def _log(self, e: _Entry, now: float) -> None:
         if not access.isEnabledFor(logging.INFO):
@@ -779,6 +805,7 @@ class Gateway:
         outcome = e.outcome
         reason = e.reason
         wait = None
+        queue_wait = e.waited if e.waited is not None else e.queue_wait(self.pd.engine.clock())
         charged = 0.0
         backend = None
         tries = 0
@@ -795,7 +822,8 @@ class Gateway:
         u = e.usage if isinstance(e.usage, dict) else {}
         line = {"ts": round(time.time(), 3), "request_id": e.rid, "path": e.path, "status": e.status, "org": org,
                 "class": cls, "pool": pool, "model": e.model if isinstance(e.model, str) else None,
-                "stream": e.stream, "outcome": outcome, "reason": reason, "wait": wait, "tries": tries,
+                "stream": e.stream, "outcome": outcome, "reason": reason, "wait": wait,
+                "queue_wait": round(queue_wait, 6), "tries": tries,
                 "backend": backend, "cost_charged": charged, "prompt_tokens": u.get("prompt_tokens"),
                 "completion_tokens": u.get("completion_tokens"), "duration": round(now - e.t0, 6)}
         if e.stream:

@@ -1,6 +1,7 @@
 """``GET /dashboard``: one self-contained HTML page (``dashboard.html``, shipped as package
 data) that polls ``/stats`` and draws each pool's shares against the shares its weights
-promise, its queue and its waits (docs/gateway.md, "Seeing fairness").
+promise, its requests waiting and in flight, its waits, and its orgs and classes with their
+weights (docs/gateway.md, "Seeing fairness").
 
 The page is static: it holds no figure, no key and no name of the gateway's; everything it
 shows it reads from ``/stats`` in the browser and puts on the page as text. It is sent with a

@@ -3,7 +3,9 @@
 One pool at a time: its orgs (largest share first) with their weight, share of the pool's
 served cost against the share their weights promise, requests waiting and in flight, the
 oldest wait and the p99 wait, over the gateway's window (``metrics.window_seconds``); above
-them the pool's Jain index and queue. Keys: ``1``-``9`` pick a pool, Tab (or ``n``) the next
+them the pool's Jain index and queue; below them its classes, with their weight (a flow's
+weight is its org's times its class's), requests waiting and in flight, deadline misses
+(``sfq_deadline_missed_total``) and requests by outcome. Keys: ``1``-``9`` pick a pool, Tab (or ``n``) the next
 one, ``q`` quits. ``--once`` prints one frame and exits (scripts, tests).
 
 A gateway that cannot be reached, or answers anything but ``/stats``' JSON, is an error
@@ -139,6 +141,23 @@ def render(stats: Mapping[str, Any], pool: str | None = None, *, url: str = "", 
                       _pct(expected), _int(o.get("waiting")), _int(o.get("in_flight")),
                       _secs(o.get("oldest_wait_seconds")), _secs(o.get("wait_p99")))
     parts.append(table)
+    classes: Mapping[str, Any] = p.get("classes") or {}
+    if classes:
+        ct = Table(expand=False, pad_edge=False, box=None, header_style="bold")
+        for col in ("class", "weight", "waiting", "in flight", "deadline missed", "completed", "failed", "refused"):
+            ct.add_column(col, justify="left" if col == "class" else "right", no_wrap=True, overflow="ellipsis",
+                          max_width=32 if col == "class" else None)
+        for name in sorted(classes):
+            c = classes[name] or {}
+            r = c.get("requests") or {}
+            w = _num(c.get("weight"))
+            missed = _num(c.get("deadline_missed"))
+            ct.add_row(Text(name), "strict" if c.get("strict") else "-" if w is None else f"{w:g}",
+                       _int(c.get("waiting")), _int(c.get("in_flight")),
+                       Text(_int(missed), style="red" if missed else ""), _int(r.get("completed")),
+                       _int(r.get("failed")), _int(r.get("refused")))
+        parts.append(Text(""))
+        parts.append(ct)
     keys = Text("pools: ", style="dim")
     for i, n in enumerate(names):
         keys.append(f"[{i + 1}] " if i < 9 else "", style="dim")
