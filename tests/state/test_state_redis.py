@@ -549,3 +549,54 @@ async def test_alone_a_caller_that_leaves_frees_its_place_and_its_slot(prefix: s
         up.release()
         assert (await asyncio.wait_for(pd.submit("kb", body), LIMIT))["choices"]
         assert pd.state.stats()["holding"] == 0
+
+
+async def test_a_teams_max_users_counts_its_live_users_over_every_gateway(redis_server: RedisServer, prefix: str):
+    """``max_users`` (nested shares) is the team's over the fleet: a user live at one gateway
+    is live at all (its requests at another are admitted), a new user beyond the bound is
+    refused wherever it arrives (429 ``too_many_users``), and a user whose last request ends
+    at every gateway frees its place."""
+    pol = _policy(redis_server.url, prefix, orgs="""  acme:
+    classes: [batch]
+    users: equal
+    teams:
+      research: {keys: [kr], max_users: 2}
+""")
+    one, two = RedisState(pol.state, pol), RedisState(pol.state, pol)
+    await one.start()
+    await two.start()
+    try:
+        def flow(user: str) -> Flow:
+            return Flow("acme", "batch", "p", "research", user)
+
+        t1 = await one.admit(flow("ana"))
+        r1 = _req(flow("ana"))
+        one.bind(t1, r1)
+        t2 = await two.admit(flow("bo"))
+        r2 = _req(flow("bo"))
+        two.bind(t2, r2)
+        t3 = await two.admit(flow("ana"))  # live at the other gateway: admitted here too
+        r3 = _req(flow("ana"))
+        two.bind(t3, r3)
+        for st in (one, two):
+            with pytest.raises(Refused) as ei:
+                await st.admit(flow("cy"))
+            assert ei.value.reason == "too_many_users" and "all gateways together" in str(ei.value)
+        one.ended(r1)  # ana is still live at gateway two
+        with pytest.raises(Refused):
+            await one.admit(flow("cy"))
+        two.ended(r3)  # ana's last request: her place frees
+        for _ in range(50):
+            await asyncio.sleep(0.02)
+            try:
+                t4 = await one.admit(flow("cy"))
+                break
+            except Refused:
+                continue
+        else:
+            pytest.fail("ana's place never freed")
+        assert t4 is not None and t4.user is not None
+        one.drop(t4)
+    finally:
+        await one.close()
+        await two.close()

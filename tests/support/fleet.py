@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import tempfile
 import threading
 import time
@@ -345,6 +346,8 @@ def run_scenario(sc: Scenario, *, redis: RedisServer | None = None, workdir: Pat
             asyncio.run(run_workload(urls, orgs, sc.warmup + sc.seconds, fleet.log, result=res))
             if sc.uses_redis and sc.redis_outage is None and sc.gateway_kill is None:
                 seen["round_trips"] = sum(g.round_trips() for g in gws) - trips0
+                if os.environ.get("SFQ_FLEET_TRIPS"):  # (where the round trips go, by script and gateway)
+                    print([g.state_stats().get("round_trips_by_script") for g in gws], flush=True)
         finally:
             for t in faults:
                 t.cancel()

@@ -115,11 +115,17 @@ class Gateway:
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read() or b"{}")
 
-    def round_trips(self) -> int:
-        """The Redis round trips this gateway made so far (``/stats``; 0 in memory or unreachable)."""
+    def state_stats(self) -> dict[str, Any]:
         try:
-            with urllib.request.urlopen(self.url + "/stats", timeout=LIMIT) as r:
-                st = json.loads(r.read()).get("state") or {}
+            return dict(self.health()[1].get("state") or {})
+        except (OSError, ValueError):
+            return {}
+
+    def round_trips(self) -> int:
+        """The Redis round trips this gateway made so far (``/health``'s state; 0 in memory or
+        unreachable)."""
+        try:
+            st = self.health()[1].get("state") or {}
         except (OSError, ValueError):
             return 0
         return int(st.get("round_trips", 0))

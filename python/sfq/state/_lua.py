@@ -17,18 +17,20 @@ that must outlive any one gateway. Keys (``P`` = the prefix):
   backends it may use, its slot groups, waiting place and retry-budget key), ``P cexp``
   sorted set: every candidate's expiry (renewed by its gateway); ``P seq``: their order of
   arrival.
-* ``P ev`` list: what happened since the decider last looked (JSON events: ``c`` a candidate,
-  ``s`` one started at once, ``p`` a new price, ``w`` a withdrawal, ``a`` a correction of a
-  running attempt's charge, ``r`` a release, ``u`` a running attempt put back).
+* ``P ev`` sorted set: the events the decider may not have yet, scored by their order (``P
+  evq``), also published to it (JSON events: ``c`` a candidate, ``s`` one started at once,
+  ``p`` a new price, ``w`` a withdrawal, ``a`` a correction of a running attempt's charge,
+  ``r`` a release, ``u`` a running attempt put back; each with its order ``q``).
 * ``P run`` hash member -> a running attempt (its pool, flow and backend): what a new decider
   adopts. ``P lead``: the decider's id (expires unless renewed). ``P grant:<gateway>`` hash
   member -> the grant (backend, leases) until the gateway's next round trip takes it.
 * ``P queue:<pool>:<class>`` sorted set: the class's waiting requests (max_queue_length),
-  each member ending with a tab and its org.
+  each member ending with a tab and its org. ``P users:<org><TAB><team>`` sorted set: the
+  team's (or org's) live users (max_users), ``<user><TAB><gateway>`` per gateway holding one.
 * ``P rb:first|retry:<flow>`` sorted sets: the flow's first attempts and retries over the
   last minute; ``P rb:out:<flow>``: its retries waiting or running (leases): the retry budget.
-* ``P wake``: the pub/sub channel: ``e`` (events for the decider), ``g:<gateway>`` and the
-  grants (JSON) after a newline; ``P evict``: the channel that names a waiting place taken
+* ``P wake``: the pub/sub channel: ``e`` and the events (JSON) after a newline, for the
+  decider; ``g:<gateway>`` and the grants (JSON) after a newline; ``P evict``: the channel that names a waiting place taken
   from the org holding the most (``ADMIT``).
 * ``P gw`` sorted set: the live gateways (their ids, scored by the expiry of their last
   renewal): how many share each limit, and each one's rank, for the slices a gateway keeps
@@ -79,10 +81,26 @@ end
 #: holding fewer; an org that already holds the most is refused. A place's member ends with a
 #: tab and its org; the place taken from another org is published on ``P evict`` (its gateway ends
 #: that request as refused, ``queue_full``).
-#: {m, o (the org), lease, q: [key, max] | null, org: [key, cap, rate] | null}
+#: A nested flow's user (``u``) is live at a gateway while a request of it waits or runs there
+#: (``P users:<org><TAB><team>``: members ``<user><TAB><gateway>``, leases); a user live at no
+#: gateway is refused (``too_many_users``) when its team already has ``max_users`` live.
+#: {m, o (the org), lease, q: [key, max] | null, org: [key, cap, rate] | null,
+#:  u: [key, user member, max_users] | null}
 #: -> {1, the member evicted or ''} | {0, reason, wait}
 ADMIT = _COMMON + r"""
 local has_q = A.q ~= cjson.null and A.q ~= nil
+local has_u = A.u ~= cjson.null and A.u ~= nil
+if has_u then  -- a user not live at any gateway needs room among its team's max_users
+  redis.call('ZREMRANGEBYSCORE', A.u[1], '-inf', NOW)
+  local seen, n, mine = {}, 0, false
+  local u0 = string.match(A.u[2], '^(.*)\t[^\t]*$')
+  for _, x in ipairs(redis.call('ZRANGE', A.u[1], 0, -1)) do
+    local u = string.match(x, '^(.*)\t[^\t]*$') or x
+    if u == u0 then mine = true end
+    if not seen[u] then seen[u], n = true, n + 1 end
+  end
+  if not mine and n >= A.u[3] then return {0, 'too_many_users', '1'} end
+end
 local evict = ''
 if has_q and count(A.q[1]) >= A.q[2] then
   local all = redis.call('ZRANGE', A.q[1], 0, -1, 'WITHSCORES')
@@ -113,6 +131,10 @@ end
 if has_q then
   redis.call('ZADD', A.q[1], NOW + A.lease, A.m)
 end
+if has_u then
+  redis.call('ZADD', A.u[1], NOW + A.lease, A.u[2])
+  redis.call('PEXPIRE', A.u[1], math.ceil(A.lease * 3000))
+end
 return {1, evict}
 """
 
@@ -126,8 +148,8 @@ return {1, evict}
 #: only the decider keeps), on the least-loaded backend it may use, as one engine starts an
 #: uncontended request (``start_alone``); the decider is told (``s``) and charges it. Others
 #: join ``P cand:<pool>`` (and ``P cexp``, renewed by their gateway). A gateway that finds no
-#: decider becomes it (``P lead``, expiring unless the decider renews it). ``P wake`` ``e``:
-#: events wait for the decider.
+#: decider becomes it (``P lead``, expiring unless the decider renews it). The events are
+#: published to the decider (``P wake``, ``e``) and kept in ``P ev`` until it has them.
 #: {gw, lease, ttl, pool, pool_lim (-1: none), fast, c: [{m, pool, flow: [...], cost, tokens, guess,
 #:  strict, backends: [names], lims: [their max_in_flight], groups: [[lease key, limit], ...],
 #:  q: [key, member] | null, first: key | null}, ...], p: [[m, cost, guess]], w: [m, ...],
@@ -137,10 +159,12 @@ return {1, evict}
 OFFER = _COMMON + r"""
 local cand, cexp, ev = P .. 'cand:' .. A.pool, P .. 'cexp', P .. 'ev'
 local function has(x) return x ~= nil and x ~= cjson.null end
-local n = 0
+local evs = {}
 local function push(e)
-  redis.call('RPUSH', ev, cjson.encode(e))
-  n = n + 1
+  e.q = redis.call('INCR', P .. 'evq')
+  local j = cjson.encode(e)
+  redis.call('ZADD', ev, e.q, j)
+  evs[#evs + 1] = j
 end
 for _, x in ipairs(A.a or {}) do push({t = 'a', m = x[1], d = x[2]}) end
 for _, r in ipairs(A.rel or {}) do
@@ -217,7 +241,9 @@ elseif lead == '' then
   redis.call('SET', lk, A.gw, 'PX', math.ceil(A.ttl * 1000))
   lead, became = A.gw, true
 end
-if n > 0 and lead ~= A.gw then redis.call('PUBLISH', P .. 'wake', 'e') end
+-- the events go to the decider in the message too: it decides without a round trip to fetch them
+-- (``P ev`` keeps them until it has them all, for a message lost)
+if #evs > 0 then redis.call('PUBLISH', P .. 'wake', 'e\n[' .. table.concat(evs, ',') .. ']') end
 local gk = P .. 'grant:' .. A.gw
 local got = redis.call('HGETALL', gk)
 if #got > 0 then
@@ -237,12 +263,14 @@ return cjson.encode({lead = lead, became = became, g = g, lost = lost, seen = se
 #: waiting place freed, its first attempt counted in its flow's retry budget, ``P run`` told,
 #: ``P grant:<gw>`` for its gateway, and on ``P wake`` ``g:<gw>`` followed by the grants, so that
 #: the gateway needs no round trip to learn them; the others ``gone``: they left meanwhile), then
-#: what happened since (``P ev``, taken). ``init``: a decider that starts (or starts again)
-#: takes every candidate and running attempt instead of the events; ``live``: the live
-#: candidates and running attempts too (a gateway that died stops renewing them).
-#: {gw, lease, ttl, init, live, pools: [names], g: [[m, backend, pool], ...]}
+#: the events after ``upto`` (those the decider did not get in messages: ``P ev``, scored by
+#: their order ``P evq``; those up to ``upto`` are dropped). ``init``: a decider that starts (or
+#: starts again) takes every candidate and running attempt instead, and the order number they
+#: are up to (``q``); ``live``: the live candidates and running attempts too (a gateway that
+#: died stops renewing them).
+#: {gw, lease, ttl, init, live, upto, pools: [names], g: [[m, backend, pool], ...]}
 #: -> JSON {ok: false, lead} | {ok: true, gone: [m], ev: [event JSON], cand: [candidate JSON],
-#:          run: [[m, run JSON]], lc: [live candidates], lr: [live running]}
+#:          run: [[m, run JSON]], lc: [live candidates], lr: [live running], q}
 DECIDE = _COMMON + r"""
 local lk = P .. 'lead'
 local lead = redis.call('GET', lk)
@@ -282,7 +310,7 @@ for _, x in ipairs(A.g or {}) do
   end
 end
 for o, gs in pairs(owners) do redis.call('PUBLISH', P .. 'wake', 'g:' .. o .. '\n' .. cjson.encode(gs)) end
-local out = {ok = true, gone = gone, ev = {}, cand = {}, run = {}, lc = {}, lr = {}}
+local out = {ok = true, gone = gone, ev = {}, cand = {}, run = {}, lc = {}, lr = {}, q = 0}
 if A.init or A.live then
   -- candidates whose gateway stopped renewing them leave; so do attempts whose leases expired
   local stale = redis.call('ZRANGEBYSCORE', cexp, '-inf', NOW)
@@ -307,14 +335,16 @@ if A.init or A.live then
   end
   out.lc = redis.call('ZRANGE', cexp, 0, -1)
 end
-if A.init then
-  redis.call('DEL', P .. 'ev')
+if A.init then  -- the events so far are in the candidates and attempts taken now
+  out.q = tonumber(redis.call('GET', P .. 'evq') or '0')
+  redis.call('ZREMRANGEBYSCORE', P .. 'ev', '-inf', out.q)
   for _, p in ipairs(A.pools) do
     for _, c in ipairs(redis.call('HVALS', P .. 'cand:' .. p)) do out.cand[#out.cand + 1] = c end
   end
 else
-  out.ev = redis.call('LRANGE', P .. 'ev', 0, -1)
-  redis.call('DEL', P .. 'ev')
+  -- the decider has every event up to A.upto (from the messages): those after, it has not
+  redis.call('ZREMRANGEBYSCORE', P .. 'ev', '-inf', A.upto)
+  out.ev = redis.call('ZRANGEBYSCORE', P .. 'ev', '(' .. A.upto, '+inf')
 end
 return cjson.encode(out)
 """
@@ -361,7 +391,8 @@ for i, it in ipairs(A.items) do
 end
 for _, x in ipairs(A.runs or {}) do  -- (with add) the attempts running: the decider adopts them
   if redis.call('HSETNX', P .. 'run', x[1], x[2]) == 1 then
-    redis.call('RPUSH', P .. 'ev', cjson.encode({t = 'u', m = x[1], run = x[2]}))
+    local q = redis.call('INCR', P .. 'evq')
+    redis.call('ZADD', P .. 'ev', q, cjson.encode({t = 'u', m = x[1], run = x[2], q = q}))
   end
 end
 return out

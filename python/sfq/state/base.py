@@ -55,12 +55,13 @@ class Ticket:
     """A request admitted by the shared state, before the engine has queued it: ``member`` is
     its name in the shared state."""
 
-    __slots__ = ("member", "flow", "queued")
+    __slots__ = ("member", "flow", "queued", "user")
 
-    def __init__(self, member: str, flow: Flow, queued: bool) -> None:
+    def __init__(self, member: str, flow: Flow, queued: bool, user: tuple[str, str] | None = None) -> None:
         self.member = member
         self.flow = flow
         self.queued = queued  # holds a waiting place (its class has a max_queue_length)
+        self.user = user  # its user's place among its team's live users (max_users): (key, member)
 
 
 class SharedState:

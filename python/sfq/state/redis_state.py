@@ -67,7 +67,7 @@ log = logging.getLogger("sfq.state")
 
 #: seconds between a waiting candidate's gateway's looks for its grant when no message comes
 #: (the decider publishes each grant; this bounds a lost message, or a decider that died)
-GRANT_POLL = 0.2
+GRANT_POLL = 0.5
 #: round trips in flight at once per pool (a new candidate need not wait for a release's)
 MAX_CALLS = 2
 #: seconds the decider's role lasts unless it renews it (each of its round trips does; at most
@@ -82,7 +82,10 @@ LIVE_EVERY = 1.0
 #: seconds between probes while Redis cannot be reached
 PROBE = 0.25
 #: seconds a correction of a meter (a stream's delivered tokens) waits for a round trip to ride on
-ADJUST_DELAY = 0.05
+ADJUST_DELAY = 0.2
+#: seconds a release waits for company (the next candidate of the same client, usually) before
+#: its own round trip
+RELEASE_DELAY = 0.002
 #: seconds a gateway back from going on alone waits, granting nothing, for the others it shared
 #: the slices with to be back too (each puts back what it holds before it says so)
 REJOIN_WAIT = 2.0
@@ -182,6 +185,7 @@ class RedisState(SharedState):
         self._decided: list[tuple[str, str, str]] = []  # (member, backend, pool)
         self._lead_evt: asyncio.Event | None = None
         self._live_at = -math.inf
+        self._applied_q = 0  # the order number of the last event the decider applied
         self.decisions = 0  # grants this gateway decided as the decider
         self._ttl = min(LEAD_TTL, self.lease)  # (a dead decider is replaced no later than its leases expire)
         #: the delivered-service modes: a flow's running work keeps its meter (a flow lease)
@@ -193,6 +197,9 @@ class RedisState(SharedState):
         self.estimator: CostEstimator | None = None
         self._queued: dict[int, tuple[str, str]] = {}  # request id -> (queue key, member)
         self._retrying: dict[int, tuple[str, str]] = {}  # request id -> (outstanding retries key, member)
+        #: (live users key, user member) -> this gateway's live requests of that user (max_users)
+        self._users: dict[tuple[str, str], int] = {}
+        self._user_req: dict[int, tuple[str, str]] = {}  # request id -> its user's (key, member)
         self._spending: dict[str, tuple[list[str], str]] = {}  # member -> (spend keys, member): reservations held
         self._unsettled: list[dict[str, Any]] = []  # settlements Redis did not take yet (sent again on renewal)
         self._budgeted = policy.retry.max_attempts > 1 and policy.retry.budget_per_flow_percent < 100
@@ -204,6 +211,7 @@ class RedisState(SharedState):
         self._closed = False
         self._refusing = False
         self.round_trips = 0
+        self.trips_by: dict[str, int] = {}  # script -> round trips
         #: the live gateways (ids, sorted) as Redis last named them: the slices kept without it
         self._gateways: list[str] = []
         #: degraded (Redis lost, ``on_loss: local``): each pool's local order, and the local
@@ -329,11 +337,16 @@ class RedisState(SharedState):
 
     # ------------------------------------------------------------ Redis calls
     async def _call(self, name: str, payload: dict[str, Any]) -> list[Any]:
+        res = await self._raw(name, payload)
+        return [x.decode() if isinstance(x, bytes) else x for x in res]
+
+    async def _raw(self, name: str, payload: dict[str, Any]) -> Any:
         if self._client is None:
             raise StateUnavailable("not started")
         self.round_trips += 1
+        self.trips_by[name] = self.trips_by.get(name, 0) + 1
         try:
-            res = await asyncio.wait_for(
+            return await asyncio.wait_for(
                 self._scripts[name](args=[self.prefix, json.dumps(payload, separators=(",", ":"))]),
                 self.timeout)
         except asyncio.TimeoutError:
@@ -349,31 +362,11 @@ class RedisState(SharedState):
                 self._go_down(f"Redis {self.spec.redis} answered an error: {exc}")
                 raise StateUnavailable(str(exc)) from None
             raise
-        return [x.decode() if isinstance(x, bytes) else x for x in res]
 
     async def _call_json(self, name: str, payload: dict[str, Any]) -> dict[str, Any]:
         """A script that answers one JSON object (Lua's cjson writes an empty list as ``{}``:
         :func:`_list` reads either)."""
-        if self._client is None:
-            raise StateUnavailable("not started")
-        self.round_trips += 1
-        try:
-            res = await asyncio.wait_for(
-                self._scripts[name](args=[self.prefix, json.dumps(payload, separators=(",", ":"))]),
-                self.timeout)
-        except asyncio.TimeoutError:
-            self._go_down(f"Redis {self.spec.redis} did not answer within {self.timeout:g} s")
-            raise StateUnavailable(f"no answer within {self.timeout:g} s") from None
-        except (OSError, Exception) as exc:
-            import redis.exceptions as rexc
-
-            if isinstance(exc, (OSError, rexc.ConnectionError, rexc.TimeoutError)):
-                self._go_down(f"Redis {self.spec.redis} cannot be reached: {exc}")
-                raise StateUnavailable(str(exc)) from None
-            if isinstance(exc, rexc.RedisError):
-                self._go_down(f"Redis {self.spec.redis} answered an error: {exc}")
-                raise StateUnavailable(str(exc)) from None
-            raise
+        res = await self._raw(name, payload)
         out: dict[str, Any] = json.loads(res)
         return out
 
@@ -498,8 +491,19 @@ class RedisState(SharedState):
     def _wakeup(self, text: str) -> None:
         """A message on ``P wake``: ``e`` (events for the decider), ``g:<gateway>`` (grants for
         that gateway, taken by its next round trip)."""
-        if text == "e":
-            if self._leading and self._lead_evt is not None:
+        if text.startswith("e\n"):  # events for the decider, in order: it decides at once
+            if not self._leading or self._lead_evt is None:
+                return
+            if self._lead is None:
+                self._lead_evt.set()
+                return
+            try:
+                evs = json.loads(text[2:])
+            except ValueError:
+                evs = []
+            gap = self._take_events(self._lead, [e for e in _list(evs) if isinstance(e, dict)])
+            self._decide_now(self._lead)
+            if gap:  # (a message lost: the next round trip fetches what is missing)
                 self._lead_evt.set()
         elif text.startswith("g:" + self.gateway_id + "\n"):  # the grants themselves: no round trip
             try:
@@ -519,6 +523,7 @@ class RedisState(SharedState):
             elif a.registered and a.known:
                 items.append([f"{p}cexp", a.member])
         items.extend([k, m] for k, m in self._queued.values())
+        items.extend([k, m] for k, m in self._users)
         items.extend([k, m] for k, m in self._retrying.values())
         items.extend([f"{k}:res", m] for ks, m in self._spending.values() for k in ks)
         return items
@@ -624,16 +629,26 @@ class RedisState(SharedState):
         rate = None
         if org.requests_per_minute is not None:
             rate = [f"{self.prefix}bucket:org:{flow.org}", org.requests_per_minute, org.requests_per_minute / 60.0]
-        if q is None and rate is None:
+        u = self._user_of(flow)
+        if q is None and rate is None and u is None:
             return None
         try:
-            res = await self._call("ADMIT", {"m": member, "o": flow.org, "lease": self.lease, "q": q, "org": rate})
+            res = await self._call("ADMIT", {"m": member, "o": flow.org, "lease": self.lease, "q": q, "org": rate,
+                                             "u": None if u is None else list(u)})
         except StateUnavailable:
             raise self._unavailable() from None
         if res[0] == 1:
             if len(res) > 1 and res[1]:  # a place taken from the org holding the most
                 self._evicted(str(res[1]))
-            return Ticket(member, flow, q is not None)
+            user = None if u is None else (u[0], u[1])
+            self._user_live(user, 1)
+            return Ticket(member, flow, q is not None, user)
+        if res[1] == "too_many_users":
+            assert u is not None
+            where = f"team {flow.team!r} of org {flow.org!r}" if flow.team is not None else f"org {flow.org!r}"
+            raise Refused("too_many_users", f"{where} already has {u[2]} users with requests waiting or running "
+                                            "(max_users, all gateways together); this user's request is refused "
+                                            "until one of them is done", retry_after=float(res[2]))
         if res[1] == "rate_limited":
             raise Refused("rate_limited", f"org {flow.org!r} is over its requests_per_minute "
                                           f"({org.requests_per_minute:g}, all gateways together)",
@@ -643,12 +658,42 @@ class RedisState(SharedState):
                                     f"{flow.org!r} holds the most of them",
                       retry_after=float(res[2]))
 
+    def _user_of(self, flow: Flow) -> tuple[str, str, int] | None:
+        """A nested flow's user's place among its team's (or org's) live users over every
+        gateway: ``(key, member, max_users)``; ``None`` for a flow without a user."""
+        if len(flow) <= 3 or flow.user is None:
+            return None
+        org = self._org(flow.org)
+        most = org.teams[flow.team].max_users if flow.team is not None else org.max_users
+        return (f"{self.prefix}users:{flow.org}\t{flow.team or ''}", f"{flow.user}\t{self.gateway_id}", int(most))
+
+    def _user_live(self, user: tuple[str, str] | None, n: int) -> None:
+        """This gateway's live requests of a user, counted: its place (a lease, renewed) is
+        given back when the last one ends."""
+        if user is None:
+            return
+        k = self._users.get(user, 0) + n
+        if k > 0:
+            self._users[user] = k
+            return
+        self._users.pop(user, None)
+        if self._connected:
+            self._spawn(self._withdraw(list(user)))
+
     def _admit_alone(self, flow: Flow) -> Ticket | None:
-        """:meth:`admit` while Redis is lost: the org's rate and the class's waiting places
-        within this gateway's slices of them."""
+        """:meth:`admit` while Redis is lost: the org's rate, the class's waiting places and
+        the team's live users within this gateway's slices of them."""
         cls = self.policy.classes[flow.cls]
         org = self._org(flow.org)
         sl = self._slices()
+        u = self._user_of(flow)
+        if u is not None and (u[0], u[1]) not in self._users:
+            mine = sl.count(u[2])
+            if sum(1 for k, _ in self._users if k == u[0]) >= mine:
+                where = f"team {flow.team!r} of org {flow.org!r}" if flow.team is not None else f"org {flow.org!r}"
+                raise Refused("too_many_users", f"{where} already has {mine} users with requests waiting or running "
+                                                f"at this gateway, its part of max_users ({u[2]}) while the gateways' "
+                                                "shared state cannot be reached", retry_after=1.0)
         q = None
         if cls.max_queue_length is not None:
             q = f"{self.prefix}queue:{flow.pool}:{flow.cls}"
@@ -666,9 +711,11 @@ class RedisState(SharedState):
                                               f"({org.requests_per_minute:g}, all gateways together; this gateway's "
                                               "part while the shared state cannot be reached)",
                               retry_after=max(b.wait(1, now), 0.001))
-        if q is None:
+        user = None if u is None else (u[0], u[1])
+        if q is None and user is None:
             return None
-        return Ticket(f"{self.gateway_id}:t{next(self._tickets)}\t{flow.org}", flow, True)
+        self._user_live(user, 1)
+        return Ticket(f"{self.gateway_id}:t{next(self._tickets)}\t{flow.org}", flow, q is not None, user)
 
     def _bucket(self, name: str, per_minute: float) -> TokenBucket:
         """This gateway's part of a global bucket while Redis is lost (full when first needed)."""
@@ -698,8 +745,12 @@ class RedisState(SharedState):
     def bind(self, ticket: Ticket | None, r: Request) -> None:
         if ticket is not None and ticket.queued:
             self._queued[r.id] = (f"{self.prefix}queue:{r.flow.pool}:{r.flow.cls}", ticket.member)
+        if ticket is not None and ticket.user is not None:
+            self._user_req[r.id] = ticket.user
 
     def drop(self, ticket: Ticket | None) -> None:
+        if ticket is not None:
+            self._user_live(ticket.user, -1)
         if ticket is not None and ticket.queued and self._connected:
             self._spawn(self._withdraw([f"{self.prefix}queue:{ticket.flow.pool}:{ticket.flow.cls}", ticket.member]))
 
@@ -852,7 +903,7 @@ class RedisState(SharedState):
                 if not self._leading:
                     log.info("this gateway decides the fleet's order now")
                 self._leading = True
-                if self._lead_evt is not None and (new or prices or w or adj or rel or res.get("became")):
+                if self._lead_evt is not None and self._lead is None:  # (it starts: from what Redis holds)
                     self._lead_evt.set()
             elif self._leading:  # another gateway took the role over (this one was too slow to renew it)
                 self._leading = False
@@ -919,9 +970,12 @@ class RedisState(SharedState):
         now = self.clock()
         live = init or now - self._live_at >= LIVE_EVERY
         grants, self._decided = self._decided, []
+        mark = self._applied_q
         res = await self._call_json("DECIDE", {"gw": self.gateway_id, "lease": self.lease, "ttl": self._ttl,
                                                "init": init, "live": live, "pools": list(self.policy.pools),
-                                               "g": [list(x) for x in grants]})
+                                               "upto": mark, "g": [list(x) for x in grants]})
+        # events a message brought while the call was out are newer than what it saw alive
+        live = live and self._applied_q == mark and not self._decided
         if not res.get("ok"):
             log.info("another gateway decides the fleet's order now (%s)", res.get("lead") or "none")
             self._leading = False
@@ -933,6 +987,7 @@ class RedisState(SharedState):
         lead = self._lead
         if lead is None:
             lead = self._lead = Alone.fleet(self.policy, clock=self.clock, estimator=self.estimator)
+            self._applied_q = int(res.get("q") or 0)
             for m, run in _list(res.get("run")):
                 x = json.loads(run)
                 if x.get("pool") in self.policy.pools:
@@ -942,15 +997,33 @@ class RedisState(SharedState):
         else:
             for m in _list(res.get("gone")):
                 lead.undo(str(m))
-            for e in _list(res.get("ev")):
-                self._event(lead, json.loads(e))
+            self._take_events(lead, [json.loads(e) for e in _list(res.get("ev"))], fill=True)
         if live:
             waiting, running = lead.members()
             for m in waiting - set(_list(res.get("lc"))):
                 lead.remove(m)
             for m in running - set(_list(res.get("lr"))):
                 lead.done(m, None)
+        self._decide_now(lead)
+
+    def _take_events(self, lead: Alone, evs: list[dict[str, Any]], fill: bool = False) -> bool:
+        """Apply the events after the last applied, in their order; ``True`` when one is
+        missing (a message lost: those after it wait for the round trip that fetches it).
+        ``fill``: the events Redis kept (after a gap, nothing newer need wait for it)."""
+        for e in sorted(evs, key=lambda e: int(e.get("q", 0))):
+            q = int(e.get("q", 0))
+            if q <= self._applied_q:
+                continue
+            if q != self._applied_q + 1 and not fill:
+                return True
+            self._applied_q = q
+            self._event(lead, e)
+        return False
+
+    def _decide_now(self, lead: Alone) -> None:
+        """The next starts the decider's queues allow, for its next round trip to write."""
         wake = math.inf
+        n = len(self._decided)
         for pool in self.policy.pools:
             while True:
                 nxt = lead.next(pool)
@@ -960,14 +1033,11 @@ class RedisState(SharedState):
             w = lead.wake_at(pool)
             if w is not None:
                 wake = min(wake, w)
-        if self._decided:
-            assert self._lead_evt is not None
+        assert self._lead_evt is not None
+        if len(self._decided) > n:
             self._lead_evt.set()
         elif wake < math.inf:  # a bucket refills: look again then
-            loop = asyncio.get_running_loop()
-            evt = self._lead_evt
-            assert evt is not None
-            loop.call_later(max(wake - self.clock(), 0.001), evt.set)
+            asyncio.get_running_loop().call_later(max(wake - self.clock(), 0.001), self._lead_evt.set)
 
     def _stand_in(self, lead: Alone, c: dict[str, Any]) -> None:
         if c.get("pool") not in self.policy.pools:
@@ -1181,6 +1251,7 @@ class RedisState(SharedState):
         return True
 
     def ended(self, r: Request) -> None:
+        self._user_live(self._user_req.pop(r.id, None), -1)
         self._retry_over(r)
         q = self._queued.pop(r.id, None)
         if q is not None:
@@ -1222,7 +1293,8 @@ class RedisState(SharedState):
             return
         rel = {"m": a.member, "keys": a.keys, "tok": tok}
         self._releases.setdefault(a.pool, []).append(rel)
-        self._kick(a.pool)
+        # a closed-loop client's next request follows at once: one round trip carries both
+        self._arm(a.pool, RELEASE_DELAY)
 
     async def _withdraw(self, q: list[str]) -> None:
         """A waiting place (or an outstanding retry) given back."""
@@ -1318,6 +1390,7 @@ class RedisState(SharedState):
                 "gateway": self.gateway_id, "gateways": len(self._gateways), "on_loss": self.spec.on_loss,
                 "prefix": self.prefix, "lease_seconds": self.lease, "holding": sum(a.granted for a in self._att.values()),
                 "candidates": sum(not a.granted for a in self._att.values()), "round_trips": self.round_trips,
+                "round_trips_by_script": dict(self.trips_by),
                 "candidates_by_pool": {p: len(v) for p, v in self._pending.items()},
                 "decider": self._leading, "decisions": self.decisions}
 
