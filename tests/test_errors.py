@@ -29,6 +29,7 @@ def _instances() -> list[errors.SFQError]:
         errors.RequestTooLarge("the request needs about 9000 tokens"),
         errors.InvalidCost("cost must be a finite number > 0, got 0"),
         errors.InvalidCostType("cost must be a real number, got 'abc' of type str"),
+        errors.InvalidTimeout("timeout must be a finite number of seconds > 0, got 'abc'"),
         errors.DeadlineExceeded("the deadline ran out while it was running"),
         errors.NoHealthyBackend("no backend of pool 'p' was healthy"),
         errors.DispatcherClosed("this dispatcher is closed"),
