@@ -854,3 +854,58 @@ async def test_flows_served_once_cost_nothing_once_idle(fake: FakeServer) -> Non
         async with d.acquire("made-up-7", cost=5.0):  # a forgotten flow comes back as a fresh one
             pass
         assert d.flow_stats("made-up-7")["completed"] == 1
+
+
+async def test_orgs_of_the_template_served_once_cost_nothing_once_idle(fake: FakeServer) -> None:
+    """20,000 made-up orgs of a policy's ``org_template`` (with limits of their own), each
+    served once (a permit), then idle past the retry window and the metrics' share window: the
+    PolicyDispatcher forgets them (their specs, retry budgets, rate buckets, slots, counters
+    and series), measured with tracemalloc on an injected clock (it used to keep 33.6 MB)."""
+    now = [0.0]
+    policy = parse_policy(f"""\
+pools:
+  p: {{models: [m], backends: [{{url: "{fake.url}", name: {BACKEND}, max_in_flight: 4}}]}}
+classes:
+  batch: {{weight: 1}}
+orgs:
+  acme: {{classes: [batch]}}
+org_template: {{classes: [batch], requests_per_minute: 600, max_in_flight: 2}}
+""")
+    be = OpenAIBackend(fake.url, name=BACKEND, max_in_flight=4)
+    pd = sfq.PolicyDispatcher(policy, backends={BACKEND: be}, health=HEALTH, clock=lambda: now[0])
+    async with pd:
+        for i in range(100):
+            async with pd.acquire(sfq.Flow(f"warm-{i}", "batch", "p"), cost=5.0):
+                pass
+        async with pd.acquire(sfq.Flow("acme", "batch", "p"), cost=5.0):
+            pass
+        now[0] += 1000.0
+        pd.forget_idle()
+        lines0 = len(prometheus_client.generate_latest(pd.registry).splitlines())
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for i in range(20_000):
+                async with pd.acquire(sfq.Flow(f"made-up-{i}", "batch", "p"), cost=5.0):
+                    pass
+                now[0] += 0.001
+                if i % 5000 == 0:
+                    prometheus_client.generate_latest(pd.registry)  # (scraped meanwhile: labels given out)
+            assert len(pd.stats()["flows"]) == 20_001  # recent: kept
+            now[0] += 61.0  # idle past the retry window and the share window
+            assert pd.forget_idle() >= 60_000  # their specs, retry budgets and counters
+            gc.collect()
+            growth = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        print(f"\ntracemalloc growth for 20,000 template orgs served once, once idle: {growth} bytes")
+        assert list(pd.stats()["flows"]) == ["acme/batch/p"]  # the org the file names is kept
+        assert policy.made_orgs() == [] and pd.engine.org_rate == {} and pd.engine.shared.slots == {}
+        assert pd.engine.queues["p"].sched.known_flows == 0
+        assert len(prometheus_client.generate_latest(pd.registry).splitlines()) <= lines0
+        assert growth < 2 << 20
+        async with pd.acquire(sfq.Flow("made-up-7", "batch", "p"), cost=5.0):  # a fresh org again
+            pass
+        assert pd.stats()["flows"]["made-up-7/batch/p"]["completed"] == 1
+

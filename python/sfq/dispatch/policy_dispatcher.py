@@ -354,10 +354,16 @@ class PolicyDispatcher:
     def forget_idle(self) -> int:
         """Forget what is kept of flows with nothing waiting or running and no recent activity
         (``PolicyEngine.forget_idle``: their retry budgets after a minute; the core forgets a
-        meter once virtual time passes it); returns how many. Runs every ``FORGET_EVERY``
+        meter once virtual time passes it; of the orgs made from the policy's
+        ``org_template``, their specs, rate buckets and slots, and their counters and series
+        once idle for the metrics' window); returns how many. Runs every ``FORGET_EVERY``
         seconds by itself while the dispatcher is started; call it after moving an injected
         clock. Nothing a decision needs is lost: a forgotten flow is a fresh one."""
-        return self.engine.forget_idle()
+        n = self.engine.forget_idle()
+        p = self.policy
+        if p is not self.engine.policy and p.org_template is not None:  # (shared: the state's own copy)
+            n += p.forget_orgs({r.flow.org for r in self.engine.live.values()})
+        return n
 
     async def close(self) -> None:
         """Refuse new requests; end every waiting one as refused (``closed``); let the running

@@ -588,13 +588,39 @@ class PolicyEngine:
         """Forget what the engine keeps of flows with nothing waiting or running and no
         activity for a retry window (60 s): their retry budgets (a fresh flow's: nothing a
         decision needs is lost). The queues forget a flow's queue when it empties, and the
-        core its meter once ``v`` passes it. Returns how many flows were forgotten. A driver
+        core its meter once ``v`` passes it. Of the orgs made from the policy's
+        ``org_template`` (names an embedder made up, unbounded), with nothing live: their specs
+        (``Policy.forget_orgs``), their ``requests_per_minute`` buckets once full again, their
+        ``max_in_flight`` slots once free, and their metrics once idle for the share window
+        (``PolicyMetrics.forget_idle``): what a fresh org starts with, so nothing a decision
+        needs is lost. Returns how many flows (and template orgs) were forgotten. A driver
         calls it on a timer, so that an idle process holds nothing for flows seen once."""
         now = self.clock()
         self._allowed.clear()  # (a cache of the flows the policy allows)
         for q in self.queues.values():
             q.forget_starts(now)
-        return self.retry.sweep(now)
+        n = self.retry.sweep(now)
+        p = self.policy
+        if p.org_template is not None:
+            live = {r.flow.org for r in self.live.values()}
+            n += p.forget_orgs(live)
+            named = p.orgs
+            full = [o for o, b in self.org_rate.items() if o not in named and o not in live
+                    and b.available(now) >= b.capacity]
+            for o in full:
+                del self.org_rate[o]
+            if full:
+                self.org_rate = dict(self.org_rate)
+            slots = self.shared.slots
+            free = [g for g, sl in slots.items() if g[0] == "org" and g[1] not in named and g[1] not in live
+                    and not sl.used and not sl.full]
+            for g in free:
+                del slots[g]
+            if free:
+                self.shared.slots = dict(slots)
+        if isinstance(self.metrics, PolicyMetrics):
+            n += self.metrics.forget_idle()
+        return n
 
     def wake_at(self) -> float | None:
         """The clock time by which :meth:`poll` must run again even if nothing else happens."""

@@ -638,8 +638,12 @@ class PolicyQueue:
         if fq.named and fq.run:
             self._runs[f] = fq.run
         if fq.groups:
+            gm = self._group_members
             for g in fq.groups:
-                del self._group_members[g][f]
+                members = gm[g]
+                del members[f]
+                if not members:  # (an org of the template: its group goes with its last flow)
+                    del gm[g]
             self.sched.resume(f)
         if self._unnamed_weights and not fq.named:
             self._forget_weight(f)
@@ -670,6 +674,8 @@ class PolicyQueue:
             members = self._group_members.get(g)
             if members is not None:
                 members.pop(f, None)
+                if not members:
+                    del self._group_members[g]
         if self.sched.suspended(f):
             self.sched.resume(f)
         self.sched.release(f)
