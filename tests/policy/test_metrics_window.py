@@ -247,8 +247,8 @@ def test_idle_orgs_of_the_template_are_forgotten_and_other_stays_monotonic() -> 
     """Orgs made from the template (names an embedder made up) are forgotten once idle past
     the window (and a minute): an org under ``_other`` leaves its counts there (``_other``
     never goes down); a labelled one's series end, as a demoted org's do (nothing is counted
-    twice: ``increase()`` over every label stays exact); the orgs the file names, a flow with work live and a flow idle for less are kept; a
-    forgotten org that comes back is a new one."""
+    twice: ``increase()`` over every label stays exact); the orgs the file names, a flow with
+    work live and a flow idle for less are kept; a forgotten org that comes back is a new one."""
     clock = Clock()
     m = PolicyMetrics(clock=clock, window_seconds=10, max_org_series=3)
     m.policy = _template_policy()
