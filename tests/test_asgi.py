@@ -269,6 +269,56 @@ async def test_every_sfq_error_is_the_openai_answer(exc: sfq.SFQError, status: i
     assert direct.status_code == status and direct.headers.get("retry-after") == retry_after
 
 
+async def test_max_wait_and_a_bad_timeout_are_answered_the_openai_way(upstream: Any) -> None:
+    """Through ``sfq.asgi``: a request whose ``max_wait`` runs out while it waits its turn is
+    answered 504 (``queue_timeout``), a bad ``timeout=`` or ``max_wait=`` 400 (an sfq error,
+    not a plain ``ValueError`` answered 500), both by ``error_response_handler``. Injected
+    clock: no sleeps."""
+    now = [0.0]
+    policy = sfq.parse_policy(textwrap.dedent(f"""\
+        pools:
+          gpu: {{models: [m], backends: [{{url: "{upstream.url}", max_in_flight: 1}}]}}
+        classes:
+          batch: {{weight: 1}}
+        orgs:
+          acme: {{classes: [batch]}}
+        """))
+    kw: dict[str, Any] = {}
+
+    async def endpoint(request: Request) -> Response:
+        body = await request.json()
+        async with sfq_asgi.enter(request, pd.acquire(FLOW, body, **kw)) as grant:
+            grant.finish({"prompt_tokens": 1, "completion_tokens": 1})
+        return Response(b"{}", media_type="application/json")
+
+    app = Starlette(routes=[Route("/", endpoint, methods=["POST"])])
+    app.add_exception_handler(sfq.SFQError, sfq_asgi.error_response_handler)
+    async with sfq.PolicyDispatcher(policy, clock=lambda: now[0]) as pd:
+        for bad in ({"timeout": "30"}, {"max_wait": 0}):
+            kw.clear()
+            kw.update(bad)
+            client = Client(json.dumps(BODY).encode())
+            await app(SCOPE, client.receive, client.send)
+            (arg, value), = bad.items()
+            assert client.status == 400 and json.loads(client.body) == {"error": {
+                "message": f"{arg} must be a finite number of seconds > 0, got {value!r}",
+                "type": "invalid_request_error", "code": "bad_request", "param": None}}
+        kw.clear()
+        kw["max_wait"] = 5.0
+        async with pd.acquire(FLOW, BODY) as holder:  # the only slot is taken
+            client = Client(json.dumps(BODY).encode())
+            task = asyncio.create_task(app(SCOPE, client.receive, client.send))
+            await _until(lambda: _flow(pd)["waiting"] == 1, "the request to wait its turn")
+            now[0] += 5.0
+            pd._pump()  # (what the dispatcher's timer does when the loop's time gets there)
+            await asyncio.wait_for(task, 5)
+            holder.finish({"prompt_tokens": 1, "completion_tokens": 1})
+        assert client.status == 504 and json.loads(client.body)["error"]["code"] == "queue_timeout"
+        assert "max_wait (5 s)" in json.loads(client.body)["error"]["message"]
+        assert _flow(pd)["refused"] == 1 and _flow(pd)["completed"] == 1  # (bad arguments: nothing counted)
+    assert upstream.requests == []
+
+
 # ---------------------------------------------------------------- the responses
 async def test_an_event_stream_is_sent_as_sse_and_closed(pd: sfq.PolicyDispatcher, upstream: Any) -> None:
     client = Client()

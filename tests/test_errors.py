@@ -29,6 +29,7 @@ def _instances() -> list[errors.SFQError]:
         errors.RequestTooLarge("the request needs about 9000 tokens"),
         errors.InvalidCost("cost must be a finite number > 0, got 0"),
         errors.InvalidCostType("cost must be a real number, got 'abc' of type str"),
+        errors.InvalidTimeout("timeout must be a finite number of seconds > 0, got 'abc'"),
         errors.DeadlineExceeded("the deadline ran out while it was running"),
         errors.NoHealthyBackend("no backend of pool 'p' was healthy"),
         errors.DispatcherClosed("this dispatcher is closed"),
@@ -119,11 +120,12 @@ def test_an_unknown_reason_is_a_service_error_named_by_it():
 
 
 def test_docs_api_errors_say_what_the_code_answers() -> None:
-    """docs/API.md's "Errors" states each status the code gives a backend's failure and a bad
-    ``cost=`` (it used to say every upstream failure became 502 or 503)."""
+    """docs/API.md's "Errors" states each status the code gives a backend's failure, a bad
+    ``cost=`` and a bad ``timeout=``/``max_wait=`` (it used to say every upstream failure
+    became 502 or 503)."""
     from pathlib import Path
 
-    from sfq.errors import BackendHTTPError, BackendUnavailable, InvalidCost, InvalidCostType
+    from sfq.errors import BackendHTTPError, BackendUnavailable, InvalidCost, InvalidCostType, InvalidTimeout
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "API.md").read_text()
     errors = doc[doc.index("\n# Errors\n"):doc.index("\n# Embedding sfq")]
@@ -132,7 +134,8 @@ def test_docs_api_errors_say_what_the_code_answers() -> None:
     for said in ("an upstream 4xx other than 401, 403, 407 and 429 is the client's to fix and keeps its own status",
                  "an upstream 503 is 503", "every other failure is 502", "a connection that failed or timed out: 503",
                  "`sfq.errors.InvalidCost`, a `BadRequest` (400, so also a `ValueError`)",
-                 "`sfq.errors.InvalidCostType` (also a `TypeError`)"):
+                 "`sfq.errors.InvalidCostType` (also a `TypeError`)",
+                 "`sfq.errors.InvalidTimeout`, a `BadRequest` too (400, so also a `ValueError`)"):
         assert said in flat, said
 
     def http(status: int) -> int:
@@ -141,6 +144,7 @@ def test_docs_api_errors_say_what_the_code_answers() -> None:
     assert [http(s) for s in (400, 404, 422)] == [400, 404, 422]  # the client's to fix: its own status
     assert [http(s) for s in (401, 403, 407, 429, 500, 502)] == [502] * 6 and http(503) == 503
     assert BackendUnavailable("x").http_status == 503
-    assert InvalidCost("x").http_status == InvalidCostType("x").http_status == 400
+    assert InvalidCost("x").http_status == InvalidCostType("x").http_status == InvalidTimeout("x").http_status == 400
+    assert isinstance(InvalidTimeout("x"), ValueError)
     assert "charged that cost, never corrected" in " ".join(doc.split())  # acquire's cost=: never settled
     assert "settled by finish()" not in doc

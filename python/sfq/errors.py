@@ -40,6 +40,7 @@ __all__ = [
     "BadRequest",
     "InvalidCost",
     "InvalidCostType",
+    "InvalidTimeout",
     "PolicyError",
     "Refused",
     "DeadlineExceeded",
@@ -354,6 +355,15 @@ class InvalidCost(BadRequest):
 class InvalidCostType(InvalidCost, TypeError):
     """A request's ``cost=`` is not a number (``"abc"``, ``True``): an :class:`InvalidCost`
     (400) that is also a ``TypeError``, as the scheduler core raises for it."""
+
+
+class InvalidTimeout(BadRequest):
+    """A request's ``timeout=`` or ``max_wait=`` (``acquire``, ``submit``, ``open_stream``,
+    ``stream``, and ``PolicyDispatcher``'s ``submit_flow``, ``stream_flow``) is not a finite
+    number of seconds > 0 (``0``, ``-1``, NaN, ``inf``, ``True``, ``"30"``): nothing was
+    queued and nothing changed. A :class:`BadRequest` (400, reason ``bad_request``), so still
+    a ``ValueError``; its message names the argument and the bad value
+    (``timeout must be a finite number of seconds > 0, got 'abc'``)."""
 
 
 class UnknownModel(Refused, LookupError):

@@ -19,7 +19,7 @@ import contextlib
 import gc
 import json
 import tracemalloc
-from collections.abc import AsyncIterator, Hashable
+from collections.abc import AsyncIterator, Callable, Hashable
 from typing import Any
 
 import prometheus_client
@@ -29,7 +29,7 @@ from dispatch_helpers import FakeServer, settle, wait_until
 import sfq
 from sfq.backends import OpenAIBackend
 from sfq.backends.health import HealthOptions
-from sfq.errors import BackendHTTPError, BadRequest, DeadlineExceeded, Refused
+from sfq.errors import BackendHTTPError, BadRequest, DeadlineExceeded, InvalidTimeout, Refused
 from sfq.policy import Policy, parse_policy
 
 #: a backend out of rotation is not health-checked back during a test: it stays as the rule left it
@@ -153,15 +153,18 @@ class PolicyFace(Face):
 
 
 @contextlib.asynccontextmanager
-async def open_face(kind: str, fake: FakeServer, cost: str = SAME_COST) -> AsyncIterator[Face]:
+async def open_face(kind: str, fake: FakeServer, cost: str = SAME_COST,
+                    clock: Callable[[], float] | None = None) -> AsyncIterator[Face]:
     """``kind``'s face on ``fake`` (``cost``: the PolicyDispatcher's ``cost:`` section; the
-    Dispatcher runs its default estimator)."""
+    Dispatcher runs its default estimator; ``clock``: an injected clock, default the loop's)."""
     be = OpenAIBackend(fake.url, name=BACKEND, max_in_flight=1)
     face: Face
+    kw: dict[str, Any] = {} if clock is None else {"clock": clock}
     if kind == "Dispatcher":
-        face = FleetFace(sfq.Dispatcher([be], health=HEALTH, max_attempts=1))
+        face = FleetFace(sfq.Dispatcher([be], health=HEALTH, max_attempts=1, **kw))
     else:
-        face = PolicyFace(sfq.PolicyDispatcher(_policy(fake.url, cost=cost), backends={BACKEND: be}, health=HEALTH))
+        face = PolicyFace(sfq.PolicyDispatcher(_policy(fake.url, cost=cost), backends={BACKEND: be}, health=HEALTH,
+                                               **kw))
     async with face.pd:
         yield face
         json.dumps(face.pd.stats())  # whatever the case did, stats() stays JSON
@@ -258,6 +261,129 @@ async def test_a_deadline_that_runs_out_while_a_plain_request_runs(face: Face, f
     await wait_until(lambda: fake.disconnects == 1, "the upstream call to be aborted")
     row = face.row("s")
     assert row is not None and row["failed"] == 1 and face.backend()["in_flight"] == 0
+
+
+# ------------------------------------------------------------------ max_wait= bounds only the wait for the turn
+class Clock:
+    """A clock the test moves by hand (the dispatcher's: waits and deadlines are measured on it)."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def _moved(face: Face, clock: Clock, dt: float) -> None:
+    """Move the clock by ``dt`` and let the dispatcher look at its queue (what its timer does
+    when the loop's own time gets there)."""
+    clock.t += dt
+    face.pd._pump()
+    await settle()
+
+
+@pytest.mark.parametrize("kind", FACES)
+async def test_max_wait_refuses_a_request_that_waited_that_long_and_never_cuts_a_running_one(
+        fake: FakeServer, kind: str) -> None:
+    """``max_wait=`` bounds only the wait for the turn: a request waiting behind a full pool
+    ends once, refused ``queue_timeout`` (504) naming its ``max_wait``, through every call; the
+    one running with the same ``max_wait`` runs on past it. Injected clock: no sleeps."""
+    clock = Clock()
+    async with open_face(kind, fake, clock=clock) as face:
+        async with face.acquire("holder", BODY, max_wait=5.0) as held:  # the only slot
+            for call in CALLS:
+                task = asyncio.get_running_loop().create_task(
+                    attempt(face, call, "waiter", _body_for(call), max_wait=5))
+                await wait_until(lambda: face.waiting() == 1, "the request to wait for the only slot")
+                await _moved(face, clock, 4.5)
+                assert not task.done() and face.waiting() == 1
+                await _moved(face, clock, 0.5)
+                assert await asyncio.wait_for(task, 10) == ("Refused", 504, None, "queue_timeout", "enter")
+                assert face.waiting() == 0
+            await _moved(face, clock, 100.0)  # the holder runs on, 120 s past its max_wait
+            assert face.backend()["in_flight"] == 1
+            held.finish(USAGE)
+        row, holder = face.row("waiter"), face.row("holder")
+        assert row is not None and row["refused"] == len(CALLS) and row["charged"] == 0
+        assert holder is not None and holder["completed"] == 1 and holder["refused"] == 0
+        assert fake.requests == [] and face.waiting() == 0 and face.backend()["in_flight"] == 0
+        with pytest.raises(Refused, match=r"max_wait \(5 s\) ran out before it started"):
+            async with face.acquire("holder", BODY):
+                task = asyncio.get_running_loop().create_task(face.submit("late", BODY, max_wait=5.0))
+                await wait_until(lambda: face.waiting() == 1, "the request to wait")
+                await _moved(face, clock, 5.0)
+                await task
+        assert await attempt(face, "submit", "late", BODY, max_wait=5.0) == ("ok", 1)  # a free slot: no wait
+
+
+@pytest.mark.parametrize("kind", FACES)
+@pytest.mark.parametrize(("timeout", "max_wait", "after", "reason"), [
+    (3.0, 5.0, 3.0, "deadline"),  # the deadline is the sooner: it ends the wait
+    (10.0, 5.0, 5.0, "queue_timeout"),  # max_wait is the sooner
+])
+async def test_max_wait_with_a_timeout_the_sooner_ends_the_wait(fake: FakeServer, kind: str, timeout: float,
+                                                                 max_wait: float, after: float, reason: str) -> None:
+    clock = Clock()
+    async with open_face(kind, fake, clock=clock) as face:
+        async with face.acquire("holder", BODY) as held:
+            for call in CALLS:
+                task = asyncio.get_running_loop().create_task(
+                    attempt(face, call, "waiter", _body_for(call), timeout=timeout, max_wait=max_wait))
+                await wait_until(lambda: face.waiting() == 1, "the request to wait for the only slot")
+                await _moved(face, clock, after - 0.01)
+                assert not task.done()
+                await _moved(face, clock, 0.01)
+                assert await asyncio.wait_for(task, 10) == ("Refused", 504, None, reason, "enter")
+            held.finish(USAGE)
+        # started within its max_wait, a request runs until its timeout, not its max_wait
+        fake.mode, fake.delay = "slow", 0.05
+        assert await attempt(face, "submit", "runs", BODY, timeout=timeout, max_wait=0.001) == ("ok", 1)
+        assert fake.requests == [BODY]
+
+
+#: bad ``timeout=`` and ``max_wait=`` values, and how each is written in the message
+BAD_SECONDS = [(0, "0"), (-1, "-1"), (float("nan"), "nan"), (float("inf"), "inf"), (True, "True"),
+               ("30", "'30'"), (10 ** 400, str(10 ** 400))]
+
+
+@pytest.mark.parametrize("call", ["submit", "stream", "open_stream", "acquire", "permit"])
+@pytest.mark.parametrize("arg", ["timeout", "max_wait"])
+@pytest.mark.parametrize(("value", "written"), BAD_SECONDS, ids=[w[:8] for _, w in BAD_SECONDS])
+async def test_a_bad_timeout_or_max_wait_is_a_400_sfq_error_that_changes_nothing(
+        face: Face, fake: FakeServer, call: str, arg: str, value: Any, written: str) -> None:
+    """A bad ``timeout=`` or ``max_wait=`` is an ``sfq.errors.InvalidTimeout`` (400, a
+    ``BadRequest``, so a ``ValueError``), as a bad ``cost=`` is: an sfq error handler answers
+    400, not 500; the message names the argument and the value; nothing is counted or
+    queued."""
+    await face.submit("warm", BODY)
+    before = face.state()
+    body = None if call == "permit" else _body_for(call)
+    kw: dict[str, Any] = {arg: value}
+    if call == "permit":
+        kw["cost"] = 2.0
+    seen = await attempt(face, "acquire" if call == "permit" else call, "a", body, **kw)
+    assert seen == ("InvalidTimeout", 400, None, "bad_request", "enter")
+    with pytest.raises(InvalidTimeout) as info:
+        if call == "submit":
+            await face.submit("a", body, **kw)
+        else:
+            async with getattr(face, "acquire" if call == "permit" else call)("a", body, **kw):
+                pytest.fail(f"entered with {arg}={value!r}")
+    exc = info.value
+    assert isinstance(exc, ValueError) and isinstance(exc, BadRequest) and isinstance(exc, sfq.SFQError)
+    assert str(exc) == f"{arg} must be a finite number of seconds > 0, got {written}"
+    assert exc.http_status == 400 and exc.to_openai()["error"]["code"] == "bad_request"
+    assert face.state() == before and fake.requests == [BODY]
+
+
+async def test_a_bad_timeout_or_max_wait_of_a_joining_request_is_refused_first(fake: FakeServer) -> None:
+    """``PolicyDispatcher.submit_flow`` under an ``idempotency_key`` checks both before it
+    joins or starts anything."""
+    async with open_face("PolicyDispatcher", fake) as face:
+        for kw in ({"timeout": 0}, {"max_wait": "5"}):
+            with pytest.raises(InvalidTimeout):
+                await face.pd.submit_flow(sfq.Flow("a", "batch", "p"), BODY, idempotency_key="k", **kw)
+        assert fake.requests == [] and face.pd.stats()["submitted"] == 0
 
 
 # ------------------------------------------------------------------ max_tokens: 10**9
@@ -728,3 +854,58 @@ async def test_flows_served_once_cost_nothing_once_idle(fake: FakeServer) -> Non
         async with d.acquire("made-up-7", cost=5.0):  # a forgotten flow comes back as a fresh one
             pass
         assert d.flow_stats("made-up-7")["completed"] == 1
+
+
+async def test_orgs_of_the_template_served_once_cost_nothing_once_idle(fake: FakeServer) -> None:
+    """20,000 made-up orgs of a policy's ``org_template`` (with limits of their own), each
+    served once (a permit), then idle past the retry window and the metrics' share window: the
+    PolicyDispatcher forgets them (their specs, retry budgets, rate buckets, slots, counters
+    and series), measured with tracemalloc on an injected clock (it used to keep 33.6 MB)."""
+    now = [0.0]
+    policy = parse_policy(f"""\
+pools:
+  p: {{models: [m], backends: [{{url: "{fake.url}", name: {BACKEND}, max_in_flight: 4}}]}}
+classes:
+  batch: {{weight: 1}}
+orgs:
+  acme: {{classes: [batch]}}
+org_template: {{classes: [batch], requests_per_minute: 600, max_in_flight: 2}}
+""")
+    be = OpenAIBackend(fake.url, name=BACKEND, max_in_flight=4)
+    pd = sfq.PolicyDispatcher(policy, backends={BACKEND: be}, health=HEALTH, clock=lambda: now[0])
+    async with pd:
+        for i in range(100):
+            async with pd.acquire(sfq.Flow(f"warm-{i}", "batch", "p"), cost=5.0):
+                pass
+        async with pd.acquire(sfq.Flow("acme", "batch", "p"), cost=5.0):
+            pass
+        now[0] += 1000.0
+        pd.forget_idle()
+        lines0 = len(prometheus_client.generate_latest(pd.registry).splitlines())
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for i in range(20_000):
+                async with pd.acquire(sfq.Flow(f"made-up-{i}", "batch", "p"), cost=5.0):
+                    pass
+                now[0] += 0.001
+                if i % 5000 == 0:
+                    prometheus_client.generate_latest(pd.registry)  # (scraped meanwhile: labels given out)
+            assert len(pd.stats()["flows"]) == 20_001  # recent: kept
+            now[0] += 61.0  # idle past the retry window and the share window
+            assert pd.forget_idle() >= 60_000  # their specs, retry budgets and counters
+            gc.collect()
+            growth = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        print(f"\ntracemalloc growth for 20,000 template orgs served once, once idle: {growth} bytes")
+        assert list(pd.stats()["flows"]) == ["acme/batch/p"]  # the org the file names is kept
+        assert policy.made_orgs() == [] and pd.engine.org_rate == {} and pd.engine.shared.slots == {}
+        assert pd.engine.queues["p"].sched.known_flows == 0
+        assert len(prometheus_client.generate_latest(pd.registry).splitlines()) <= lines0
+        assert growth < 2 << 20
+        async with pd.acquire(sfq.Flow("made-up-7", "batch", "p"), cost=5.0):  # a fresh org again
+            pass
+        assert pd.stats()["flows"]["made-up-7/batch/p"]["completed"] == 1
+

@@ -382,6 +382,60 @@ def test_an_org_that_changes_label_keeps_every_counter_monotonic() -> None:
     _monotonic(third, {k: v for k, v in fourth.items() if dict(k[1]).get("org") != "o2"})
 
 
+def _template_policy() -> Any:
+    return parse_policy(_yaml(2) + "org_template: {classes: [batch]}\n")
+
+
+def test_idle_orgs_of_the_template_are_forgotten_and_other_stays_monotonic() -> None:
+    """Orgs made from the template (names an embedder made up) are forgotten once idle past
+    the window (and a minute): an org under ``_other`` leaves its counts there (``_other``
+    never goes down); a labelled one's series end, as a demoted org's do (nothing is counted
+    twice: ``increase()`` over every label stays exact); the orgs the file names, a flow with
+    work live and a flow idle for less are kept; a forgotten org that comes back is a new one."""
+    clock = Clock()
+    m = PolicyMetrics(clock=clock, window_seconds=10, max_org_series=3)
+    m.policy = _template_policy()
+    for org, n in (("o0", 5), ("t-big", 4), ("t-mid", 3), ("t-a", 1), ("t-b", 1), ("t-c", 1)):
+        for _ in range(n):
+            _serve(m, clock, org, 10.0, 0.1)
+    live = ("t-live", "batch", "main")
+    m.queued(live)
+    m.ended(("t-refused", "batch", "main"), "refused", "rate_limited")  # refused, never queued
+    first = _samples(m)
+    completed = _orgs({k: v for k, v in first.items() if ("outcome", "completed") in k[1]}, "sfq_requests_total")
+    assert set(completed) == {"o0", "t-big", "t-mid", OTHER_ORG} and completed[OTHER_ORG] == 3
+    assert m.forget_idle() == 0  # idle, but not for long enough
+    clock.t += 59.0
+    _serve(m, clock, "t-a", 10.0, 0.1)  # t-a active again: kept
+    clock.t += 2.0  # the others: idle for more than a minute (the window is 10 s)
+    assert m.forget_idle() == 5  # t-big, t-mid (labelled), t-b, t-c (under _other), t-refused
+    assert sorted(k[0] for k in m.flows) == ["o0", "t-a", "t-live"]
+    second = _samples(m)
+    completed = _orgs({k: v for k, v in second.items() if ("outcome", "completed") in k[1]}, "sfq_requests_total")
+    assert "t-big" not in completed and "t-mid" not in completed  # their series ended (as a demoted org's)
+    assert completed[OTHER_ORG] + completed.get("t-a", 0) == 4  # t-a's 2 and what t-b and t-c left under _other
+    assert sum(completed.values()) == 5 + 4 + 3 + 4 - (4 + 3)  # every request, but those of the ended series
+    _monotonic(first, {k: v for k, v in second.items() if dict(k[1]).get("org") not in ("t-big", "t-mid")})
+    refused = _orgs({k: v for k, v in second.items() if ("outcome", "refused") in k[1]}, "sfq_requests_total")
+    assert refused[OTHER_ORG] == 1  # t-refused's refusal stays counted
+    assert m.policy.org("t-big") is not None and "t-big" not in m._assigned  # (its place was given back)
+    # t-big comes back: a new org (the places it left went to t-a and t-live), its request counted once
+    _serve(m, clock, "t-big", 10.0, 0.1)
+    third = _samples(m)
+    assert set(_orgs(third, "sfq_attempts_total")) == {"o0", "t-a", OTHER_ORG}
+    assert sum(_orgs(third, "sfq_attempts_total").values()) == sum(_orgs(second, "sfq_attempts_total").values()) + 1
+    _monotonic(second, third)
+    # the orgs the file names are never forgotten; nor is a flow with work waiting
+    clock.t += 3600.0
+    m.left_queue(live)
+    assert m.forget_idle() == 2 and sorted(k[0] for k in m.flows) == ["o0", "t-live"]  # (t-live just went idle)
+    clock.t += 3600.0
+    assert m.forget_idle() == 1 and [k[0] for k in m.flows] == ["o0"]
+    fourth = _samples(m)
+    assert set(_orgs(fourth, "sfq_attempts_total")) == {"o0", OTHER_ORG}
+    _monotonic(third, {k: v for k, v in fourth.items() if dict(k[1]).get("org") not in ("t-a", "t-live")})
+
+
 def _monotonic(before: dict[tuple[str, tuple[tuple[str, str], ...]], float],
                after: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> None:
     """No counter present in both readings went down."""

@@ -395,6 +395,61 @@ def test_queue_age_and_deadline_drop_before_start(clock: Clock, core) -> None:
     assert info.value.reason == "deadline"
 
 
+def test_max_wait_bounds_only_the_wait_for_a_start(clock: Clock, core) -> None:
+    """A request's own ``max_wait`` is a queue age bound of its own, by the class's machinery:
+    the waiting one ends once, refused ``queue_timeout``, naming it; a running one with the
+    same ``max_wait`` is never cut; the smaller of it, the class's age and the deadline wins,
+    and a retry waits anew (as the class's age)."""
+    pol = policy(pools=ONE_SLOT, classes="""
+      batch: {weight: 1, max_queue_age_seconds: 8}
+    """, orgs="""
+      a: {keys: [ka], classes: [batch]}
+      b: {keys: [kb], classes: [batch]}
+    """)
+    e = engine(pol, clock, core)
+    f = Flow("a", "batch", "p")
+    running = e.submit(f, cost=1, max_wait=5.0, start=True)
+    assert running.state == "running" and running.max_wait == 5.0
+    waiting = e.submit(f, cost=1, max_wait=5)  # behind the full pool
+    by_age = e.submit(f, cost=1, max_wait=30.0)  # the class's 8 s is the smaller
+    by_deadline = e.submit(f, cost=1, max_wait=5.0, deadline=clock.t + 3)  # the deadline is the smaller
+    assert e.wake_at() == pytest.approx(clock.t + 3)
+    clock.advance(3)
+    assert e.poll() == [] and e.dropped == [by_deadline] and by_deadline.reason == "deadline"
+    clock.advance(2)
+    assert e.poll() == [] and e.dropped == [waiting]
+    assert waiting.outcome == "refused" and waiting.reason == "queue_timeout"
+    err = e.ended_error(waiting)
+    assert isinstance(err, Refused) and err.reason == "queue_timeout" and err.http_status == 504
+    assert str(err) == "the request's max_wait (5 s) ran out before it started"
+    assert running.state == "running" and running.outcome is None  # its wait was over: never cut
+    clock.advance(3)
+    e.poll()
+    assert by_age.outcome == "refused" and by_age.reason == "queue_timeout"
+    assert str(e.ended_error(by_age)) == "the request's queue age ran out before it started"
+    e.complete(running)
+    assert running.outcome == "completed" and not e.live and not e.has_waiting()
+    # a retry waits for its start anew, bounded by its max_wait again
+    r = e.submit(f, cost=1, max_wait=5.0, start=True)
+    other = e.submit(Flow("b", "batch", "p"), cost=1)
+    assert e.fail(r, BackendHTTPError("boom", status=500, unhealthy=True)).retry
+    assert e.poll() == [other]
+    e.requeue(r)
+    clock.advance(5)
+    e.poll()
+    assert r.outcome == "failed" and r.reason == "queue_timeout" and r.tries == 1
+    e.complete(other)
+    assert not e.live
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), True, "5"])
+def test_a_bad_max_wait_is_refused_by_the_engine_and_changes_nothing(clock: Clock, core, bad: Any) -> None:
+    e = engine(policy(pools=ONE_SLOT), clock, core)
+    with pytest.raises(ValueError, match=r"^max_wait must be a number of seconds > 0 or None, got "):
+        e.submit(Flow("a", "batch", "p"), cost=1, max_wait=bad)
+    assert e.submitted == 0 and not e.live and not e.has_waiting()
+
+
 def test_cancel_before_start_is_uncharged(clock: Clock, core) -> None:
     pol = policy(pools=ONE_SLOT, orgs="""
       a: {keys: [ka], classes: [batch]}

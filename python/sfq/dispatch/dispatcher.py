@@ -354,42 +354,52 @@ class Dispatcher(PolicyDispatcher):
     # ------------------------------------------------------------ the primitives
     async def submit(self, flow: Hashable, body: Mapping[str, Any], *,  # type: ignore[override]
                      cost: float | None = None, timeout: float | None = None,
-                     idempotent: bool = False) -> dict[str, Any]:
+                     idempotent: bool = False, max_wait: float | None = None) -> dict[str, Any]:
         """Queue a non-streaming request of ``flow`` and return the backend's JSON reply.
 
         ``body``: an OpenAI ``/v1/completions`` (``prompt``) or ``/v1/chat/completions``
         (``messages``) request; ``cost``: a fixed charge in cost units instead of the estimate;
-        ``timeout``: the request's deadline, seconds from now (504 ``Refused`` if it runs out
-        while it waits, ``DeadlineExceeded`` while it runs). A failure before the reply is
+        ``timeout``: the request's deadline, seconds from now (it bounds the whole request: 504
+        ``Refused``, reason ``deadline``, if it runs out while it waits, ``DeadlineExceeded``
+        while it runs); ``max_wait``: seconds it may wait for each start (504 ``Refused``,
+        reason ``queue_timeout``, when it runs out first; it never cuts a running request; a
+        retry waits anew). A bad ``timeout`` or ``max_wait`` is an ``sfq.errors.InvalidTimeout``
+        (400). A failure before the reply is
         retried in the request's own flow, preferably on another backend (``max_attempts``,
         the retry budget: docs/policy.md). ``idempotent=True`` is the caller's promise that
         the server running the request twice is harmless: then every backend failure may be
         retried, and the backend may resend it after a lost connection.
         """
         f = self._flow(flow, body)
-        return await self._submit(f, body, timeout, "idempotent" if idempotent else None, None, cost)
+        return await self._submit(f, body, timeout, "idempotent" if idempotent else None, None, cost, max_wait)
 
     def stream(self, flow: Hashable, body: Mapping[str, Any], *,  # type: ignore[override]
-               cost: float | None = None, timeout: float | None = None) -> EventStream:
+               cost: float | None = None, timeout: float | None = None,
+               max_wait: float | None = None) -> EventStream:
         """Queue a streaming request of ``flow``: the backend's events (JSON objects), opened when
         entered (``async with``) or at the first iteration, where every refusal raises. Closing
         it early (``aclose()``, leaving the ``async with``, ``break``) cancels the request and
         frees its slot. Usage is always asked of the backend; the usage-only final chunk is
-        passed on only when the body asked for it (``stream_options.include_usage``)."""
-        return PolicyEventStream(self, self._flow(flow, body), None, None, body, timeout, None, cost)
+        passed on only when the body asked for it (``stream_options.include_usage``).
+        ``cost``, ``timeout``, ``max_wait``: as in :meth:`submit`."""
+        return PolicyEventStream(self, self._flow(flow, body), None, None, body, timeout, None, cost, max_wait)
 
     def open_stream(self, flow: Hashable, body: Mapping[str, Any], *,
-                    timeout: float | None = None, cost: float | None = None) -> EventStream:
+                    timeout: float | None = None, cost: float | None = None,
+                    max_wait: float | None = None) -> EventStream:
         """:meth:`stream`, to enter with ``async with``: entering waits for the turn and the
         backend's first event, so every refusal can still be an HTTP status."""
-        return PolicyEventStream(self, self._flow(flow, body), None, None, body, timeout, None, cost)
+        return PolicyEventStream(self, self._flow(flow, body), None, None, body, timeout, None, cost, max_wait)
 
     def acquire(self, flow: Hashable, body: Mapping[str, Any] | None = None, *,
-                cost: float | None = None, timeout: float | None = None, model: str | None = None) -> Permit:
+                cost: float | None = None, timeout: float | None = None, model: str | None = None,
+                max_wait: float | None = None) -> Permit:
         """Wait for ``flow``'s turn and learn where to send the request (``PolicyDispatcher.acquire``:
         with a body, or with ``cost=`` and none). ``model`` names the pool of a permit without
-        a body when the fleet has several (default: the body's ``model``, else the default pool)."""
-        return Permit(self, self._flow(flow, body, model), body, cost, timeout)
+        a body when the fleet has several (default: the body's ``model``, else the default pool).
+        ``timeout``, ``max_wait``: as in :meth:`submit` (``max_wait`` bounds the wait for the
+        grant, never the granted call)."""
+        return Permit(self, self._flow(flow, body, model), body, cost, timeout, max_wait)
 
     # ------------------------------------------------------------ controls and views
     def set_weight(self, flow: Hashable, weight: float) -> None:

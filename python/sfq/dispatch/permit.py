@@ -3,9 +3,9 @@ manager that waits for the request's turn, yields its :class:`~sfq.dispatch.poli
 and ends the request when left.
 
 Compiled by mypyc with the engine (``sfq._compiled.MODULES``): every permit enters and
-leaves here. Its arguments come checked from ``acquire`` (the engine checks ``cost`` and
-``timeout``, with the twin's messages), so they are annotated ``object``: mypyc would check
-and convert an annotated ``float`` itself, with a message of its own."""
+leaves here. Its arguments come checked from ``acquire`` (the driver checks ``cost``,
+``timeout`` and ``max_wait``, with the twin's messages), so they are annotated ``object``:
+mypyc would check and convert an annotated ``float`` itself, with a message of its own."""
 
 from __future__ import annotations
 
@@ -27,16 +27,18 @@ class Permit:
     the request's turn when entered, yields its :class:`Grant`, and ends the request when left
     (see ``acquire``). Enter it once."""
 
-    __slots__ = ("_pd", "_flow", "_body", "_cost", "_timeout", "grant")
+    __slots__ = ("_pd", "_flow", "_body", "_cost", "_timeout", "_max_wait", "grant")
 
-    def __init__(self, pd: PolicyDispatcher, flow: object, body: object, cost: object, timeout: object) -> None:
-        # (as acquire() typed them: a Flow, a Mapping or None, float or None, float or None;
-        # checked as the request is admitted, in __aenter__)
+    def __init__(self, pd: PolicyDispatcher, flow: object, body: object, cost: object, timeout: object,
+                 max_wait: object = None) -> None:
+        # (as acquire() typed them: a Flow, a Mapping or None, float or None, float or None,
+        # float or None; checked as the request is admitted, in __aenter__)
         self._pd = pd
         self._flow: Any = flow
         self._body: Any = body
         self._cost: Any = cost
         self._timeout: Any = timeout
+        self._max_wait: Any = max_wait
         #: the grant, once entered
         self.grant: Grant | None = None
 
@@ -46,11 +48,11 @@ class Permit:
         pd = self._pd
         body = self._body
         if pd._started and not pd._shared:  # nothing to await unless it must wait its turn
-            r = pd._admit_now(self._flow, body, self._timeout, None, None, self._cost)
+            r = pd._admit_now(self._flow, body, self._timeout, None, None, self._cost, self._max_wait)
             if r.state != RUNNING:
                 await pd._turn(r)
         else:
-            r = await pd._admit(self._flow, body, self._timeout, None, None, self._cost)
+            r = await pd._admit(self._flow, body, self._timeout, None, None, self._cost, self._max_wait)
             await pd._turn(r)
         assert r.backend is not None
         g = self.grant = Grant(pd, r, pd._addresses[r.backend], None if body is None else _endpoint(body))

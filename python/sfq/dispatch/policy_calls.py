@@ -198,9 +198,11 @@ class PolicyEventStream(EventStream):
 
     def __init__(self, pd: PolicyDispatcher, flow: Flow | None, credential: str | None, cls: str | None,
                  body: Mapping[str, Any], timeout: float | None,
-                 on_admit: Callable[[Request], None] | None, cost: float | None = None) -> None:
+                 on_admit: Callable[[Request], None] | None, cost: float | None = None,
+                 max_wait: float | None = None) -> None:
         self._pd = pd
         self._cost = cost
+        self._max_wait = max_wait
         self._flow = flow
         self._credential = credential
         self._cls = cls
@@ -326,7 +328,7 @@ class PolicyEventStream(EventStream):
             flow = self._flow if self._flow is not None else pd.classify(self._credential, body, self._cls)
             so = body.get("stream_options") if type(body) is dict or isinstance(body, Mapping) else None
             self._wants_usage = so is not None and isinstance(so, Mapping) and bool(so.get("include_usage"))
-            r = await pd._admit(flow, body, self._timeout, None, True, self._cost)
+            r = await pd._admit(flow, body, self._timeout, None, True, self._cost, self._max_wait)
         except BaseException:
             self._done = True
             raise

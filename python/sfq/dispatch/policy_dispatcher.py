@@ -71,6 +71,7 @@ from ..errors import (
     DispatcherClosed,
     InvalidCost,
     InvalidCostType,
+    InvalidTimeout,
     NoHealthyBackend,
     PolicyError,
     Refused,
@@ -166,6 +167,22 @@ def _check_cost(cost: object) -> None:
         raise InvalidCostType(str(exc)) from None
     except (ValueError, OverflowError) as exc:
         raise InvalidCost(str(exc)) from None
+
+
+def _seconds(what: str, value: object) -> float:
+    """A request's ``timeout=`` or ``max_wait=``: a finite number of seconds > 0, else an sfq
+    error (400): :class:`InvalidTimeout` (a ``ValueError``) naming the argument and the value.
+    Before anything is counted or queued."""
+    if type(value) is float and 0.0 < value < math.inf:  # (the common case in one test: NaN fails it)
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            f = float(value)
+        except OverflowError:  # (an int past the largest float)
+            f = math.inf
+        if 0.0 < f < math.inf:
+            return f
+    raise InvalidTimeout(f"{what} must be a finite number of seconds > 0, got {value!r}")
 
 
 #: seconds between a started dispatcher's own ``forget_idle()`` runs (event-loop time)
@@ -324,10 +341,16 @@ class PolicyDispatcher:
     def forget_idle(self) -> int:
         """Forget what is kept of flows with nothing waiting or running and no recent activity
         (``PolicyEngine.forget_idle``: their retry budgets after a minute; the core forgets a
-        meter once virtual time passes it); returns how many. Runs every ``FORGET_EVERY``
+        meter once virtual time passes it; of the orgs made from the policy's
+        ``org_template``, their specs, rate buckets and slots, and their counters and series
+        once idle for the metrics' window); returns how many. Runs every ``FORGET_EVERY``
         seconds by itself while the dispatcher is started; call it after moving an injected
         clock. Nothing a decision needs is lost: a forgotten flow is a fresh one."""
-        return self.engine.forget_idle()
+        n = self.engine.forget_idle()
+        p = self.policy
+        if p is not self.engine.policy and p.org_template is not None:  # (shared: the state's own copy)
+            n += p.forget_orgs({r.flow.org for r in self.engine.live.values()})
+        return n
 
     async def close(self) -> None:
         """Refuse new requests; end every waiting one as refused (``closed``); let the running
@@ -428,12 +451,11 @@ class PolicyDispatcher:
 
     # ------------------------------------------------------------ admission
     def _deadline(self, timeout: float | None) -> float | None:
+        """The clock time of a request's ``timeout=`` (seconds from now; ``None``: none);
+        :class:`InvalidTimeout` (400) for a bad one."""
         if timeout is None:
             return None
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0 or not math.isfinite(
-                timeout):
-            raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
-        return self.clock() + float(timeout)
+        return self.clock() + _seconds("timeout", timeout)
 
     def classify(self, credential: str | None, body: Mapping[str, Any], cls: str | None = None) -> Flow:
         """The flow of a request (``Refused`` when the key, the class or the model is refused)."""
@@ -465,15 +487,15 @@ class PolicyDispatcher:
             raise BadRequest(str(exc)) from None
 
     async def _admit(self, flow: Flow, body: Mapping[str, Any] | None, timeout: float | None, key: str | None,
-                     streaming: bool | None, cost: float | None = None) -> Request:
+                     streaming: bool | None, cost: float | None = None, max_wait: float | None = None) -> Request:
         """Everything that can refuse the request, then its place in its flow's queue.
         ``streaming``: ``True`` (a stream), ``False`` (a plain reply), ``None`` (a permit: the
         body says); ``body`` ``None``: a permit without one (``cost`` is then its charge)."""
         if not self._started:
             await self.start()
         if not self._shared:
-            return self._admit_now(flow, body, timeout, key, streaming, cost)
-        flow, deadline, est, streaming = self._checks(flow, body, timeout, streaming, cost)
+            return self._admit_now(flow, body, timeout, key, streaming, cost, max_wait)
+        flow, deadline, est, streaming, wait = self._checks(flow, body, timeout, streaming, cost, max_wait)
         hold = await self._reserve(flow, est)  # the budget over every gateway
         try:
             ticket = await self.state.admit(flow)  # org rates, queue lengths over every gateway
@@ -483,7 +505,7 @@ class PolicyDispatcher:
             raise
         try:
             r = self.engine.submit(flow, cost=cost, estimate=est, streaming=streaming, deadline=deadline,
-                                   idempotency_key=key, start=True, hold=hold)
+                                   idempotency_key=key, start=True, hold=hold, max_wait=wait)
         except OverflowError as exc:  # a figure too large for the scheduler: the body's fault
             self.state.drop(ticket)
             self.engine.spend.release(hold)
@@ -497,21 +519,21 @@ class PolicyDispatcher:
         return self._queued(r)
 
     def _admit_now(self, flow: Flow, body: Mapping[str, Any] | None, timeout: float | None, key: str | None,
-                   streaming: bool | None, cost: float | None = None) -> Request:
+                   streaming: bool | None, cost: float | None = None, max_wait: float | None = None) -> Request:
         """:meth:`_admit` of a started dispatcher on its own state: nothing to await (the
         uncontended request's path: it returns running, on ``r.backend``)."""
-        if body is None and cost is not None and timeout is None:  # a permit's cost: _checks in short
+        if body is None and cost is not None and timeout is None and max_wait is None:  # (_checks in short)
             if not (type(cost) is float and 0.0 < cost <= MAX_COST):  # (the common case in one test)
                 _check_cost(cost)
             flow = self._checked(flow)
             if self._closed:
                 self.engine.refuse(flow, "closed")
                 raise DispatcherClosed()
-            deadline, est, streaming = None, None, False
+            deadline, est, streaming, wait = None, None, False, None
         else:
-            flow, deadline, est, streaming = self._checks(flow, body, timeout, streaming, cost)
+            flow, deadline, est, streaming, wait = self._checks(flow, body, timeout, streaming, cost, max_wait)
         try:  # (engine.submit, its arguments in order)
-            r = self.engine._submit(flow, cost, None, None, deadline, None, key, est, streaming, True, None)
+            r = self.engine._submit(flow, cost, None, None, deadline, None, key, est, streaming, True, None, wait)
         except OverflowError as exc:  # a figure too large for the scheduler: the body's fault
             self.engine.refuse(flow, "bad_request")
             raise BadRequest(f"the request is too large to schedule: {exc}") from None
@@ -521,11 +543,15 @@ class PolicyDispatcher:
         return self._queued(r)
 
     def _checks(self, flow: Flow, body: Mapping[str, Any] | None, timeout: float | None, streaming: bool | None,
-                cost: float | None) -> tuple[Flow, float | None, Estimate | None, bool]:
-        """What refuses a request before it is submitted: its body, its flow, a closed
-        dispatcher, its timeout; ``(flow checked, deadline, estimate, streaming)``."""
+                cost: float | None, max_wait: float | None = None
+                ) -> tuple[Flow, float | None, Estimate | None, bool, float | None]:
+        """What refuses a request before it is submitted: its cost, timeout and max_wait, its
+        body, its flow, a closed dispatcher; ``(flow checked, deadline, estimate, streaming,
+        max_wait in seconds)``."""
         if cost is not None and not (type(cost) is float and 0.0 < cost <= MAX_COST):
             _check_cost(cost)
+        seconds = None if timeout is None else _seconds("timeout", timeout)
+        wait = None if max_wait is None else _seconds("max_wait", max_wait)
         if body is None:
             if cost is None:
                 raise BadRequest("a request needs a body (a JSON object), or cost= for a permit without one")
@@ -545,9 +571,9 @@ class PolicyDispatcher:
         if self._closed:
             self.engine.refuse(flow, "closed")
             raise DispatcherClosed()
-        deadline = None if timeout is None else self._deadline(timeout)
+        deadline = None if seconds is None else self.clock() + seconds
         est = None if body is None else self._estimate(body, flow)
-        return flow, deadline, est, bool(streaming)
+        return flow, deadline, est, bool(streaming), wait
 
     def _queued(self, r: Request) -> Request:
         """A request the engine accepted: counted as sent when it started at once; else the
@@ -781,7 +807,7 @@ class PolicyDispatcher:
 
     # ------------------------------------------------------------ acquire
     def acquire(self, flow: Flow, body: Mapping[str, Any] | None = None, *, cost: float | None = None,
-                timeout: float | None = None) -> Permit:
+                timeout: float | None = None, max_wait: float | None = None) -> Permit:
         """Wait for ``flow``'s turn and learn where to send the request, for an embedder who
         makes the call with its own HTTP client::
 
@@ -792,8 +818,11 @@ class PolicyDispatcher:
         A permit with or without a body: ``body`` (a chat/completions request, estimated and
         charged by the policy's ``cost``) or ``cost=`` (cost units: a fixed charge, for any
         other call: embeddings, the Responses API, ...; with a body too, it replaces the
-        estimate). Entering is where everything that can refuse the request happens
-        (``BadRequest``, limits, queue age, ``timeout``, ``NoHealthyBackend``); cancelling the
+        estimate). ``timeout``: the request's deadline, seconds from now (it bounds the whole
+        request); ``max_wait``: seconds it may wait for its turn (a ``Refused``,
+        ``queue_timeout``, 504, when it runs out first; never cuts a granted call). Entering is
+        where everything that can refuse the request happens (``BadRequest``, limits, queue
+        age, ``max_wait``, ``timeout``, ``NoHealthyBackend``); cancelling the
         task while it waits there removes the request uncharged, and nothing reaches an
         upstream. Leaving without :meth:`Grant.finish` settles the charge from what
         :meth:`Grant.delivered` reported (else the estimate). An upstream failure counts
@@ -802,16 +831,22 @@ class PolicyDispatcher:
         frees the slot (the request ends as failed) and never counts against the backend.
         Nobody retries it but you.
         """
-        return Permit(self, flow, body, cost, timeout)
+        return Permit(self, flow, body, cost, timeout, max_wait)
 
     # ------------------------------------------------------------ submit
     async def submit(self, credential: str | None, body: Mapping[str, Any], *, cls: str | None = None,
                      timeout: float | None = None, idempotency_key: str | None = None,
-                     on_admit: Callable[[Request], None] | None = None) -> Reply:
+                     on_admit: Callable[[Request], None] | None = None, max_wait: float | None = None) -> Reply:
         """Classify, admit, wait for the turn, call the backend; the backend's JSON reply.
 
         ``cls``: the class the client states (default: its org's first); ``timeout``: the
-        request's deadline in seconds from now; ``idempotency_key``: a second request with the
+        request's deadline in seconds from now (it bounds the whole request: 504 ``Refused``,
+        reason ``deadline``, if it runs out while it waits, ``DeadlineExceeded`` while it
+        runs); ``max_wait``: seconds it may wait for each start (its own queue age bound, next
+        to its class's ``max_queue_age_seconds``: the smaller applies; 504 ``Refused``, reason
+        ``queue_timeout``, when it runs out; a running request is never cut by it; a request
+        joining another under its ``idempotency_key`` waits on that one's bounds and its own
+        ``timeout``); ``idempotency_key``: a second request with the
         same key from the same org while the first runs joins it (same reply, not sent again;
         each caller waits at most its own ``timeout``, and the request goes on while one of
         them waits). ``on_admit``: called with the engine's :class:`Request` once it is
@@ -822,17 +857,18 @@ class PolicyDispatcher:
         """
         flow = self.classify(credential, body, cls)
         return await self.submit_flow(flow, body, timeout=timeout, idempotency_key=idempotency_key,
-                                      on_admit=on_admit)
+                                      on_admit=on_admit, max_wait=max_wait)
 
     async def submit_flow(self, flow: Flow, body: Mapping[str, Any], *, timeout: float | None = None,
                           idempotency_key: str | None = None, cost: float | None = None,
-                          on_admit: Callable[[Request], None] | None = None) -> Reply:
+                          on_admit: Callable[[Request], None] | None = None,
+                          max_wait: float | None = None) -> Reply:
         """:meth:`submit` for a request the embedder classified itself (``flow``: an
         ``sfq.Flow`` the policy allows; no credential needed). ``cost``: a fixed charge in
         cost units instead of the estimate (never corrected from usage)."""
         if idempotency_key:
-            return await self._joined(flow, body, timeout, idempotency_key, on_admit, cost)
-        return await self._submit(flow, body, timeout, None, on_admit, cost)
+            return await self._joined(flow, body, timeout, idempotency_key, on_admit, cost, max_wait)
+        return await self._submit(flow, body, timeout, None, on_admit, cost, max_wait)
 
     def running_key(self, org: str, idempotency_key: str) -> bool:
         """Whether a request of ``org`` under ``idempotency_key`` is running: one submitted now
@@ -840,16 +876,20 @@ class PolicyDispatcher:
         return self._idem.get(org, idempotency_key) is not None
 
     async def _joined(self, flow: Flow, body: Mapping[str, Any], timeout: float | None, key: str,
-                      on_admit: Callable[[Request], None] | None, cost: float | None = None) -> Reply:
+                      on_admit: Callable[[Request], None] | None, cost: float | None = None,
+                      max_wait: float | None = None) -> Reply:
         """A request under an ``Idempotency-Key``: the first runs it in a task of its own, so
         that it goes on while any of its callers waits; each caller waits its own timeout."""
-        self._deadline(timeout)  # a bad timeout is refused before anything runs
+        self._deadline(timeout)  # a bad timeout (or max_wait) is refused before anything runs
+        if max_wait is not None:
+            _seconds("max_wait", max_wait)
         flow = self._checked(flow)
         org = flow.org
         entry = self._idem.get(org, key)
         first = entry is None
         if entry is None:
-            task = asyncio.get_running_loop().create_task(self._submit(flow, body, timeout, key, on_admit, cost))
+            task = asyncio.get_running_loop().create_task(self._submit(flow, body, timeout, key, on_admit, cost,
+                                                                       max_wait))
             entry = _Joined(task)
             self._idem.add(org, key, entry)
             task.add_done_callback(functools.partial(self._joined_done, org, key, entry))
@@ -875,11 +915,12 @@ class PolicyDispatcher:
             task.exception()  # retrieved: no "never retrieved" warning when every caller left
 
     async def _submit(self, flow: Flow, body: Mapping[str, Any], timeout: float | None, key: str | None,
-                      on_admit: Callable[[Request], None] | None, cost: float | None = None) -> Reply:
+                      on_admit: Callable[[Request], None] | None, cost: float | None = None,
+                      max_wait: float | None = None) -> Reply:
         if self._started and not self._shared:
-            r = self._admit_now(flow, body, timeout, key, False, cost)
+            r = self._admit_now(flow, body, timeout, key, False, cost, max_wait)
         else:
-            r = await self._admit(flow, body, timeout, key, False, cost)
+            r = await self._admit(flow, body, timeout, key, False, cost, max_wait)
         if on_admit is not None:
             on_admit(r)
         endpoint = _endpoint(body)
@@ -935,22 +976,25 @@ class PolicyDispatcher:
 
     # ------------------------------------------------------------ streams
     def stream(self, credential: str | None, body: Mapping[str, Any], *, cls: str | None = None,
-               timeout: float | None = None, on_admit: Callable[[Request], None] | None = None) -> EventStream:
+               timeout: float | None = None, on_admit: Callable[[Request], None] | None = None,
+               max_wait: float | None = None) -> EventStream:
         """Like :meth:`submit` for a streaming body: the backend's events, as an
         :class:`EventStream`. It opens when entered (``async with``) or at the first
         iteration; every refusal raises there. Closing it early (``aclose()``, leaving the
         ``async with``) cancels the request. A failed attempt is retried (by the same rules)
-        only while no event has been passed on. ``on_admit``: as in ``submit``."""
-        return PolicyEventStream(self, None, credential, cls, body, timeout, on_admit)
+        only while no event has been passed on. ``on_admit``, ``timeout``, ``max_wait``: as in
+        ``submit``."""
+        return PolicyEventStream(self, None, credential, cls, body, timeout, on_admit, None, max_wait)
 
     def stream_flow(self, flow: Flow, body: Mapping[str, Any], *, timeout: float | None = None,
-                    cost: float | None = None, on_admit: Callable[[Request], None] | None = None) -> EventStream:
+                    cost: float | None = None, on_admit: Callable[[Request], None] | None = None,
+                    max_wait: float | None = None) -> EventStream:
         """:meth:`stream` for a request the embedder classified itself (``cost``: as in
         :meth:`submit_flow`)."""
-        return PolicyEventStream(self, flow, None, None, body, timeout, on_admit, cost)
+        return PolicyEventStream(self, flow, None, None, body, timeout, on_admit, cost, max_wait)
 
     def open_stream(self, flow: Flow, body: Mapping[str, Any], *, timeout: float | None = None,
-                    cost: float | None = None) -> EventStream:
+                    cost: float | None = None, max_wait: float | None = None) -> EventStream:
         """A stream that is admitted, and answered by its upstream, before the ``async with``
         body runs, so that every refusal can still be an HTTP status::
 
@@ -960,10 +1004,11 @@ class PolicyDispatcher:
                     ...
 
         Entering raises what can refuse the request (``BadRequest``, limits, queue age,
-        ``timeout``, ``NoHealthyBackend``) and the upstream's error before its first event
-        (after the retries the policy allows), all ``SFQError`` s. Cancelling the task while
-        it waits there removes the request uncharged, and nothing reaches an upstream."""
-        return PolicyEventStream(self, flow, None, None, body, timeout, None, cost)
+        ``max_wait``, ``timeout``, ``NoHealthyBackend``) and the upstream's error before its
+        first event (after the retries the policy allows), all ``SFQError`` s. Cancelling the
+        task while it waits there removes the request uncharged, and nothing reaches an
+        upstream. ``timeout``, ``max_wait``: as in :meth:`submit`."""
+        return PolicyEventStream(self, flow, None, None, body, timeout, None, cost, max_wait)
 
     # ------------------------------------------------------------ reload
     def reload(self, policy: Policy | str | Path) -> list[Request]:

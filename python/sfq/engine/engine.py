@@ -286,7 +286,8 @@ class PolicyEngine:
     def submit(self, flow: Flow, *, cost: object = None, tokens: object = None,
                need: object = None, deadline: object = None, item: Any = None,
                idempotency_key: str | None = None, estimate: Estimate | None = None,
-               streaming: bool = False, start: bool = False, hold: Hold | None = None) -> Request:
+               streaming: bool = False, start: bool = False, hold: Hold | None = None,
+               max_wait: object = None) -> Request:
         """Accept a request of ``flow`` (from :meth:`classify`) into its pool's queue.
 
         ``estimate``: the request's estimate (``CostEstimator.estimate``); with it the request
@@ -296,8 +297,12 @@ class PolicyEngine:
         re-estimated or corrected (the estimate then only bounds the usage it learns from).
         ``tokens``: the estimate debited from the pool's ``tokens_per_minute``; ``need``:
         prompt + max_tokens of one sequence (backends' ``max_context``); ``deadline``: absolute
-        clock time; ``streaming``: the reply is a stream (``served`` charges its output as it
-        is delivered, :meth:`delivered`). ``start``: when nothing else waits in its pool, start
+        clock time (it bounds the whole request); ``max_wait``: seconds the request may wait
+        for each start (its own queue age bound: the smaller of it and its class's
+        ``max_queue_age_seconds`` applies; it ends as refused, ``queue_timeout``, when it runs
+        out; a running request is never cut by it); ``streaming``: the reply is a stream
+        (``served`` charges its output as it is delivered, :meth:`delivered`). ``start``: when
+        nothing else waits in its pool, start
         it now if it may (returned RUNNING on ``r.backend``), the decision the next
         :meth:`poll` would make, for a driver that polls after every event and checks no
         ``fits`` of its own (an uncontended request then costs no poll).
@@ -313,11 +318,11 @@ class PolicyEngine:
         in a shared ledger (``sfq.state``), the request's from now on (given back if refused).
         """
         return self._submit(flow, cost, tokens, need, deadline, item, idempotency_key, estimate, streaming, start,
-                            hold)
+                            hold, max_wait)
 
     def _submit(self, flow: Flow, cost: object, tokens: object, need: object,
                 deadline: object, item: Any, idempotency_key: str | None, estimate: Estimate | None,
-                streaming: bool, start: bool, hold: Hold | None) -> Request:
+                streaming: bool, start: bool, hold: Hold | None, max_wait: object = None) -> Request:
         """:meth:`submit` with its arguments in order (the driver's call, without keywords)."""
         if type(flow) is not Flow:
             flow = Flow(*flow)
@@ -332,6 +337,12 @@ class PolicyEngine:
         if deadline is not None and (type(deadline) is not float and (
                 isinstance(deadline, bool) or not isinstance(deadline, (int, float))) or deadline != deadline):
             raise ValueError(f"deadline must be a clock time (a number) or None, got {deadline!r}")
+        wait = _INF
+        if max_wait is not None:
+            if not isinstance(max_wait, bool) and isinstance(max_wait, (int, float)) and max_wait > 0:
+                wait = float(max_wait)
+            else:
+                raise ValueError(f"max_wait must be a number of seconds > 0 or None, got {max_wait!r}")
         now = self.clock()
         # counters and metrics are kept per (org, class, pool): teams and users add no series
         key = flow if len(flow) == 3 else flow[:3]
@@ -386,6 +397,7 @@ class PolicyEngine:
                     self.estimator.epoch if estimate is not None else -1, bool(streaming))  # (in order: no keywords)
         r.fixed = fixed
         r.hold = hold
+        r.max_wait = wait
         if start and victim is None and q.start_alone(r, now, spec):
             # nothing waited in its pool and nothing bound: it started at once, as the pair
             # queue_new + pop would have started it (PolicyQueue.start_alone)
@@ -576,13 +588,39 @@ class PolicyEngine:
         """Forget what the engine keeps of flows with nothing waiting or running and no
         activity for a retry window (60 s): their retry budgets (a fresh flow's: nothing a
         decision needs is lost). The queues forget a flow's queue when it empties, and the
-        core its meter once ``v`` passes it. Returns how many flows were forgotten. A driver
+        core its meter once ``v`` passes it. Of the orgs made from the policy's
+        ``org_template`` (names an embedder made up, unbounded), with nothing live: their specs
+        (``Policy.forget_orgs``), their ``requests_per_minute`` buckets once full again, their
+        ``max_in_flight`` slots once free, and their metrics once idle for the share window
+        (``PolicyMetrics.forget_idle``): what a fresh org starts with, so nothing a decision
+        needs is lost. Returns how many flows (and template orgs) were forgotten. A driver
         calls it on a timer, so that an idle process holds nothing for flows seen once."""
         now = self.clock()
         self._allowed.clear()  # (a cache of the flows the policy allows)
         for q in self.queues.values():
             q.forget_starts(now)
-        return self.retry.sweep(now)
+        n = self.retry.sweep(now)
+        p = self.policy
+        if p.org_template is not None:
+            live = {r.flow.org for r in self.live.values()}
+            n += p.forget_orgs(live)
+            named = p.orgs
+            full = [o for o, b in self.org_rate.items() if o not in named and o not in live
+                    and b.available(now) >= b.capacity]
+            for o in full:
+                del self.org_rate[o]
+            if full:
+                self.org_rate = dict(self.org_rate)
+            slots = self.shared.slots
+            free = [g for g, sl in slots.items() if g[0] == "org" and g[1] not in named and g[1] not in live
+                    and not sl.used and not sl.full]
+            for g in free:
+                del slots[g]
+            if free:
+                self.shared.slots = dict(slots)
+        if isinstance(self.metrics, PolicyMetrics):
+            n += self.metrics.forget_idle()
+        return n
 
     def wake_at(self) -> float | None:
         """The clock time by which :meth:`poll` must run again even if nothing else happens."""
@@ -807,6 +845,11 @@ class PolicyEngine:
             return DeadlineExceeded("the request's deadline ran out while it waited to be retried")
         if reason in ("queue_timeout", "deadline"):
             what = "deadline" if reason == "deadline" else "queue age"
+            if reason == "queue_timeout" and r.max_wait < math.inf:
+                c = self.policy.classes.get(r.flow.cls)
+                age = None if c is None else c.max_queue_age_seconds
+                if age is None or r.max_wait <= age:
+                    what = f"max_wait ({r.max_wait:g} s)"
             return Refused(reason, f"the request's {what} ran out before it started")
         if reason == "queue_full":
             q = self.queues[r.flow.pool]

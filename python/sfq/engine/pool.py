@@ -35,8 +35,9 @@ Limits: a flow whose org (or class) is at its ``max_in_flight`` leaves the compe
 and banks no credit. Pool-wide limits (the pool's ``max_in_flight``, backend slots, the
 ``requests_per_minute`` and ``tokens_per_minute`` buckets, backends paused by a 429) hold
 the whole pool: requests keep their places in the fair queue until the limit allows the next.
-A waiting request is dropped the moment its class's ``max_queue_age_seconds`` or its own
-deadline runs out (:meth:`PolicyQueue.expire`).
+A waiting request is dropped the moment its class's ``max_queue_age_seconds``, its own
+``max_wait`` (the smaller of the two is its queue age bound) or its own deadline runs out
+(:meth:`PolicyQueue.expire`).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class Request:
                  "drop_reason", "item", "state", "backend", "started_at", "tries", "idempotency_key",
                  "outcome", "reason", "small", "retrying", "est", "epoch", "streaming", "charged", "delivered",
                  "work_flow", "working", "in_core", "avoid", "start_tag", "fixed", "hold",
-                 "charged_total", "guess")
+                 "charged_total", "guess", "max_wait")
 
     def __init__(self, flow: Flow, cost: float, tokens: float, arrival: float, deadline: float | None = None,
                  item: Any = None, need: float = 0.0, idempotency_key: str | None = None,
@@ -92,6 +93,9 @@ class Request:
         self.arrival = arrival
         self.queued_at = arrival
         self.deadline = deadline
+        #: seconds it may wait for each start (its own queue age bound, next to its class's
+        #: ``max_queue_age_seconds``: the smaller applies); inf: none of its own
+        self.max_wait = _INF
         self.drop_at = _INF
         self.drop_reason = ""
         self.item = item
@@ -491,6 +495,8 @@ class PolicyQueue:
         r.queued_at = now
         age = spec.max_queue_age_seconds
         at_age = now + age if age is not None else _INF
+        if r.max_wait < _INF and now + r.max_wait < at_age:  # its own bound, when the smaller
+            at_age = now + r.max_wait
         at_deadline = r.deadline if r.deadline is not None else _INF
         r.drop_at = at_age if at_age < at_deadline else at_deadline
         r.drop_reason = "deadline" if at_deadline <= at_age else "queue_timeout"
@@ -638,8 +644,12 @@ class PolicyQueue:
         if fq.named and fq.run:
             self._runs[f] = fq.run
         if fq.groups:
+            gm = self._group_members
             for g in fq.groups:
-                del self._group_members[g][f]
+                members = gm[g]
+                del members[f]
+                if not members:  # (an org of the template: its group goes with its last flow)
+                    del gm[g]
             self.sched.resume(f)
         if self._unnamed_weights and not fq.named:
             self._forget_weight(f)
@@ -670,6 +680,8 @@ class PolicyQueue:
             members = self._group_members.get(g)
             if members is not None:
                 members.pop(f, None)
+                if not members:
+                    del self._group_members[g]
         if self.sched.suspended(f):
             self.sched.resume(f)
         self.sched.release(f)
@@ -961,6 +973,8 @@ class PolicyQueue:
             return False
         age = spec.max_queue_age_seconds
         at_age = now + age if age is not None else _INF
+        if r.max_wait < _INF and now + r.max_wait < at_age:
+            at_age = now + r.max_wait
         at_deadline = r.deadline if r.deadline is not None else _INF
         drop_at = at_age if at_age < at_deadline else at_deadline
         if drop_at <= now:

@@ -16,7 +16,7 @@ import hashlib
 import math
 import pickle
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -323,9 +323,10 @@ class Policy:
 
     def org(self, name: str, *, keep: bool = True) -> OrgSpec | None:
         """The org called ``name``: the file's entry, else one made from ``org_template`` (made
-        once, then kept: the same object every time), else ``None`` (the policy does not know
-        it). Every rule that needs an org's spec asks here. ``keep=False``: a template org not
-        made yet is made for this answer only (a request not accepted yet must leave nothing)."""
+        once, then kept until :meth:`forget_orgs` lets it go: an equal one is made again on the
+        next use), else ``None`` (the policy does not know it). Every rule that needs an org's
+        spec asks here. ``keep=False``: a template org not made yet is made for this answer
+        only (a request not accepted yet must leave nothing)."""
         o = self.orgs.get(name)
         if o is not None:
             return o
@@ -337,8 +338,23 @@ class Policy:
         return o
 
     def made_orgs(self) -> list[OrgSpec]:
-        """The orgs :meth:`org` has made from the template so far, in the order they were made."""
+        """The orgs :meth:`org` has made from the template and keeps, in the order they were made."""
         return list(self._made.values())
+
+    def forget_orgs(self, keep: Container[str] = ()) -> int:
+        """Let go of the orgs made from the template, but those named in ``keep`` (the orgs
+        with requests live); returns how many. Their specs are the template's under their
+        names: made again, equal, on their next use, so an org name seen once costs nothing
+        once forgotten (``PolicyEngine.forget_idle`` calls it on a timer)."""
+        made = self._made
+        gone = [name for name in made if name not in keep]
+        for name in gone:
+            del made[name]
+        if gone and len(gone) >= len(made):  # (a dict keeps its size after deletions: a new one is compact)
+            kept = dict(made)
+            made.clear()
+            made.update(kept)
+        return len(gone)
 
     def allows(self, flow: tuple[str, ...]) -> bool:
         """Whether ``flow`` ``(org, class, pool[, team, user])`` is one the policy allows (in

@@ -107,11 +107,13 @@ class FlowCounters:
     which the flow has had a request waiting, ``None`` while nothing waits), ``spans`` (its
     spans ``[start, end]`` of waiting still in the window, those that covered a whole second:
     no other can make it backlogged in a second) and ``recent`` (one record
-    ``[second, served cost, wait counts per bucket or None]`` per second with an event)."""
+    ``[second, served cost, wait counts per bucket or None]`` per second with an event).
+    ``last``: clock time the flow was last seen idle (made, gone idle, refused while idle),
+    for :meth:`PolicyMetrics.forget_idle`."""
 
     __slots__ = ("waiting", "in_flight", "outcomes", "reasons", "charged_cost", "served_cost", "cancelled_work",
                  "upstream_429", "timeouts", "attempts", "retries", "waits", "refused_by", "wait_buckets", "created",
-                 "joins", "missed", "since", "spans", "recent")
+                 "joins", "missed", "since", "spans", "recent", "last")
 
     def __init__(self) -> None:
         self.created = time.time()
@@ -136,6 +138,7 @@ class FlowCounters:
         # cut from the front at most once a second and holds at most the window's seconds)
         self.spans: list[list[float]] = []
         self.recent: list[list[Any]] = []
+        self.last = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {"waiting": self.waiting, "in_flight": self.in_flight, **self.outcomes,
@@ -394,6 +397,7 @@ class PolicyMetrics:
         fc = self.flows.get(key)
         if fc is None:
             fc = self.flows[key] = FlowCounters()
+            fc.last = self.clock()
         return fc
 
     # ------------------------------------------------------------ events
@@ -419,7 +423,7 @@ class PolicyMetrics:
         if start is None:
             return
         fc.since = None
-        now = self.clock()
+        now = fc.last = self.clock()
         if math.ceil(start) + 1 > now:
             return
         sp = fc.spans
@@ -517,6 +521,8 @@ class PolicyMetrics:
                 fc.missed += 1
             if outcome == "refused":
                 fc.refused_by[reason] = fc.refused_by.get(reason, 0) + 1
+                if fc.since is None:  # (refused while idle: its last activity; else _idle's)
+                    fc.last = self.clock()
 
     def joined(self, key: Key) -> None:
         """A request joined a running one with the same ``Idempotency-Key``: counted in
@@ -527,6 +533,60 @@ class PolicyMetrics:
 
     def snapshot(self) -> dict[Key, dict[str, Any]]:
         return {k: fc.as_dict() for k, fc in self.flows.items()}
+
+    # ------------------------------------------------------------ forgetting
+    @property
+    def idle_horizon(self) -> float:
+        """Seconds a flow of an org made from the template stays idle before it is forgotten:
+        the share window and a second (it no longer counts in any figure of the window), and
+        at least a minute."""
+        return max(60.0, self.window + 1.0)
+
+    def forget_idle(self) -> int:
+        """Forget the counters of flows of orgs the policy file does not name (orgs made from
+        its ``org_template``: names an embedder made up, unbounded) that have had nothing
+        waiting or running for :attr:`idle_horizon` seconds; returns how many. O(flows); a
+        driver calls it on a timer (``PolicyEngine.forget_idle``).
+
+        Nothing a figure needs is lost: such a flow no longer counts in the share window, and
+        a forgotten org that comes back is a new one (its series start again, with a new
+        ``_created``, which Prometheus reads as a counter reset). An org counted under
+        ``_other`` leaves its counts there (``_other`` stays monotonic); an org with its own
+        label has its series end (as a demoted org's do: nothing is counted twice), and its
+        label goes to the next org. The orgs the file names are never forgotten (they are
+        bounded by the file, and an operator reads their series)."""
+        p = self.policy
+        named: Mapping[str, Any] = p.orgs if p is not None else {}
+        before = self.clock() - self.idle_horizon
+        gone = [k for k, fc in self.flows.items()
+                if fc.since is None and fc.last < before and not fc.waiting and not fc.in_flight
+                and k[0] and k[0] != OTHER_ORG and k[0] not in named]
+        if not gone:
+            return 0
+        flows = self.flows
+        for k in gone:
+            fc = flows.pop(k)
+            mark = self._mark.pop(k, None)
+            self._hidden.pop(k, None)
+            if k[0] not in self._labelled:  # counted under _other: its counts stay there
+                vec = fc.vector()
+                if mark is not None:
+                    vec = _minus(vec, mark)
+                _add_into(self._other_base.setdefault((k[1], k[2]), {}), vec)
+                self._other_created.setdefault((k[1], k[2]), time.time())
+        left = {k[0] for k in flows}
+        for k in gone:
+            org = k[0]
+            self._weights.pop((org, k[1]), None)
+            if org not in left:
+                self._labelled.discard(org)
+                self._assigned.discard(org)
+        if len(gone) > len(flows):  # (a dict keeps its size after deletions: a new one is compact)
+            self.flows = dict(flows)
+            self._weights = dict(self._weights)
+            self._labelled = set(self._labelled)
+            self._assigned = set(self._assigned)
+        return len(gone)
 
     # ------------------------------------------------------------ the window, at read time
     def _weight(self, org: str, cls: str) -> tuple[float, bool]:
