@@ -11,7 +11,10 @@ and through several gateways sharing Redis:
   backlogged); one engine;
 * ``weighted``: weights 2:1:1, A plain (weight 2), B streams and declares ``max_tokens`` 10x
   what it uses, C mixed and honest, plus the interactive org; two engines of unequal speed
-  (2 and 1).
+  (2 and 1);
+* ``nested``: org -> team shares: acme's teams research (weight 3, streams) and product (plain,
+  10x over-declared) split acme's half 3:1 (37.5 / 12.5 %), globex (mixed) has the other half;
+  the interactive org; two engines of unequal speed.
 
 =================================  ========  ============  =========  ========
 scenario                           gateways  routing       workload   engines
@@ -26,6 +29,8 @@ scenario                           gateways  routing       workload   engines
 ``weighted-3-redis-lost``          3         alternating   weighted   2  (Redis killed 10 s)
 ``weighted-3-gateway-killed``      3         alternating   weighted   2  (a gateway killed 3 s)
 ``four-to-one-8-alternating``      8         alternating   4:1        2
+``nested-1``                       1         (memory)      nested     2
+``nested-3-alternating``           3         alternating   nested     2
 =================================  ========  ============  =========  ========
 
 Alternating: each org's requests go round-robin over the gateways, per request. Sticky: each
@@ -51,7 +56,7 @@ from pathlib import Path
 
 import pytest
 from support.fleet import (ALTERNATING, STICKY, Report, Scenario, four_to_one_orgs, interactive_org, issue27_orgs,
-                           run_scenario, weighted_orgs)
+                           nested_orgs, run_scenario, weighted_orgs)
 from support.processes import RedisServer
 from support.workload import OrgLoad
 
@@ -70,6 +75,11 @@ def _weighted(name: str, gateways: int, routing: str = ALTERNATING) -> Scenario:
                     speeds=(2.0, 1.0), warmup=WARMUP, seconds=SECONDS)
 
 
+def _nested(name: str, gateways: int, routing: str = ALTERNATING) -> Scenario:
+    return Scenario(name, nested_orgs(tokens=200, clients=5), gateways=gateways, routing=routing,
+                    speeds=(2.0, 1.0), warmup=WARMUP, seconds=SECONDS)
+
+
 SCENARIOS = {s.name: s for s in [
     _equal("equal-1", 1),
     _equal("equal-1-redis", 1, redis=True),
@@ -78,9 +88,11 @@ SCENARIOS = {s.name: s for s in [
     _weighted("weighted-1", 1),
     _weighted("weighted-3-alternating", 3, ALTERNATING),
     _weighted("weighted-3-sticky", 3, STICKY),
+    _nested("nested-1", 1),
+    _nested("nested-3-alternating", 3, ALTERNATING),
 ]}
 #: each scenario's reference: the same workload through one gateway in memory
-REFERENCE = {name: ("equal-1" if name.startswith("equal") else "weighted-1") for name in SCENARIOS}
+REFERENCE = {name: name.split("-")[0] + "-1" for name in SCENARIOS}
 
 _reports: dict[str, Report] = {}
 

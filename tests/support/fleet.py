@@ -166,10 +166,20 @@ def _pct(xs: Sequence[float], p: float) -> float:
 
 
 def expected_shares(orgs: Sequence[OrgLoad]) -> dict[str, float]:
-    """Each backlogged org's weight over the backlogged orgs' weights."""
+    """Each backlogged org's weight over the backlogged orgs' weights; a team's, its part (its
+    weight over its backlogged sibling teams') of its org's (weight 1)."""
     back = [o for o in orgs if o.backlogged]
-    total = sum(o.weight for o in back)
-    return {o.name: o.weight / total for o in back}
+    tops = {o.name: o.weight for o in back if o.team_of is None}
+    tops.update({o.team_of: 1.0 for o in back if o.team_of is not None})
+    total = sum(tops.values())
+    out = {}
+    for o in back:
+        if o.team_of is None:
+            out[o.name] = o.weight / total
+        else:
+            sib = sum(x.weight for x in back if x.team_of == o.team_of)
+            out[o.name] = tops[o.team_of] / total * o.weight / sib
+    return out
 
 
 def weighted_jain(sh: dict[str, float], expected: dict[str, float]) -> float:
@@ -413,6 +423,20 @@ def weighted_orgs(tokens: int = 200, clients: int = 5) -> list[OrgLoad]:
         OrgLoad("A", "sk-A", clients=clients + 2, max_tokens=tokens, use=lambda t: tokens, stream=False, weight=2),
         OrgLoad("B", "sk-B", clients=clients, max_tokens=tokens * 10, use=lambda t: tokens, stream=True),
         OrgLoad("C", "sk-C", clients=clients, max_tokens=tokens, use=lambda t: tokens, stream="mixed"),
+        interactive_org(),
+    ]
+
+
+def nested_orgs(tokens: int = 200, clients: int = 5) -> list[OrgLoad]:
+    """Nested shares (org -> team): acme's teams research (weight 3, streams) and product
+    (weight 1, plain, declaring ``max_tokens`` 10x what it uses) split acme's half 3:1, globex
+    (mixed, honest) has the other half; plus the interactive org."""
+    return [
+        OrgLoad("research", "sk-research", clients=clients, max_tokens=tokens, use=lambda t: tokens, stream=True,
+                weight=3, team_of="acme"),
+        OrgLoad("product", "sk-product", clients=clients, max_tokens=tokens * 10, use=lambda t: tokens,
+                stream=False, team_of="acme"),
+        OrgLoad("globex", "sk-globex", clients=clients, max_tokens=tokens, use=lambda t: tokens, stream="mixed"),
         interactive_org(),
     ]
 

@@ -228,6 +228,9 @@ class OrgLoad:
     weight: float = 1.0  # orgs.X.weight in the policy file
     route: int | None = None  # None: round-robin over the gateways, per request; i: always gateway i
     cached: int = 0  # percent of each prompt the engines serve from their prefix cache
+    #: a team of an org with nested shares: the org's name (this load is its team ``name``, its
+    #: key the team's, ``weight`` the team's weight; the org's own weight is 1)
+    team_of: str | None = None
 
 
 @dataclass
@@ -516,7 +519,12 @@ def policy_text(urls: Sequence[str], orgs: Sequence[OrgLoad], *, slots: int = 4,
     cw = "" if cached_input_weight is None else f", cached_input_weight: {cached_input_weight:g}"
     backends = "\n".join(f'      - {{url: "{u}", max_in_flight: {slots}}}' for u in urls)
     org_lines = "\n".join(f'  {o.name}: {{keys: ["{o.key}"], classes: [batch, interactive]'
-                          + (f", weight: {o.weight:g}" if o.weight != 1 else "") + "}" for o in orgs)
+                          + (f", weight: {o.weight:g}" if o.weight != 1 else "") + "}"
+                          for o in orgs if o.team_of is None)
+    parents = list(dict.fromkeys(o.team_of for o in orgs if o.team_of is not None))
+    for parent in parents:  # nested shares: the org's teams, each with its key and weight
+        teams = ", ".join(f'{o.name}: {{keys: ["{o.key}"], weight: {o.weight:g}}}' for o in orgs if o.team_of == parent)
+        org_lines += f"\n  {parent}: {{classes: [batch, interactive], teams: {{{teams}}}}}"
     state = "" if redis is None else f'state: {{redis: "{redis}", prefix: "{prefix}", lease_seconds: {lease:g}}}\n'
     return f"""\
 pools:
