@@ -301,8 +301,10 @@ def _faults(sc: Scenario, redis: RedisServer | None, gws: list[Gateway], cfg: Pa
 
         def kill() -> None:
             seen["in_hands"] = res.in_hands.get(i, 0)  # (read first: those failing as it dies leave it)
+            seen["read_at"] = time.monotonic()
+            gws[i].kill()  # (SIGKILL, then waits for the process to be gone)
+            # it died now: a request sent to it since the count above was in its hands too
             seen["killed_at"] = time.monotonic()
-            gws[i].kill()
 
         def restart() -> None:
             port = int(gws[i].url.rsplit(":", 1)[1])
@@ -374,6 +376,10 @@ def run_scenario(sc: Scenario, *, redis: RedisServer | None = None, workdir: Pat
     rep = measure(sc, orgs, res, fleet, "redis" if sc.uses_redis else "memory")
     rep.health_in_outage = seen["health"]
     rep.killed_in_hands = seen["in_hands"]
+    if "read_at" in seen and sc.gateway_kill is not None:
+        k = sc.gateway_kill[0]
+        rep.killed_in_hands += sum(1 for rid, o in res.outcomes.items()
+                                   if o[1] == k and seen["read_at"] < res.sent_at.get(rid, 0.0) <= seen["killed_at"])
     rep.rerouted = res.rerouted
     rep.killed_at = seen.get("killed_at", 0.0)
     rep.sent_at = dict(res.sent_at)

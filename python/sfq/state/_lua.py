@@ -30,7 +30,9 @@ that must outlive any one gateway. Keys (``P`` = the prefix):
 * ``P rb:first|retry:<flow>`` sorted sets: the flow's first attempts and retries over the
   last minute; ``P rb:out:<flow>``: its retries waiting or running (leases): the retry budget.
 * ``P wake``: the pub/sub channel: ``e`` and the events (JSON) after a newline, for the
-  decider; ``g:<gateway>`` and the grants (JSON) after a newline; ``P evict``: the channel that names a waiting place taken
+  decider; ``g:<gateway>`` and the grants (JSON) after a newline; ``n`` and the slots the
+  pools and backends hold (JSON ``[[lease key, count], ...]``) whenever a grant or a release
+  changed them; ``P evict``: the channel that names a waiting place taken
   from the org holding the most (``ADMIT``).
 * ``P gw`` sorted set: the live gateways (their ids, scored by the expiry of their last
   renewal): how many share each limit, and each one's rank, for the slices a gateway keeps
@@ -253,8 +255,16 @@ if #got > 0 then
     g[#g + 1] = {got[i], x.b, x.k}
   end
 end
-local seen = {}
-for _, k in ipairs(A.seen or {}) do seen[#seen + 1] = count(k) end
+local seen, pairs_ = {}, {}
+for _, k in ipairs(A.seen or {}) do
+  seen[#seen + 1] = count(k)
+  pairs_[#pairs_ + 1] = {k, seen[#seen]}
+end
+-- the slots held over every gateway, to every gateway, whenever they changed here: what is left
+-- of each limit should Redis be lost (docs/gateway.md, "When Redis is lost")
+if (#g > 0 or #(A.rel or {}) > 0) and #pairs_ > 0 then
+  redis.call('PUBLISH', P .. 'wake', 'n\n' .. cjson.encode(pairs_))
+end
 return cjson.encode({lead = lead, became = became, g = g, lost = lost, seen = seen})
 """
 
@@ -268,7 +278,7 @@ return cjson.encode({lead = lead, became = became, g = g, lost = lost, seen = se
 #: starts again) takes every candidate and running attempt instead, and the order number they
 #: are up to (``q``); ``live``: the live candidates and running attempts too (a gateway that
 #: died stops renewing them).
-#: {gw, lease, ttl, init, live, upto, pools: [names], g: [[m, backend, pool], ...]}
+#: {gw, lease, ttl, init, live, upto, pools: [names], g: [[m, backend, pool], ...], seen: [lease keys]}
 #: -> JSON {ok: false, lead} | {ok: true, gone: [m], ev: [event JSON], cand: [candidate JSON],
 #:          run: [[m, run JSON]], lc: [live candidates], lr: [live running], q}
 DECIDE = _COMMON + r"""
@@ -310,6 +320,11 @@ for _, x in ipairs(A.g or {}) do
   end
 end
 for o, gs in pairs(owners) do redis.call('PUBLISH', P .. 'wake', 'g:' .. o .. '\n' .. cjson.encode(gs)) end
+if next(owners) ~= nil and #(A.seen or {}) > 0 then  -- the slots held now, to every gateway (OFFER's)
+  local ns = {}
+  for _, k in ipairs(A.seen) do ns[#ns + 1] = {k, count(k)} end
+  redis.call('PUBLISH', P .. 'wake', 'n\n' .. cjson.encode(ns))
+end
 local out = {ok = true, gone = gone, ev = {}, cand = {}, run = {}, lc = {}, lr = {}, q = 0}
 if A.init or A.live then
   -- candidates whose gateway stopped renewing them leave; so do attempts whose leases expired

@@ -224,9 +224,6 @@ class RedisState(SharedState):
         self._local_holds: dict[str, tuple[list[str], float]] = {}  # member -> (spend keys, amount) reserved alone
         self.degraded_since: float | None = None
         self._rejoining = False  # putting back what was granted alone: nothing more is, until Redis grants
-        p = self.prefix
-        self._bucket_keys = {name: (f"{p}bucket:pool:{name}:rpm", f"{p}bucket:pool:{name}:tpm")
-                             for name in policy.pools}
         #: candidates per flow registered in Redis at once (the rest wait here, in order)
         self._cap = {name: pool.limits.max_in_flight or 8 for name, pool in policy.pools.items()}
         self._backends_of = {name: [b.name for b in pool.backends] for name, pool in policy.pools.items()}
@@ -491,6 +488,15 @@ class RedisState(SharedState):
     def _wakeup(self, text: str) -> None:
         """A message on ``P wake``: ``e`` (events for the decider), ``g:<gateway>`` (grants for
         that gateway, taken by its next round trip)."""
+        if text.startswith("n\n"):  # the slots held over every gateway, now
+            try:
+                counts = json.loads(text[2:])
+            except ValueError:
+                return
+            at = self.clock()
+            for key, c in _list(counts):
+                self._seen[str(key)] = (at, int(c))
+            return
         if text.startswith("e\n"):  # events for the decider, in order: it decides at once
             if not self._leading or self._lead_evt is None:
                 return
@@ -973,7 +979,9 @@ class RedisState(SharedState):
         mark = self._applied_q
         res = await self._call_json("DECIDE", {"gw": self.gateway_id, "lease": self.lease, "ttl": self._ttl,
                                                "init": init, "live": live, "pools": list(self.policy.pools),
-                                               "upto": mark, "g": [list(x) for x in grants]})
+                                               "upto": mark, "g": [list(x) for x in grants],
+                                               "seen": [k for pool in self.policy.pools for k in self._seen_keys(pool)]
+                                               if grants else []})
         # events a message brought while the call was out are newer than what it saw alive
         live = live and self._applied_q == mark and not self._decided
         if not res.get("ok"):
