@@ -346,6 +346,19 @@ class PolicyEngine:
             self.metrics.ended(self._refusal_key(key), "refused", "deadline")
             raise Refused("deadline", "the request's deadline has already passed")
         spec = self.policy.classes[flow.cls]
+        if spec.deadline_seconds is not None and deadline is None:  # the class's default deadline
+            deadline = now + spec.deadline_seconds
+        if spec.refuse_unmeetable and deadline is not None:
+            age = spec.max_queue_age_seconds
+            drop_at = deadline if age is None or deadline <= now + age else now + age
+            late = q.unmeetable(flow, drop_at, now)
+            if late is not None:
+                self.submitted += 1
+                self.metrics.ended(self._refusal_key(key), "refused", "deadline_unmeetable")
+                raise Refused("deadline_unmeetable", f"the request cannot start within its deadline "
+                                                     f"({drop_at - now:.3g} s): its flow's requests with nearer "
+                                                     f"deadlines, at pool {flow.pool!r}'s measured rate, take "
+                                                     f"longer", retry_after=late)
         victim = None
         if spec.max_queue_length is not None and q.waiting_by_class[flow.cls] >= spec.max_queue_length:
             try:

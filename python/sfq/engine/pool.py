@@ -67,6 +67,12 @@ __all__ = ["Fits", "PolicyQueue", "Request", "SharedLimits", "WAITING", "RUNNING
 WAITING, RUNNING, BACKOFF, ENDED = "waiting", "running", "backoff", "ended"
 _INF = math.inf
 _ids = itertools.count(1)
+#: seconds of ended attempts the pool's measured service is taken over (``PolicyQueue.service``)
+SERVICE_WINDOW = 60.0
+#: the most ended attempts kept for it (the latest)
+SERVICE_SAMPLES = 4096
+#: ended attempts in the window before anything is predicted from it
+SERVICE_MIN_SAMPLES = 8
 log = logging.getLogger("sfq.engine")
 
 
@@ -188,16 +194,23 @@ def guessed(r: Request, estimator: CostEstimator) -> bool:
     return e is not None and not r.fixed and estimator.on_prior(e.model, r.flow)
 
 
+def _by_id(r: Request) -> int:
+    return r.id
+
+
 #: the driver's check that a backend (by name) can take a request now (``PolicyQueue.pop``)
 Fits = Callable[["Request", str], bool]
 
 
 class _FlowQ:
-    """A weighted flow's waiting requests in two size buckets (both FIFO), and its entry in
-    the core (``token``: the core's ticket, ``None`` when it has none). It exists while the
-    flow has requests waiting (``PolicyQueue._flow_queue`` makes it, ``_emptied`` forgets it)."""
+    """A weighted flow's waiting requests: those with a deadline of their own in a heap,
+    nearest deadline first (``edf``, made with the first of them: EDF inside the flow,
+    docs/design.md §5d), the others in two size buckets (both FIFO); and its entry in the core
+    (``token``: the core's ticket, ``None`` when it has none). It exists while the flow has
+    requests waiting (``PolicyQueue._flow_queue`` makes it, ``_emptied`` forgets it)."""
 
-    __slots__ = ("flow", "spec", "small", "large", "n", "run", "token", "token_cost", "groups", "aside", "named")
+    __slots__ = ("flow", "spec", "small", "large", "n", "run", "token", "token_cost", "groups", "aside", "named",
+                 "edf")
 
     def __init__(self, flow: Flow, spec: ClassSpec, groups: tuple[tuple[str, str], ...], run: int = 0) -> None:
         self.flow = flow
@@ -211,6 +224,9 @@ class _FlowQ:
         self.groups = groups
         self.aside = False  # its head fits no backend with room: suspended so that others overtake
         self.named = True  # its org is named in the policy file (its small-pick run outlives the queue)
+        #: the requests with a deadline of their own, as ``(drop_at, arrival number, request)``:
+        #: a min-heap, left requests cleaned lazily at its top; ``None`` until the flow has one
+        self.edf: list[tuple[float, int, Request]] | None = None
 
     @staticmethod
     def _head(d: deque[Request]) -> Request | None:
@@ -219,7 +235,14 @@ class _FlowQ:
         return d[0] if d else None
 
     def preferred(self) -> Request | None:
-        """The request that goes when the flow next wins (does not remove it)."""
+        """The request that goes when the flow next wins (does not remove it): the nearest
+        deadline (ties: the first queued), else the size buckets' choice."""
+        e = self.edf
+        if e:
+            while e and e[0][2].state != WAITING:
+                heapq.heappop(e)
+            if e:
+                return e[0][2]
         s = self._head(self.small)
         big = self._head(self.large) if self.large else None
         if s is None:
@@ -229,14 +252,35 @@ class _FlowQ:
         return big
 
     def take(self, r: Request) -> None:
+        """Take ``r``, the request :meth:`preferred` named, out of the queue."""
+        e = self.edf
+        self.n -= 1
+        if e and e[0][2] is r:
+            heapq.heappop(e)  # (a deadline's pick leaves the small-pick run as it was)
+            return
         d = self.small if r.small else self.large
         assert d[0] is r
         d.popleft()
-        self.n -= 1
         self.run = self.run + 1 if r.small else 0
+
+    def clear(self) -> None:
+        """Forget the requests left in it (none waits any more)."""
+        self.small.clear()
+        self.large.clear()
+        self.edf = None
+
+    def requests(self) -> Iterator[Request]:
+        """Its requests still in it (those that left are skipped by the caller's state test)."""
+        yield from self.small
+        yield from self.large
+        if self.edf:
+            for x in self.edf:
+                yield x[2]
 
     def oldest_arrival(self) -> float:
         heads = [h.queued_at for h in (self._head(self.small), self._head(self.large)) if h is not None]
+        if self.edf:  # O(its requests with a deadline): for readouts and a full class's Retry-After
+            heads.extend(x[2].queued_at for x in self.edf if x[2].state == WAITING)
         return min(heads) if heads else _INF
 
 
@@ -310,6 +354,7 @@ class PolicyQueue:
         self.n_waiting = 0  # requests waiting, every class
         self.in_flight = 0
         self._drops: list[tuple[float, int, Request]] = []  # (drop_at, id, request), lazily cleaned
+        self._arrivals = 0  # requests with a deadline queued so far (their order among equal deadlines)
         self._dropped: list[Request] = []  # dropped by pop(), not yet handed out by expire()
         #: seconds a waiting request may wait while no backend of the pool is in rotation
         #: before it is answered (reason ``unavailable``); counted from its arrival or from the
@@ -344,6 +389,12 @@ class PolicyQueue:
         #: again on each return, so the core is told to forget it (weight 1) once such a flow has
         #: nothing waiting or running, and then forgets the flow once ``v`` passes its meter
         self._unnamed_weights = not self.nested and (policy.org_template is not None or hasattr(policy, "weights"))
+        #: the attempts that ended in the last :data:`SERVICE_WINDOW` seconds, ``(end, seconds
+        #: it held its slot)``, with their sum: the pool's measured service (``unmeetable``);
+        #: ``None`` unless a class refuses unmeetable deadlines (nothing is kept otherwise)
+        self._done: deque[tuple[float, float]] | None = (
+            deque() if any(c.refuse_unmeetable for c in policy.classes.values()) else None)
+        self._done_sum = 0.0
 
     def _flow_queue(self, f: Flow) -> _FlowQ:
         """The weighted flow's queue, made when a request of the flow comes to wait (again):
@@ -394,6 +445,11 @@ class PolicyQueue:
                     held[f.org] = held.get(f.org, 0) + fq.n
                     for d in (fq.small, fq.large):  # (left requests stay in a deque until they reach its head)
                         last = next((x for x in reversed(d) if x.state == WAITING), None)
+                        o = newest.get(f.org)
+                        if last is not None and (o is None or last.id > o.id):
+                            newest[f.org] = last
+                    if fq.edf:  # (those with a deadline: the newest of them, O(them))
+                        last = max((x[2] for x in fq.edf if x[2].state == WAITING), key=_by_id, default=None)
                         o = newest.get(f.org)
                         if last is not None and (o is None or last.id > o.id):
                             newest[f.org] = last
@@ -494,7 +550,14 @@ class PolicyQueue:
         else:
             fq = self._flow_queue(flow)
             r.small = spec.small_cost is None or r.cost <= spec.small_cost
-            (fq.small if r.small else fq.large).append(r)
+            if r.deadline is None:
+                (fq.small if r.small else fq.large).append(r)
+            else:  # EDF inside the flow: nearest deadline first, ties in queue order (design.md §5d)
+                e = fq.edf
+                if e is None:
+                    e = fq.edf = []
+                self._arrivals += 1
+                heapq.heappush(e, (r.drop_at, self._arrivals, r))
             fq.n += 1
             if fq.token is None:
                 self._enter(fq)
@@ -538,8 +601,7 @@ class PolicyQueue:
             self.sched.cancel(fq.token)
             fq.token = None
             self._emptied(fq)
-            fq.small.clear()
-            fq.large.clear()
+            fq.clear()
 
     def cancel(self, r: Request) -> bool:
         """Remove a waiting request, uncharged. ``False`` if it is not waiting here."""
@@ -836,8 +898,7 @@ class PolicyQueue:
         if fq.n:
             self._enter(fq)
         else:
-            fq.small.clear()
-            fq.large.clear()
+            fq.clear()
             self._emptied(fq)
         return self._start(r, b, now, True)  # (core)
 
@@ -1078,6 +1139,8 @@ class PolicyQueue:
         b.in_flight -= 1
         self.in_flight -= 1
         self.slots.release()
+        if self._done is not None and r.started_at is not None:
+            self._served(r.started_at)
         r.state = ENDED
         if actual_tokens is not None and self.tpm is not None and math.isfinite(actual_tokens) and actual_tokens >= 0:
             diff = actual_tokens - r.tokens
@@ -1101,6 +1164,100 @@ class PolicyQueue:
             f = r.flow
             if f not in self.flows and f.org not in self.policy.orgs:
                 self._forget_weight(f)
+
+    # ------------------------------------------------------------ deadlines that cannot be met
+    def _served(self, started: float) -> None:
+        """An attempt that started at ``started`` ended now: one more sample of the service."""
+        done = self._done
+        assert done is not None
+        now = self.clock()
+        held = now - started if now > started else 0.0
+        done.append((now, held))
+        self._done_sum += held
+        if len(done) > SERVICE_SAMPLES:
+            self._done_sum -= done.popleft()[1]
+        self._forget_service(now)
+
+    def _forget_service(self, now: float) -> None:
+        done = self._done
+        assert done is not None
+        while done and done[0][0] <= now - SERVICE_WINDOW:
+            self._done_sum -= done.popleft()[1]
+        if not done:
+            self._done_sum = 0.0  # (no drift of the float sum across quiet spells)
+
+    def service(self, flow: Flow, now: float) -> tuple[float, int] | None:
+        """What the pool can give ``flow`` at most, as measured: ``(starts per second, starts
+        that may happen at once)``. The rate is the slots the flow may hold (the pool's and its
+        backends' in rotation, its org's and class's ``max_in_flight``) over the mean time an
+        attempt held its slot in the last :data:`SERVICE_WINDOW` seconds: the pool's completions
+        per second while those slots are all busy (Little's law), which, unlike the completions
+        counted in a window, does not fall when the pool is idle for want of work. The second
+        figure: the slots free for it now. ``None`` before :data:`SERVICE_MIN_SAMPLES` attempts
+        have ended in the window (or with no slot at all): nothing is predicted then."""
+        done = self._done
+        if done is None:
+            return None
+        self._forget_service(now)
+        if len(done) < SERVICE_MIN_SAMPLES:
+            return None
+        mean = self._done_sum / len(done)
+        cap = 0
+        free = 0
+        for b in self.backends.values():
+            if b.healthy and not b.saturated:
+                cap += b.limit
+                if b.paused_until <= now and b.in_flight < b.limit:
+                    free += b.limit - b.in_flight
+        groups = [self.slots]
+        shared = self.shared
+        for g in (("org", flow.org), ("class", flow.cls)):
+            sl = shared.slots.get(g)
+            if sl is not None:
+                groups.append(sl)
+        for sl in groups:
+            if sl.limit is not None:
+                cap = min(cap, sl.limit)
+                free = min(free, max(0, sl.limit - sl.used))
+        if cap <= 0:
+            return None
+        return (cap / mean if mean > 0 else _INF), free
+
+    def unmeetable(self, flow: Flow, drop_at: float, now: float) -> float | None:
+        """For a new request of ``flow`` that must start before ``drop_at`` (its deadline, or
+        its queue age if sooner), with a deadline of its own: ``None`` when it may start in
+        time, else the seconds after which a request like it (the same time allowed) might.
+        The prediction is optimistic, so that a request refused is one that could not have
+        made it: the flow is taken to get *every* start of the pool from now on, at the
+        measured rate (:meth:`service`), the free slots at once; the requests that go before
+        it are those of its flow with a deadline no later than its own (EDF, in that order;
+        a strict class: every request waiting in it, first come first served), each taking a
+        start only if it is still in time then (one past its deadline is dropped, and frees
+        its turn). Requests that come later with an earlier deadline, other flows, strict
+        classes and buckets only delay it more. ``None`` too when nothing is measured yet."""
+        svc = self.service(flow, now)
+        if svc is None:
+            return None
+        rate, free = svc
+        if flow.cls in self.strict:
+            ahead = [r.drop_at for r in self.strict[flow.cls] if r.state == WAITING]
+        else:
+            fq = self.flows.get(flow)
+            if fq is None or not fq.edf:
+                return None
+            ahead = [x[0] for x in fq.edf if x[0] <= drop_at and x[2].state == WAITING]
+        if len(ahead) <= free or now + (len(ahead) - free) / rate < drop_at:
+            return None  # even if every one of them starts first, there is time
+        if flow.cls not in self.strict:
+            ahead.sort()
+        taken = 0
+        for d in ahead:  # EDF (or FIFO) under the optimistic model: the n-th start at now + (n - free) / rate
+            if (now + (taken - free) / rate if taken > free else now) < d:
+                taken += 1
+        start = now + (taken - free) / rate if taken > free else now
+        if start < drop_at:
+            return None
+        return start - drop_at + 1.0 / rate
 
     # ------------------------------------------------------------ views
     def wake_at(self) -> float | None:
@@ -1129,8 +1286,7 @@ class PolicyQueue:
         for d in self.strict.values():
             yield from (r for r in d if r.state == WAITING)
         for fq in self.flows.values():
-            yield from (r for r in fq.small if r.state == WAITING)
-            yield from (r for r in fq.large if r.state == WAITING)
+            yield from (r for r in fq.requests() if r.state == WAITING)
 
     def meter(self, flow: Hashable) -> float:
         return float(self.sched.meter(flow))

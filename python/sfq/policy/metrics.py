@@ -70,6 +70,8 @@ REASONS = ("unauthenticated", "class_not_allowed", "unknown_model", "bad_request
            # a flow an embedder classified names an org the policy has no entry (and no template) for
            "unknown_org",
            "queue_timeout", "deadline", "closed",
+           # refused at once: it could not start before its deadline (a class's refuse_unmeetable)
+           "deadline_unmeetable",
            # no backend of the pool was in rotation for unavailable_timeout
            "unavailable",
            # several gateways sharing one queue (sfq.state): Redis cannot be reached; a retry over
