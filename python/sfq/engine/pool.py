@@ -237,8 +237,8 @@ class _FlowQ:
     def preferred(self) -> Request | None:
         """The request that goes when the flow next wins (does not remove it): the nearest
         deadline (ties: the first queued), else the size buckets' choice."""
-        e = self.edf
-        if e:
+        if self.edf:
+            e = self.edf
             while e and e[0][2].state != WAITING:
                 heapq.heappop(e)
             if e:
@@ -253,10 +253,9 @@ class _FlowQ:
 
     def take(self, r: Request) -> None:
         """Take ``r``, the request :meth:`preferred` named, out of the queue."""
-        e = self.edf
         self.n -= 1
-        if e and e[0][2] is r:
-            heapq.heappop(e)  # (a deadline's pick leaves the small-pick run as it was)
+        if self.edf and self.edf[0][2] is r:
+            heapq.heappop(self.edf)  # (a deadline's pick leaves the small-pick run as it was)
             return
         d = self.small if r.small else self.large
         assert d[0] is r
@@ -390,11 +389,12 @@ class PolicyQueue:
         #: nothing waiting or running, and then forgets the flow once ``v`` passes its meter
         self._unnamed_weights = not self.nested and (policy.org_template is not None or hasattr(policy, "weights"))
         #: the attempts that ended in the last :data:`SERVICE_WINDOW` seconds, ``(end, seconds
-        #: it held its slot)``, with their sum: the pool's measured service (``unmeetable``);
-        #: ``None`` unless a class refuses unmeetable deadlines (nothing is kept otherwise)
-        self._done: deque[tuple[float, float]] | None = (
+        #: it held its slot, its cost)``, with their sums: the pool's measured service
+        #: (``unmeetable``); ``None`` unless a class refuses unmeetable deadlines (else nothing kept)
+        self._done: deque[tuple[float, float, float]] | None = (
             deque() if any(c.refuse_unmeetable for c in policy.classes.values()) else None)
-        self._done_sum = 0.0
+        self._held_sum = 0.0
+        self._cost_sum = 0.0
 
     def _flow_queue(self, f: Flow) -> _FlowQ:
         """The weighted flow's queue, made when a request of the flow comes to wait (again):
@@ -898,7 +898,8 @@ class PolicyQueue:
         if fq.n:
             self._enter(fq)
         else:
-            fq.clear()
+            fq.small.clear()
+            fq.large.clear()  # (its heap, if any, holds only requests that left: it goes with the queue)
             self._emptied(fq)
         return self._start(r, b, now, True)  # (core)
 
@@ -1139,8 +1140,8 @@ class PolicyQueue:
         b.in_flight -= 1
         self.in_flight -= 1
         self.slots.release()
-        if self._done is not None and r.started_at is not None:
-            self._served(r.started_at)
+        if self._done is not None:
+            self._served(r.started_at, r.cost)
         r.state = ENDED
         if actual_tokens is not None and self.tpm is not None and math.isfinite(actual_tokens) and actual_tokens >= 0:
             diff = actual_tokens - r.tokens
@@ -1166,98 +1167,121 @@ class PolicyQueue:
                 self._forget_weight(f)
 
     # ------------------------------------------------------------ deadlines that cannot be met
-    def _served(self, started: float) -> None:
-        """An attempt that started at ``started`` ended now: one more sample of the service."""
+    def _served(self, started: float | None, cost: float) -> None:
+        """An attempt of ``cost`` that started at ``started`` ended now: a sample of the service."""
         done = self._done
         assert done is not None
         now = self.clock()
-        held = now - started if now > started else 0.0
-        done.append((now, held))
-        self._done_sum += held
+        held = now - started if started is not None and now > started else 0.0
+        done.append((now, held, cost))
+        self._held_sum += held
+        self._cost_sum += cost
         if len(done) > SERVICE_SAMPLES:
-            self._done_sum -= done.popleft()[1]
+            _, h, c = done.popleft()
+            self._held_sum -= h
+            self._cost_sum -= c
         self._forget_service(now)
 
     def _forget_service(self, now: float) -> None:
         done = self._done
         assert done is not None
         while done and done[0][0] <= now - SERVICE_WINDOW:
-            self._done_sum -= done.popleft()[1]
-        if not done:
-            self._done_sum = 0.0  # (no drift of the float sum across quiet spells)
+            _, h, c = done.popleft()
+            self._held_sum -= h
+            self._cost_sum -= c
+        if not done:  # (no drift of the float sums across quiet spells)
+            self._held_sum = self._cost_sum = 0.0
 
-    def service(self, flow: Flow, now: float) -> tuple[float, int] | None:
-        """What the pool can give ``flow`` at most, as measured: ``(starts per second, starts
-        that may happen at once)``. The rate is the slots the flow may hold (the pool's and its
-        backends' in rotation, its org's and class's ``max_in_flight``) over the mean time an
-        attempt held its slot in the last :data:`SERVICE_WINDOW` seconds: the pool's completions
-        per second while those slots are all busy (Little's law), which, unlike the completions
-        counted in a window, does not fall when the pool is idle for want of work. The second
-        figure: the slots free for it now. ``None`` before :data:`SERVICE_MIN_SAMPLES` attempts
-        have ended in the window (or with no slot at all): nothing is predicted then."""
+    def service(self, flow: Flow, now: float) -> tuple[float, float] | None:
+        """What the pool serves, as measured, and what ``flow`` may get of it: ``(cost units a
+        second the pool serves with its slots all busy, the most of them ``flow`` may get)``.
+        The first is the slots in rotation (the pool's ``max_in_flight`` and its backends', not
+        those paused or saturated) times the cost an attempt served per second it held its slot
+        over the last :data:`SERVICE_WINDOW` seconds: the pool's completions per second while
+        its slots are all busy (Little's law), which, unlike completions counted in a window,
+        does not fall while the pool idles for want of work. The second also holds ``flow`` to
+        its org's and class's ``max_in_flight``. ``None`` before :data:`SERVICE_MIN_SAMPLES`
+        attempts ended in the window, or with no slot."""
         done = self._done
         if done is None:
             return None
         self._forget_service(now)
-        if len(done) < SERVICE_MIN_SAMPLES:
+        if len(done) < SERVICE_MIN_SAMPLES or self._held_sum <= 0.0 or self._cost_sum <= 0.0:
             return None
-        mean = self._done_sum / len(done)
+        per_slot = self._cost_sum / self._held_sum
         cap = 0
-        free = 0
         for b in self.backends.values():
             if b.healthy and not b.saturated:
                 cap += b.limit
-                if b.paused_until <= now and b.in_flight < b.limit:
-                    free += b.limit - b.in_flight
-        groups = [self.slots]
+        lim = self.slots.limit
+        if lim is not None and lim < cap:
+            cap = lim
+        mine = cap
         shared = self.shared
         for g in (("org", flow.org), ("class", flow.cls)):
             sl = shared.slots.get(g)
-            if sl is not None:
-                groups.append(sl)
-        for sl in groups:
-            if sl.limit is not None:
-                cap = min(cap, sl.limit)
-                free = min(free, max(0, sl.limit - sl.used))
-        if cap <= 0:
+            if sl is not None and sl.limit is not None and sl.limit < mine:
+                mine = sl.limit
+        if mine <= 0:
             return None
-        return (cap / mean if mean > 0 else _INF), free
+        return cap * per_slot, mine * per_slot
 
-    def unmeetable(self, flow: Flow, drop_at: float, now: float) -> float | None:
-        """For a new request of ``flow`` that must start before ``drop_at`` (its deadline, or
-        its queue age if sooner), with a deadline of its own: ``None`` when it may start in
-        time, else the seconds after which a request like it (the same time allowed) might.
-        The prediction is optimistic, so that a request refused is one that could not have
-        made it: the flow is taken to get *every* start of the pool from now on, at the
-        measured rate (:meth:`service`), the free slots at once; the requests that go before
-        it are those of its flow with a deadline no later than its own (EDF, in that order;
-        a strict class: every request waiting in it, first come first served), each taking a
-        start only if it is still in time then (one past its deadline is dropped, and frees
-        its turn). Requests that come later with an earlier deadline, other flows, strict
-        classes and buckets only delay it more. ``None`` too when nothing is measured yet."""
+    def _fair_part(self, flow: Flow) -> float:
+        """``flow``'s weight over the weights of the flows competing in the core now, itself
+        included (a flow set aside or held by a full ``max_in_flight`` does not compete):
+        its part of the weighted classes' service while they all stay backlogged (SFQ)."""
+        w = self.policy.flow_weight(flow.org, flow.cls)
+        total = w
+        slots = self.shared.slots
+        for f, fq in self.flows.items():
+            if f == flow or fq.token is None or fq.aside:
+                continue
+            if fq.groups and any(slots[g].full for g in fq.groups):
+                continue
+            total += self.policy.flow_weight(f.org, f.cls)
+        return w / total
+
+    def unmeetable(self, flow: Flow, cost: float, drop_at: float, now: float) -> float | None:
+        """For a new request of ``flow`` (a weighted class, not nested), of ``cost``, that must
+        start before ``drop_at`` (its deadline, or its queue age if sooner) and has a deadline
+        of its own: ``None`` when it may start in time, else the seconds after which a request
+        like it (the same time allowed) may (docs/design.md §5d, "Refusing early").
+
+        An estimate, not a bound. While a slot is free for it, it may start (``None``).
+        Otherwise its flow is taken to be served from now on at its fair part of the pool's
+        measured service (:meth:`service` times :meth:`_fair_part`: the flows competing now go
+        on competing), in EDF order: each of its requests due no later than this one starts, in
+        turn, if it is still in time then, and holds the flow for its cost over that rate; one
+        that ran out of time is dropped and frees its turn. This one cannot make it when its
+        turn comes at or after ``drop_at``. ``None`` too when nothing is measured yet, under
+        nested shares, or when even the pool's whole service would be enough."""
+        fq = self.flows.get(flow)
+        if fq is None or not fq.edf or self.nested:
+            return None
         svc = self.service(flow, now)
         if svc is None:
             return None
-        rate, free = svc
-        if flow.cls in self.strict:
-            ahead = [r.drop_at for r in self.strict[flow.cls] if r.state == WAITING]
-        else:
-            fq = self.flows.get(flow)
-            if fq is None or not fq.edf:
-                return None
-            ahead = [x[0] for x in fq.edf if x[0] <= drop_at and x[2].state == WAITING]
-        if len(ahead) <= free or now + (len(ahead) - free) / rate < drop_at:
-            return None  # even if every one of them starts first, there is time
-        if flow.cls not in self.strict:
-            ahead.sort()
-        taken = 0
-        for d in ahead:  # EDF (or FIFO) under the optimistic model: the n-th start at now + (n - free) / rate
-            if (now + (taken - free) / rate if taken > free else now) < d:
-                taken += 1
-        start = now + (taken - free) / rate if taken > free else now
-        if start < drop_at:
+        pool_rate, mine = svc
+        for b in self.backends.values():
+            if b.open(now):
+                if not self.slots.full and self.shared.room(flow):
+                    return None  # a slot is free (for it): it may start at the next poll
+                break
+        ahead = [(x[0], x[2].cost) for x in fq.edf if now < x[0] <= drop_at and x[2].state == WAITING]
+        total = sum(c for _, c in ahead)
+        if now + total / (pool_rate if pool_rate < mine else mine) < drop_at:
+            return None  # even served at the pool's whole rate, first of all, it has time
+        rate = pool_rate * self._fair_part(flow)
+        if rate > mine:
+            rate = mine
+        ahead.sort()
+        t = now  # EDF at that rate: each in turn starts if still in time, and holds the flow c / rate
+        for key, c in ahead:
+            if t < key:
+                t += c / rate
+        if t < drop_at:
             return None
-        return start - drop_at + 1.0 / rate
+        return t - drop_at + cost / rate  # (t - drop_at < the last one's c / rate: see docs/design.md §5d)
 
     # ------------------------------------------------------------ views
     def wake_at(self) -> float | None:

@@ -820,6 +820,9 @@ def _class(name: str, v: object, path: str) -> ClassSpec:
     if not isinstance(refuse, bool):
         errs.add(PolicyError(f"{path}.refuse_unmeetable", f"must be true or false, got {_desc(refuse)}"))
         refuse = False
+    elif refuse and strict:
+        errs.add(PolicyError(f"{path}.refuse_unmeetable", "a strict class is first come first served across its "
+                                                          "orgs, not by deadline: its requests are not refused early"))
     errs.raise_any()
     return ClassSpec(name, strict, cast(float, weight), mif, mql, age, small_cost, cast(int, picks), deadline, ttft,
                      refuse)

@@ -685,7 +685,19 @@ class PolicyMetrics:
                     "requests": o.outcomes()}
             out[name] = {"jain": f.jain(name), "waiting": waiting, "in_flight": in_flight, "served_cost": total,
                          "orgs": orgs}
-        return {"time": f.time, "window_seconds": self.window, "pools": out}
+        return {"time": f.time, "window_seconds": self.window, "pools": out, "classes": self._classes()}
+
+    def _classes(self) -> dict[str, dict[str, Any]]:
+        return {} if self.policy is None else service_levels(self.policy)
+
+
+def service_levels(policy: Policy) -> dict[str, dict[str, Any]]:
+    """Per class of ``policy``: its service levels (docs/policy.md, "Deadlines and service
+    levels"): whether it is strict, its default deadline, the time to first token promised and
+    whether it refuses unmeetable deadlines (``None`` where the file sets none)."""
+    return {c.name: {"strict": c.strict, "deadline_seconds": c.deadline_seconds,
+                     "ttft_objective_seconds": c.ttft_objective_seconds, "refuse_unmeetable": c.refuse_unmeetable}
+            for c in policy.classes.values()}
 
 
 def _minus(a: Mapping[tuple[str, str], float], b: Mapping[tuple[str, str], float]) -> dict[tuple[str, str], float]:
