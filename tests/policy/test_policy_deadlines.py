@@ -441,3 +441,27 @@ def test_stats_give_each_class_its_service_levels(clock: Clock, core) -> None:
                      "refuse_unmeetable": False}}
     assert e.stats()["classes"] == want
     assert e.metrics.stats()["classes"] == want  # GET /stats
+
+
+def test_check_config_names_each_bad_objective_and_lists_the_good_ones(tmp_path, capsys) -> None:
+    from sfq.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(DEADLINE_POLICY.replace("batch: {weight: 1, small_cost: null}",
+                                           "batch: {weight: 1, small_cost: null, deadline_seconds: 0, "
+                                           "ttft_objective_seconds: .nan, refuse_unmeetable: 1}"))
+    assert main(["check-config", str(bad), "--plain"]) == 1
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "classes.batch.deadline_seconds: must be a number > 0, got 0" in text
+    assert "classes.batch.ttft_objective_seconds: must be a number > 0, got nan" in text
+    assert "classes.batch.refuse_unmeetable: must be true or false, got 1" in text
+    good = tmp_path / "good.yaml"
+    good.write_text(DEADLINE_POLICY.replace("max_queue_age_seconds: 30}", "max_queue_age_seconds: 30, "
+                                            "deadline_seconds: 20, ttft_objective_seconds: 1.5, "
+                                            "refuse_unmeetable: true}"))
+    assert main(["check-config", str(good), "--plain"]) == 0
+    text = capsys.readouterr().out
+    assert "Deadlines and service levels" in text
+    row = next(line for line in text.splitlines() if line.lstrip().startswith("interactive") and "20 s" in line)
+    assert "1.5 s" in row and "yes" in row
