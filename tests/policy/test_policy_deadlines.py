@@ -38,20 +38,27 @@ orgs:
   b: {keys: [kb], classes: [batch], weight: 2}
 """
 FLOWS = [Flow("a", "batch", "p"), Flow("a", "interactive", "p"), Flow("b", "batch", "p")]
+#: the same, and the interactive class refuses deadlines it cannot meet
+REFUSING = DEADLINE_POLICY.replace("max_queue_age_seconds: 30}", "max_queue_age_seconds: 30, refuse_unmeetable: true}")
 
 # an op: ("submit", flow index, cost, deadline in seconds from now or None) | ("poll",) |
 # ("complete", which running) | ("tick", seconds)
 Op = tuple[Any, ...]
 
 
-def ops(*, ticks: bool, cost: Any = None) -> st.SearchStrategy[list[Op]]:
-    submit = st.tuples(st.just("submit"), st.integers(0, len(FLOWS) - 1),
-                       cost if cost is not None else st.sampled_from([1, 3, 10, 40]),
-                       st.one_of(st.none(), st.floats(0.5, 60.0)))
+def ops(*, ticks: bool, cost: Any = None, busy: bool = False) -> st.SearchStrategy[list[Op]]:
+    """Random programs; ``busy``: mostly submissions, with deadlines, so that flows back up."""
+    if busy:  # mostly the interactive flow, with near deadlines
+        submit = st.tuples(st.just("submit"), st.sampled_from([1, 1, 1, 0, 2]), st.sampled_from([3, 10, 40]),
+                           st.floats(0.5, 15.0))
+    else:
+        submit = st.tuples(st.just("submit"), st.integers(0, len(FLOWS) - 1),
+                           cost if cost is not None else st.sampled_from([1, 3, 10, 40]),
+                           st.one_of(st.none(), st.floats(0.5, 60.0)))
     rest: list[st.SearchStrategy[Op]] = [st.tuples(st.just("poll")), st.tuples(st.just("complete"), st.integers(0, 3))]
     if ticks:
         rest.append(st.tuples(st.just("tick"), st.sampled_from([0.25, 1.0, 5.0, 20.0])))
-    return st.lists(st.one_of(submit, *rest), max_size=80)
+    return st.lists(st.one_of(*[submit] * (10 if busy else 1), *rest), min_size=20 if busy else 0, max_size=80)
 
 
 class Run:
@@ -71,9 +78,13 @@ class Run:
     def submit(self, i: int, cost: float, dl: float | None) -> None:
         f = FLOWS[i]
         c = self.costs[i] if self.costs is not None else cost
+        before = (len(self.e.live), self.q.n_waiting, self.q.meter(f), self.q.sched.virtual_time)
         try:
             r = self.e.submit(f, cost=c, deadline=None if dl is None else self.clock.t + dl)
         except Refused as exc:
+            assert exc.reason == "deadline_unmeetable" and f.cls == "interactive" and dl is not None
+            assert exc.retry_after is not None and exc.retry_after > 0 and exc.http_status == 429
+            assert (len(self.e.live), self.q.n_waiting, self.q.meter(f), self.q.sched.virtual_time) == before
             self.refused.append(exc)
             self.trace.append(("refused", i, exc.reason, exc.retry_after))
             return
@@ -148,15 +159,25 @@ class Run:
 
 
 # ------------------------------------------------------------------ (b), (c) and the twins
+#: 8 attempts of 1 s (a measured pool), then both slots taken: requests back up, refusals happen
+WARM_UP: list[Op] = [op for _ in range(8) for op in (("submit", 0, 1, None), ("poll",), ("tick", 1.0), ("complete", 0))]
+WARM_UP += [("submit", 2, 1, None), ("submit", 2, 1, None), ("poll",)]
+
+
+@pytest.mark.parametrize("text", [DEADLINE_POLICY, REFUSING], ids=["plain", "refusing"])
 @SETTINGS
-@given(program=ops(ticks=True))
-def test_edf_inside_a_flow_never_late_and_the_twins_agree(program: list[Op]) -> None:
+@given(program=ops(ticks=True), busy=ops(ticks=True, busy=True))
+def test_edf_inside_a_flow_never_late_and_the_twins_agree(text: str, program: list[Op], busy: list[Op]) -> None:
     """(b) a request is never started at or after its deadline (or queue age): it is dropped with
     its reason; (c) inside its flow the nearest deadline goes first, ties in queue order, the
-    requests without one after, FIFO; both twins decide every start, drop and meter alike."""
+    requests without one after, FIFO; every accepted request ends once; a refusal
+    (``deadline_unmeetable``, where the class asks for it) leaves nothing behind; both twins
+    decide every start, drop, refusal and meter alike."""
+    if text is REFUSING:  # a measured pool first (8 attempts of 1 s), flows that back up: refusals
+        program = [*WARM_UP, *busy, *program]
     traces = []
     for make in TWINS:
-        run = Run(make).play(program)
+        run = Run(make, text).play(program)
         run.drain()
         traces.append(run.trace)
     assert all(t == traces[0] for t in traces)
