@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> None:
                      ("steady_refused", re.refused_by.get("steady", 0)), ("sent", sh.submitted)):
             tot[k] += v
     print("| seed | sent | predicted unmeetable | defects | defect rate | missed (shadow) | of them predicted "
-          "| in time, shadow | in time, refusing | refused | missed, refusing | wait of a miss, shadow / refusing (s) |")
+          "| in time, shadow | in time, refusing | refused | missed, refusing "
+          "| wait of a miss, shadow / refusing (s) |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for (seed, sent, pred, dfx, rate, missed, caught, it0, it1, ref, missed1, w0, w1) in rows:
         print(f"| {seed} | {sent} | {pred} | {dfx} | {rate:.1%} | {missed} | {caught} | {it0} | {it1} | {ref} "

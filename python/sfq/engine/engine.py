@@ -432,9 +432,9 @@ class PolicyEngine:
                 self.submitted += 1
                 self.metrics.ended(self._refusal_key(key), "refused", "deadline_unmeetable")
                 raise Refused("deadline_unmeetable", f"the request cannot start within its deadline "
-                                                     f"({drop_at - now:.3g} s): at its fair part of pool "
-                                                     f"{flow.pool!r}'s measured service, its flow's requests "
-                                                     f"due before it take that long", retry_after=late)
+                                                     f"({drop_at - now:.3g} s): its flow's requests due before "
+                                                     f"it take longer at its fair part of the measured service "
+                                                     f"of pool {flow.pool!r}", retry_after=late)
         return deadline
 
     def _accepted(self, r: Request, user: str | None) -> None:
@@ -1145,8 +1145,9 @@ class PolicyEngine:
 
     def stats(self) -> dict[str, Any]:
         """A cheap snapshot: per flow (``"org/class/pool"``) counters, per pool and backend
-        occupancy, limits in use, per class its service levels (``classes``). Time and memory grow with the number of flows and backends
-        the policy file declares, never with the traffic."""
+        occupancy, limits in use, per class its service levels (``classes``). Time and memory
+        grow with the number of flows and backends the policy file declares, never with the
+        traffic."""
         now = self.clock()
         flows = {"/".join(k): v for k, v in self.metrics.snapshot().items() if all(k)}
         pools = {}
