@@ -443,7 +443,7 @@ def test_how_often_the_early_refusal_is_right() -> None:
         assert shadow.predicted_unmeetable > 200 and 0.1 < shadow.defect_rate < 0.3  # measured 21-24 %
         assert shadow.caught > 0.25 * shadow.missed  # measured 31-34 % of the misses seen at arrival
         assert set(real.refused_by) == {"flood"}  # a flow within its share is never refused
-        assert real.in_time >= 0.97 * shadow.in_time  # measured -1 % to +0.1 %: the refused made room
+        assert real.in_time >= 0.97 * shadow.in_time  # measured -1.0 % and +0.1 %: the refused made room
         assert real.missed <= 0.7 * shadow.missed  # a third fewer wait until their deadline to be dropped
         assert real.refused + real.missed <= shadow.missed + 0.03 * shadow.submitted
 
