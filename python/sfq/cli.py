@@ -235,7 +235,7 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         try:
             save_trace(workload_for(names[0], opts), args.write_trace)
         except (OSError, ValueError) as exc:
-            err.print(f"sfq simulate: error: {exc}")
+            err.print(f"sfq simulate: error: {exc}", markup=False, highlight=False, soft_wrap=True)
             return 2
         return 0
 
@@ -245,7 +245,7 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             for n in names:
                 results.append(run_scenario(n, opts, policies, progress))
     except (OSError, ValueError) as exc:
-        err.print(f"sfq simulate: error: {exc}", markup=False, highlight=False)
+        err.print(f"sfq simulate: error: {exc}", markup=False, highlight=False, soft_wrap=True)  # (a path unbroken)
         return 2
 
     plots: list[str] = []
@@ -256,7 +256,7 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             for r in results:
                 plots += [str(p) for p in write_plots(r, args.out)]
         except OSError as exc:
-            err.print(f"sfq simulate: error: cannot write plots to {args.out!r}: {exc}", markup=False)
+            err.print(f"sfq simulate: error: cannot write plots to {args.out!r}: {exc}", markup=False, soft_wrap=True)
             return 2
 
     if args.json:

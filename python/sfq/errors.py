@@ -64,6 +64,9 @@ REFUSALS: dict[str, tuple[int, str, str]] = {
     "too_many_users": (429, "rate_limit_error", "too_many_users"),
     "queue_timeout": (504, "timeout_error", "queue_timeout"),
     "deadline": (504, "timeout_error", "deadline_exceeded"),
+    # answered at once: the request cannot start before its deadline at the pool's measured rate
+    # (a class's refuse_unmeetable); 429, as for the other refusals of load, with a Retry-After
+    "deadline_unmeetable": (429, "rate_limit_error", "deadline_unmeetable"),
     "closed": (503, "server_error", "shutting_down"),
     "state_unavailable": (503, "server_error", "state_unavailable"),
 }

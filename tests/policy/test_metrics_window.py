@@ -261,12 +261,15 @@ orgs:
     st = m.stats()["pools"]["main"]
     assert st["classes"] == {
         "batch": {"weight": 1.0, "strict": False, "waiting": 0, "in_flight": 0, "deadline_missed": 2,
+                  "deadline_seconds": None, "ttft_objective_seconds": None,
                   "requests": {"completed": 0, "failed": 0, "cancelled_before_start": 0,
                                "cancelled_during_execution": 0, "refused": 3, "joined": 0}},
         "interactive": {"weight": 6.0, "strict": False, "waiting": 0, "in_flight": 0, "deadline_missed": 1,
+                        "deadline_seconds": None, "ttft_objective_seconds": None,
                         "requests": {"completed": 0, "failed": 1, "cancelled_before_start": 0,
                                      "cancelled_during_execution": 0, "refused": 0, "joined": 0}},
         "system": {"weight": None, "strict": True, "waiting": 0, "in_flight": 0, "deadline_missed": 0,
+                   "deadline_seconds": None, "ttft_objective_seconds": None,
                    "requests": {"completed": 1, "failed": 0, "cancelled_before_start": 0,
                                 "cancelled_during_execution": 0, "refused": 0, "joined": 0}}}
     assert st["orgs"]["product"]["classes"] == ["interactive", "system"]

@@ -37,9 +37,9 @@ from ..errors import (BackendHTTPError, BackendTimeout, DeadlineExceeded, Dispat
                       RequestTooLarge)
 from ..policy.charge import ChargeMode
 from ..policy.classify import Classifier, Flow
-from ..policy.config import Policy
+from ..policy.config import ClassSpec, Policy
 from ..policy.limits import TokenBucket
-from ..policy.metrics import PolicyMetrics
+from ..policy.metrics import PolicyMetrics, service_levels
 from ..policy.retry import RetryDecision, RetryPlanner, retry_after_of, retry_safe
 from ..policy.spend import Hold, SpendBook, SpendCollector
 from .pool import BACKOFF, ENDED, RUNNING, WAITING, Fits, PolicyQueue, Request, SharedLimits
@@ -230,6 +230,9 @@ class PolicyEngine:
         self.defer_start = False
         #: seconds a refusal for a pool with no backend in rotation tells the client to wait
         self.unavailable_retry_after = 1.0
+        #: some class has a default deadline or refuses unmeetable ones (``_class_deadline``)
+        self._class_deadlines = any(c.deadline_seconds is not None or c.refuse_unmeetable
+                                    for c in policy.classes.values())
 
     # ------------------------------------------------------------ admission
     def classify(self, credential: str | None, stated_class: str | None, model: object,
@@ -357,6 +360,8 @@ class PolicyEngine:
             self.metrics.ended(self._refusal_key(key), "refused", "deadline")
             raise Refused("deadline", "the request's deadline has already passed")
         spec = self.policy.classes[flow.cls]
+        if self._class_deadlines:  # (some class has a default deadline or refuses early)
+            deadline = self._class_deadline(q, flow, spec, key, float(cost), deadline, now)
         victim = None
         if spec.max_queue_length is not None and q.waiting_by_class[flow.cls] >= spec.max_queue_length:
             try:
@@ -422,6 +427,27 @@ class PolicyEngine:
             if q.pop() is not None:  # (r: nothing else waits)
                 self._started(r)
         return r
+
+    def _class_deadline(self, q: PolicyQueue, flow: Flow, spec: ClassSpec, key: tuple[str, str, str],
+                        cost: float, deadline: float | None, now: float) -> float | None:
+        """The deadline of a new request of ``flow`` (``deadline``: its own, or ``None``): its
+        class's ``deadline_seconds`` from now when it has none; and, in a class that refuses
+        early (``refuse_unmeetable``), ``Refused("deadline_unmeetable")`` (recorded, nothing
+        else changed) when it cannot start before it (``PolicyQueue.unmeetable``)."""
+        if deadline is None and spec.deadline_seconds is not None:
+            deadline = now + spec.deadline_seconds
+        if spec.refuse_unmeetable and deadline is not None:
+            age = spec.max_queue_age_seconds
+            drop_at = deadline if age is None or deadline <= now + age else now + age
+            late = q.unmeetable(flow, cost, drop_at, now)
+            if late is not None:
+                self.submitted += 1
+                self.metrics.ended(self._refusal_key(key), "refused", "deadline_unmeetable")
+                raise Refused("deadline_unmeetable", f"the request cannot start within its deadline "
+                                                     f"({drop_at - now:.3g} s): its flow's requests due before "
+                                                     f"it take longer at its fair part of the measured service "
+                                                     f"of pool {flow.pool!r}", retry_after=late)
+        return deadline
 
     def _accepted(self, r: Request, user: str | None) -> None:
         """``r`` is accepted: counted, live, and its user (nested shares) live in its team."""
@@ -1162,8 +1188,9 @@ class PolicyEngine:
 
     def stats(self) -> dict[str, Any]:
         """A cheap snapshot: per flow (``"org/class/pool"``) counters, per pool and backend
-        occupancy, limits in use. Time and memory grow with the number of flows and backends
-        the policy file declares, never with the traffic."""
+        occupancy, limits in use, per class its service levels (``classes``). Time and memory
+        grow with the number of flows and backends the policy file declares, never with the
+        traffic."""
         now = self.clock()
         flows = {"/".join(k): v for k, v in self.metrics.snapshot().items() if all(k)}
         pools = {}
@@ -1179,4 +1206,4 @@ class PolicyEngine:
         limits = {f"{kind}:{name}": {"used": s.used, "limit": s.limit} for (kind, name), s in self.shared.slots.items()}
         refused = {"/".join(k): v for k, v in self.metrics.snapshot().items() if not all(k)}
         return {"flows": flows, "pools": pools, "limits": limits, "unclassified": refused,
-                "submitted": self.submitted, "live": len(self.live)}
+                "submitted": self.submitted, "live": len(self.live), "classes": service_levels(self.policy)}

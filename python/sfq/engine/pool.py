@@ -68,6 +68,12 @@ __all__ = ["Fits", "PolicyQueue", "Request", "SharedLimits", "WAITING", "RUNNING
 WAITING, RUNNING, BACKOFF, ENDED = "waiting", "running", "backoff", "ended"
 _INF = math.inf
 _ids = itertools.count(1)
+#: seconds of ended attempts the pool's measured service is taken over (``PolicyQueue.service``)
+SERVICE_WINDOW = 60.0
+#: the most ended attempts kept for it (the latest)
+SERVICE_SAMPLES = 4096
+#: ended attempts in the window before anything is predicted from it
+SERVICE_MIN_SAMPLES = 8
 log = logging.getLogger("sfq.engine")
 
 
@@ -198,16 +204,23 @@ def guessed(r: Request, estimator: CostEstimator) -> bool:
     return e is not None and not r.fixed and estimator.on_prior(e.model, r.flow)
 
 
+def _by_id(r: Request) -> int:
+    return r.id
+
+
 #: the driver's check that a backend (by name) can take a request now (``PolicyQueue.pop``)
 Fits = Callable[["Request", str], bool]
 
 
 class _FlowQ:
-    """A weighted flow's waiting requests in two size buckets (both FIFO), and its entry in
-    the core (``token``: the core's ticket, ``None`` when it has none). It exists while the
-    flow has requests waiting (``PolicyQueue._flow_queue`` makes it, ``_emptied`` forgets it)."""
+    """A weighted flow's waiting requests: those with a deadline of their own in a heap,
+    nearest deadline first (``edf``, made with the first of them: EDF inside the flow,
+    docs/design.md §5d), the others in two size buckets (both FIFO); and its entry in the core
+    (``token``: the core's ticket, ``None`` when it has none). It exists while the flow has
+    requests waiting (``PolicyQueue._flow_queue`` makes it, ``_emptied`` forgets it)."""
 
-    __slots__ = ("flow", "spec", "small", "large", "n", "run", "token", "token_cost", "groups", "aside", "named")
+    __slots__ = ("flow", "spec", "small", "large", "n", "run", "token", "token_cost", "groups", "aside", "named",
+                 "edf")
 
     def __init__(self, flow: Flow, spec: ClassSpec, groups: tuple[tuple[str, str], ...], run: int = 0) -> None:
         self.flow = flow
@@ -221,6 +234,9 @@ class _FlowQ:
         self.groups = groups
         self.aside = False  # its head fits no backend with room: suspended so that others overtake
         self.named = True  # its org is named in the policy file (its small-pick run outlives the queue)
+        #: the requests with a deadline of their own, as ``(drop_at, arrival number, request)``:
+        #: a min-heap, left requests cleaned lazily at its top; ``None`` until the flow has one
+        self.edf: list[tuple[float, int, Request]] | None = None
 
     @staticmethod
     def _head(d: deque[Request]) -> Request | None:
@@ -229,7 +245,14 @@ class _FlowQ:
         return d[0] if d else None
 
     def preferred(self) -> Request | None:
-        """The request that goes when the flow next wins (does not remove it)."""
+        """The request that goes when the flow next wins (does not remove it): the nearest
+        deadline (ties: the first queued), else the size buckets' choice."""
+        if self.edf:
+            e = self.edf
+            while e and e[0][2].state != WAITING:
+                heapq.heappop(e)
+            if e:
+                return e[0][2]
         s = self._head(self.small)
         big = self._head(self.large) if self.large else None
         if s is None:
@@ -239,14 +262,34 @@ class _FlowQ:
         return big
 
     def take(self, r: Request) -> None:
+        """Take ``r``, the request :meth:`preferred` named, out of the queue."""
+        self.n -= 1
+        if self.edf and self.edf[0][2] is r:
+            heapq.heappop(self.edf)  # (a deadline's pick leaves the small-pick run as it was)
+            return
         d = self.small if r.small else self.large
         assert d[0] is r
         d.popleft()
-        self.n -= 1
         self.run = self.run + 1 if r.small else 0
+
+    def clear(self) -> None:
+        """Forget the requests left in it (none waits any more)."""
+        self.small.clear()
+        self.large.clear()
+        self.edf = None
+
+    def requests(self) -> Iterator[Request]:
+        """Its requests still in it (those that left are skipped by the caller's state test)."""
+        yield from self.small
+        yield from self.large
+        if self.edf:
+            for x in self.edf:
+                yield x[2]
 
     def oldest_arrival(self) -> float:
         heads = [h.queued_at for h in (self._head(self.small), self._head(self.large)) if h is not None]
+        if self.edf:  # O(its requests with a deadline): for readouts and a full class's Retry-After
+            heads.extend(x[2].queued_at for x in self.edf if x[2].state == WAITING)
         return min(heads) if heads else _INF
 
 
@@ -320,6 +363,7 @@ class PolicyQueue:
         self.n_waiting = 0  # requests waiting, every class
         self.in_flight = 0
         self._drops: list[tuple[float, int, Request]] = []  # (drop_at, id, request), lazily cleaned
+        self._arrivals = 0  # requests with a deadline queued so far (their order among equal deadlines)
         self._dropped: list[Request] = []  # dropped by pop(), not yet handed out by expire()
         #: seconds a waiting request may wait while no backend of the pool is in rotation
         #: before it is answered (reason ``unavailable``); counted from its arrival or from the
@@ -354,6 +398,13 @@ class PolicyQueue:
         #: again on each return, so the core is told to forget it (weight 1) once such a flow has
         #: nothing waiting or running, and then forgets the flow once ``v`` passes its meter
         self._unnamed_weights = not self.nested and (policy.org_template is not None or hasattr(policy, "weights"))
+        #: the attempts that ended in the last :data:`SERVICE_WINDOW` seconds, ``(end, seconds
+        #: it held its slot, its cost)``, with their sums: the pool's measured service
+        #: (``unmeetable``); ``None`` unless a class refuses unmeetable deadlines (else nothing kept)
+        self._done: deque[tuple[float, float, float]] | None = (
+            deque() if any(c.refuse_unmeetable for c in policy.classes.values()) else None)
+        self._held_sum = 0.0
+        self._cost_sum = 0.0
 
     def _flow_queue(self, f: Flow) -> _FlowQ:
         """The weighted flow's queue, made when a request of the flow comes to wait (again):
@@ -404,6 +455,11 @@ class PolicyQueue:
                     held[f.org] = held.get(f.org, 0) + fq.n
                     for d in (fq.small, fq.large):  # (left requests stay in a deque until they reach its head)
                         last = next((x for x in reversed(d) if x.state == WAITING), None)
+                        o = newest.get(f.org)
+                        if last is not None and (o is None or last.id > o.id):
+                            newest[f.org] = last
+                    if fq.edf:  # (those with a deadline: the newest of them, O(them))
+                        last = max((x[2] for x in fq.edf if x[2].state == WAITING), key=_by_id, default=None)
                         o = newest.get(f.org)
                         if last is not None and (o is None or last.id > o.id):
                             newest[f.org] = last
@@ -506,7 +562,14 @@ class PolicyQueue:
         else:
             fq = self._flow_queue(flow)
             r.small = spec.small_cost is None or r.cost <= spec.small_cost
-            (fq.small if r.small else fq.large).append(r)
+            if r.deadline is None:
+                (fq.small if r.small else fq.large).append(r)
+            else:  # EDF inside the flow: nearest deadline first, ties in queue order (design.md §5d)
+                e = fq.edf
+                if e is None:
+                    e = fq.edf = []
+                self._arrivals += 1
+                heapq.heappush(e, (r.drop_at, self._arrivals, r))
             fq.n += 1
             if fq.token is None:
                 self._enter(fq)
@@ -550,8 +613,7 @@ class PolicyQueue:
             self.sched.cancel(fq.token)
             fq.token = None
             self._emptied(fq)
-            fq.small.clear()
-            fq.large.clear()
+            fq.clear()
 
     def cancel(self, r: Request) -> bool:
         """Remove a waiting request, uncharged. ``False`` if it is not waiting here."""
@@ -855,7 +917,7 @@ class PolicyQueue:
             self._enter(fq)
         else:
             fq.small.clear()
-            fq.large.clear()
+            fq.large.clear()  # (its heap, if any, holds only requests that left: it goes with the queue)
             self._emptied(fq)
         return self._start(r, b, now, True)  # (core)
 
@@ -1102,6 +1164,8 @@ class PolicyQueue:
         b.in_flight -= 1
         self.in_flight -= 1
         self.slots.release()
+        if self._done is not None:
+            self._served(r.started_at, r.cost)
         r.state = ENDED
         if actual_tokens is not None and self.tpm is not None and math.isfinite(actual_tokens) and actual_tokens >= 0:
             diff = actual_tokens - r.tokens
@@ -1125,6 +1189,123 @@ class PolicyQueue:
             f = r.flow
             if f not in self.flows and f.org not in self.policy.orgs:
                 self._forget_weight(f)
+
+    # ------------------------------------------------------------ deadlines that cannot be met
+    def _served(self, started: float | None, cost: float) -> None:
+        """An attempt of ``cost`` that started at ``started`` ended now: a sample of the service."""
+        done = self._done
+        assert done is not None
+        now = self.clock()
+        held = now - started if started is not None and now > started else 0.0
+        done.append((now, held, cost))
+        self._held_sum += held
+        self._cost_sum += cost
+        if len(done) > SERVICE_SAMPLES:
+            _, h, c = done.popleft()
+            self._held_sum -= h
+            self._cost_sum -= c
+        self._forget_service(now)
+
+    def _forget_service(self, now: float) -> None:
+        done = self._done
+        assert done is not None
+        while done and done[0][0] <= now - SERVICE_WINDOW:
+            _, h, c = done.popleft()
+            self._held_sum -= h
+            self._cost_sum -= c
+        if not done:  # (no drift of the float sums across quiet spells)
+            self._held_sum = self._cost_sum = 0.0
+
+    def service(self, flow: Flow, now: float) -> tuple[float, float] | None:
+        """What the pool serves, as measured, and what ``flow`` may get of it: ``(cost units a
+        second the pool serves with its slots all busy, the most of them ``flow`` may get)``.
+        The first is the slots in rotation (the pool's ``max_in_flight`` and its backends', not
+        those paused or saturated) times the cost an attempt served per second it held its slot
+        over the last :data:`SERVICE_WINDOW` seconds: the pool's completions per second while
+        its slots are all busy (Little's law), which, unlike completions counted in a window,
+        does not fall while the pool idles for want of work. The second also holds ``flow`` to
+        its org's and class's ``max_in_flight``. ``None`` before :data:`SERVICE_MIN_SAMPLES`
+        attempts ended in the window, or with no slot."""
+        done = self._done
+        if done is None:
+            return None
+        self._forget_service(now)
+        if len(done) < SERVICE_MIN_SAMPLES or self._held_sum <= 0.0 or self._cost_sum <= 0.0:
+            return None
+        per_slot = self._cost_sum / self._held_sum
+        cap = 0
+        for b in self.backends.values():
+            if b.healthy and not b.saturated:
+                cap += b.limit
+        lim = self.slots.limit
+        if lim is not None and lim < cap:
+            cap = lim
+        mine = cap
+        shared = self.shared
+        for g in (("org", flow.org), ("class", flow.cls)):
+            sl = shared.slots.get(g)
+            if sl is not None and sl.limit is not None and sl.limit < mine:
+                mine = sl.limit
+        if mine <= 0:
+            return None
+        return cap * per_slot, mine * per_slot
+
+    def _fair_part(self, flow: Flow) -> float:
+        """``flow``'s weight over the weights of the flows competing in the core now, itself
+        included (a flow set aside or held by a full ``max_in_flight`` does not compete):
+        its part of the weighted classes' service while they all stay backlogged (SFQ)."""
+        w = self.policy.flow_weight(flow.org, flow.cls)
+        total = w
+        slots = self.shared.slots
+        for f, fq in self.flows.items():
+            if f == flow or fq.token is None or fq.aside:
+                continue
+            if fq.groups and any(slots[g].full for g in fq.groups):
+                continue
+            total += self.policy.flow_weight(f.org, f.cls)
+        return w / total
+
+    def unmeetable(self, flow: Flow, cost: float, drop_at: float, now: float) -> float | None:
+        """For a new request of ``flow`` (a weighted class, not nested), of ``cost``, that must
+        start before ``drop_at`` (its deadline, or its queue age if sooner) and has a deadline
+        of its own: ``None`` when it may start in time, else the seconds after which a request
+        like it (the same time allowed) may (docs/design.md §5d, "Refusing early").
+
+        An estimate, not a bound. While a slot is free for it, it may start (``None``).
+        Otherwise its flow is taken to be served from now on at its fair part of the pool's
+        measured service (:meth:`service` times :meth:`_fair_part`: the flows competing now go
+        on competing), in EDF order: each of its requests due no later than this one starts, in
+        turn, if it is still in time then, and holds the flow for its cost over that rate; one
+        that ran out of time is dropped and frees its turn. This one cannot make it when its
+        turn comes at or after ``drop_at``. ``None`` too when nothing is measured yet, under
+        nested shares, or when even the pool's whole service would be enough."""
+        fq = self.flows.get(flow)
+        if fq is None or not fq.edf or self.nested:
+            return None
+        svc = self.service(flow, now)
+        if svc is None:
+            return None
+        pool_rate, mine = svc
+        for b in self.backends.values():
+            if b.open(now):
+                if not self.slots.full and self.shared.room(flow):
+                    return None  # a slot is free (for it): it may start at the next poll
+                break
+        ahead = [(x[0], x[2].cost) for x in fq.edf if now < x[0] <= drop_at and x[2].state == WAITING]
+        total = sum(c for _, c in ahead)
+        if now + total / (pool_rate if pool_rate < mine else mine) < drop_at:
+            return None  # even served at the pool's whole rate, first of all, it has time
+        rate = pool_rate * self._fair_part(flow)
+        if rate > mine:
+            rate = mine
+        ahead.sort()
+        t = now  # EDF at that rate: each in turn starts if still in time, and holds the flow c / rate
+        for key, c in ahead:
+            if t < key:
+                t += c / rate
+        if t < drop_at:
+            return None
+        return t - drop_at + cost / rate  # (t - drop_at < the last one's c / rate: see docs/design.md §5d)
 
     # ------------------------------------------------------------ views
     def wake_at(self) -> float | None:
@@ -1153,8 +1334,7 @@ class PolicyQueue:
         for d in self.strict.values():
             yield from (r for r in d if r.state == WAITING)
         for fq in self.flows.values():
-            yield from (r for r in fq.small if r.state == WAITING)
-            yield from (r for r in fq.large if r.state == WAITING)
+            yield from (r for r in fq.requests() if r.state == WAITING)
 
     def meter(self, flow: Hashable) -> float:
         return float(self.sched.meter(flow))

@@ -146,7 +146,12 @@ class ClassSpec:
     by ``max_in_flight``; weighted classes share the rest by cost in proportion to ``weight``
     (times the org's weight). ``small_cost``/``small_picks``: within one flow, requests whose
     estimated cost is at most ``small_cost`` go first, but after ``small_picks`` small ones in
-    a row the oldest large one goes (``small_cost`` ``None``: one FIFO per flow)."""
+    a row the oldest large one goes (``small_cost`` ``None``: one FIFO per flow).
+    ``deadline_seconds``: the deadline of a request of the class that states none (as if it
+    sent ``X-SFQ-Timeout``); ``ttft_objective_seconds``: the time to first token the operator
+    promises (a readout, it changes no decision); ``refuse_unmeetable``: a request that cannot
+    start before its deadline is refused at once (``deadline_unmeetable``) rather than wait and
+    be dropped (docs/policy.md, "Deadlines and service levels")."""
 
     name: str
     strict: bool = False
@@ -156,6 +161,9 @@ class ClassSpec:
     max_queue_age_seconds: float | None = None
     small_cost: float | None = 2048.0
     small_picks: int = 4
+    deadline_seconds: float | None = None
+    ttft_objective_seconds: float | None = None
+    refuse_unmeetable: bool = False
 
 
 #: users live at once in one team (or one org without teams) unless the file says otherwise
@@ -785,7 +793,8 @@ def _opt_check(errs: _Collect, d: Mapping[str, Any], key: str, path: str, fn: Ca
 def _class(name: str, v: object, path: str) -> ClassSpec:
     errs = _Collect()
     d = _section(v, path, ("strict", "weight", "max_in_flight", "max_queue_length", "max_queue_age_seconds",
-                           "small_cost", "small_picks"), errs)
+                           "small_cost", "small_picks", "deadline_seconds", "ttft_objective_seconds",
+                           "refuse_unmeetable"), errs)
     strict = d.get("strict", False)
     if not isinstance(strict, bool):
         errs.add(PolicyError(f"{path}.strict", f"must be true or false, got {_desc(strict)}"))
@@ -809,8 +818,22 @@ def _class(name: str, v: object, path: str) -> ClassSpec:
     if "small_cost" in d:
         small_cost = None if d["small_cost"] is None else errs.check(_number, d["small_cost"], f"{path}.small_cost")
     picks = errs.check(_integer, d["small_picks"], f"{path}.small_picks") if "small_picks" in d else 4
+    deadline = _opt_check(errs, d, "deadline_seconds", path, _number)
+    ttft = _opt_check(errs, d, "ttft_objective_seconds", path, _number)
+    if deadline is not None and ttft is not None and ttft > deadline:
+        errs.add(PolicyError(f"{path}.ttft_objective_seconds", f"must be at most the class's deadline_seconds "
+                                                               f"({deadline:g}): a request is ended at its deadline, "
+                                                               f"got {ttft:g}"))
+    refuse = d.get("refuse_unmeetable", False)
+    if not isinstance(refuse, bool):
+        errs.add(PolicyError(f"{path}.refuse_unmeetable", f"must be true or false, got {_desc(refuse)}"))
+        refuse = False
+    elif refuse and strict:
+        errs.add(PolicyError(f"{path}.refuse_unmeetable", "a strict class is first come first served across its "
+                                                          "orgs, not by deadline: its requests are not refused early"))
     errs.raise_any()
-    return ClassSpec(name, strict, cast(float, weight), mif, mql, age, small_cost, cast(int, picks))
+    return ClassSpec(name, strict, cast(float, weight), mif, mql, age, small_cost, cast(int, picks), deadline, ttft,
+                     refuse)
 
 
 def _backend(b: object, bp: str) -> BackendSpec:

@@ -74,6 +74,8 @@ REASONS = ("unauthenticated", "class_not_allowed", "unknown_model", "bad_request
            # a flow an embedder classified names an org the policy has no entry (and no template) for
            "unknown_org",
            "queue_timeout", "deadline", "closed",
+           # refused at once: it could not start before its deadline (a class's refuse_unmeetable)
+           "deadline_unmeetable",
            # no backend of the pool was in rotation for unavailable_timeout
            "unavailable",
            # several gateways sharing one queue (sfq.state): Redis cannot be reached; a retry over
@@ -761,7 +763,10 @@ class PolicyMetrics:
                     "classes": sorted(set(o.classes)), "requests": o.outcomes()}
             out[name] = {"jain": f.jain(name), "waiting": waiting, "in_flight": in_flight, "served_cost": total,
                          "orgs": orgs, "classes": self._classes(name)}
-        return {"time": f.time, "window_seconds": self.window, "pools": out}
+        return {"time": f.time, "window_seconds": self.window, "pools": out, "classes": self._service_levels()}
+
+    def _service_levels(self) -> dict[str, dict[str, Any]]:
+        return {} if self.policy is None else service_levels(self.policy)
 
     def _classes(self, pool: str) -> dict[str, dict[str, Any]]:
         """``/stats``' classes of one pool: each class a request of the pool was in, with its
@@ -778,6 +783,8 @@ class PolicyMetrics:
                 strict = spec is not None and spec.strict
                 c = out[cls] = {"weight": None if strict else (spec.weight if spec is not None else 1.0),
                                 "strict": strict, "waiting": 0, "in_flight": 0, "deadline_missed": 0,
+                                "deadline_seconds": None if spec is None else spec.deadline_seconds,
+                                "ttft_objective_seconds": None if spec is None else spec.ttft_objective_seconds,
                                 "requests": dict.fromkeys((*OUTCOMES, "joined"), 0)}
             c["waiting"] += fc.waiting
             c["in_flight"] += fc.in_flight
@@ -787,6 +794,15 @@ class PolicyMetrics:
                 req[k] += n
             req["joined"] += fc.joins
         return dict(sorted(out.items()))
+
+
+def service_levels(policy: Policy) -> dict[str, dict[str, Any]]:
+    """Per class of ``policy``: its service levels (docs/policy.md, "Deadlines and service
+    levels"): whether it is strict, its default deadline, the time to first token promised and
+    whether it refuses unmeetable deadlines (``None`` where the file sets none)."""
+    return {c.name: {"strict": c.strict, "deadline_seconds": c.deadline_seconds,
+                     "ttft_objective_seconds": c.ttft_objective_seconds, "refuse_unmeetable": c.refuse_unmeetable}
+            for c in policy.classes.values()}
 
 
 def _minus(a: Mapping[tuple[str, str], float], b: Mapping[tuple[str, str], float]) -> dict[tuple[str, str], float]:

@@ -153,10 +153,22 @@ def policy_tables(policy: Policy, *, every_flow: bool = False) -> list[Table]:
         if every_flow or few else ("Orgs (--flows lists every one)", ["orgs", "summary"], _org_summary(policy)),
         ("Cost and retries", ["section", "resolved"], other),
         *_spend_tables(policy),
+        *_deadline_tables(policy),
     ] + ([("Teams and users (nested shares): a team's share is of its org's share in each class"
            + ("" if every_flow else "; --flows lists every team"),
            ["org", "team", "weight", "share of org", "users"], _team_rows(policy, every_flow))]
          if policy.nested else [])
+
+
+def _deadline_tables(policy: Policy) -> list[Table]:
+    """The classes' deadlines and service levels (only when the file sets any)."""
+    rows = [[c.name, _n(c.deadline_seconds, " s"), _n(c.ttft_objective_seconds, " s"),
+             "yes" if c.refuse_unmeetable else "no"] for c in policy.classes.values()
+            if c.deadline_seconds is not None or c.ttft_objective_seconds is not None or c.refuse_unmeetable]
+    if not rows:
+        return []
+    return [("Deadlines and service levels (a class's default deadline; requests with a deadline go first in "
+             "their flow, nearest first)", ["class", "deadline_seconds", "ttft_objective", "refuse_unmeetable"], rows)]
 
 
 def _spend_tables(policy: Policy) -> list[Table]:
