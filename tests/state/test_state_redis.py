@@ -600,3 +600,47 @@ async def test_a_teams_max_users_counts_its_live_users_over_every_gateway(redis_
     finally:
         await one.close()
         await two.close()
+
+
+async def test_a_flows_nearest_deadline_goes_first_whichever_gateway_holds_it(
+        redis_server: RedisServer, prefix: str):
+    """EDF inside a flow holds over the fleet (docs/design.md §5d): the decider orders a flow's
+    candidates by their deadlines, so with the slots held, the next goes to the flow's request
+    due soonest, whichever gateway it waits at; one without a deadline goes after them."""
+    pol = _policy(redis_server.url, prefix, limits="max_in_flight: 4")
+    a, b = RedisState(pol.state, pol), RedisState(pol.state, pol)
+    await a.start()
+    await b.start()
+    order: list[str] = []
+    try:
+        holds = [_req(A) for _ in range(4)]
+        for h in holds:
+            await a.acquire(h, BACKENDS, None)  # every slot, held
+        now = a.clock()
+
+        def due(seconds: float | None) -> Request:
+            r = _req(A)
+            if seconds is not None:
+                r.deadline = r.drop_at = now + seconds
+            return r
+
+        waiting = {"none": (a, due(None)), "late": (b, due(30.0)), "soon": (a, due(10.0)), "soonest": (b, due(5.0))}
+
+        async def wait(name: str, st: RedisState, r: Request) -> None:
+            await st.acquire(r, BACKENDS, None if r.deadline is None else r.deadline)
+            order.append(name)
+            await asyncio.sleep(0.01)
+            st.attempt_over(r, None)
+
+        tasks = []
+        for name, (st, r) in waiting.items():
+            tasks.append(asyncio.create_task(wait(name, st, r)))
+            await asyncio.sleep(0.05)  # (each one a candidate at the decider before the next)
+        a.attempt_over(holds[0], None)  # one slot frees: the four go through it one by one
+        await asyncio.wait_for(asyncio.gather(*tasks), LIMIT)
+        for h in holds[1:]:
+            a.attempt_over(h, None)
+    finally:
+        await a.close()
+        await b.close()
+    assert order == ["soonest", "soon", "late", "none"], order

@@ -140,11 +140,15 @@ class Alone:
         return member in self._in
 
     def add(self, member: str, flow: Flow, cost: float, tokens: float, backends: Collection[str],
-            guess: bool = False) -> None:
+            guess: bool = False, deadline_in: float | None = None) -> None:
+        """``deadline_in``: seconds left to the candidate's deadline (it goes before its flow's
+        requests due later, and is dropped here once past it, as its gateway drops it)."""
         if member in self._in:
             return
         c = float(cost)
-        r = Request(flow, c if c > 0 else 1e-9, float(tokens), self.clock(), item=(member, frozenset(backends)))
+        now = self.clock()
+        r = Request(flow, c if c > 0 else 1e-9, float(tokens), now, None if deadline_in is None else now + deadline_in,
+                    item=(member, frozenset(backends)))
         r.guess = bool(guess)
         self._in[member] = r
         self.queues[flow.pool].queue_new(r, r.arrival)
@@ -184,7 +188,10 @@ class Alone:
         self._in[member] = r
 
     def next(self, pool: str) -> tuple[str, str] | None:
-        r = self.queues[pool].pop(_allowed)
+        q = self.queues[pool]
+        r = q.pop(_allowed)
+        for x in q.expire():  # (past their deadline: their gateways drop them too)
+            self._in.pop(x.item[0], None)
         if r is None:
             return None
         assert r.backend is not None

@@ -790,6 +790,8 @@ class RedisState(SharedState):
                 "strict": cls.strict, "backends": [n for n, _ in backends], "lims": [int(lm) for _, lm in backends],
                 "groups": groups,
                 "q": None if q is None else list(q),
+                # seconds left to its deadline (EDF inside its flow at the decider: design.md §5d)
+                "dl": None if r.deadline is None or r.drop_at == math.inf else max(0.0, r.drop_at - self.clock()),
                 "first": (f"{p}rb:first:{flow.org}\t{flow.cls}\t{flow.pool}"
                           if self._budgeted and r.tries <= 1 else None)}
 
@@ -1058,8 +1060,9 @@ class RedisState(SharedState):
         if c.get("t") == "s":  # it started at once (nothing waited in its pool): charged as it started
             lead.start(str(c["m"]), flow, float(c["cost"]), float(c["tokens"]), str(c["b"]), bool(c.get("guess")))
             return
+        dl = c.get("dl")
         lead.add(str(c["m"]), flow, float(c["cost"]), float(c["tokens"]), [str(b) for b in _list(c["backends"])],
-                 bool(c.get("guess")))
+                 bool(c.get("guess")), None if dl is None else float(dl))
 
     def _event(self, lead: Alone, e: dict[str, Any]) -> None:
         t, m = e.get("t"), str(e.get("m"))
