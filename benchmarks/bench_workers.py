@@ -117,7 +117,11 @@ async def _load(port: int, connections: int, warmup: float, seconds: float) -> d
         done: asyncio.Future[None] = loop.create_future()
         dones.append(done)
         req = _request(f"sk-{ORGS[i % len(ORGS)]}")
-        await loop.create_connection(lambda r=req, d=done: _Client(r, out, start, stop_at, d), "127.0.0.1", port)  # type: ignore[misc]
+
+        def client(r: bytes = req, d: asyncio.Future[None] = done) -> _Client:
+            return _Client(r, out, start, stop_at, d)
+
+        await loop.create_connection(client, "127.0.0.1", port)
     await asyncio.wait_for(asyncio.gather(*dones), warmup + seconds + 60)
     lat = sorted(out.pop("lat"))
     out["rate"] = out["ok"] / seconds
@@ -272,12 +276,14 @@ def one_run(workers: int, *, cfg: Path, tmp: Path, tag: str, connections: int, w
     cores = {k: round((after[k] - before[k]) / wall, 3) for k in procs}
     if load_cpu is not None:
         cores["load"] = round(load_cpu / wall, 3)
-    row = {"workers": workers, "state": "memory" if memory else "redis", "tag": tag, "rate": res["rate"], "bad": res["bad"], "p50_ms": res["p50_ms"],
-           "p99_ms": res["p99_ms"], "cores": cores, "lines_per_worker": sorted(per_worker.values(), reverse=True),
+    row = {"workers": workers, "state": "memory" if memory else "redis", "tag": tag, "rate": res["rate"],
+           "bad": res["bad"], "p50_ms": res["p50_ms"], "p99_ms": res["p99_ms"], "cores": cores,
+           "lines_per_worker": sorted(per_worker.values(), reverse=True),
            "gateway_cpu_ms_per_request": (after["gateway"] - before["gateway"]) * 1000 / max(1, answered),
            "redis_round_trips_per_request": trips / max(1, answered) if trips is not None else None, "exit": rc}
-    print(f"  {tag}: {workers} worker(s), {row['state']}: {row['rate']:.0f} req/s (bad {row['bad']}), p50 {row['p50_ms']:.1f} ms, "
-          f"p99 {row['p99_ms']:.1f} ms; cores {cores}; gateway CPU {row['gateway_cpu_ms_per_request']:.3f} ms and "
+    print(f"  {tag}: {workers} worker(s), {row['state']}: {row['rate']:.0f} req/s (bad {row['bad']}), "
+          f"p50 {row['p50_ms']:.1f} ms, p99 {row['p99_ms']:.1f} ms; cores {cores}; "
+          f"gateway CPU {row['gateway_cpu_ms_per_request']:.3f} ms and "
           f"{row['redis_round_trips_per_request'] or 0:.2f} Redis round trips per request; lines per worker "
           f"{row['lines_per_worker']}", flush=True)
     return row
