@@ -134,7 +134,7 @@ def test_two_workers_answer_on_one_port_and_keep_one_pool_limit(redis_server: Re
             finally:
                 c.close()
             views[body["state"]["gateway"]] = body["pools"]["main"]["waiting"] + body["state"]["holding"]
-            return sum(views.values()) == len(threads)
+            return sum(views.values()) >= len(threads)
 
         # one request at a time on a new connection, until both workers hold some
         while sum(1 for v in views.values() if v) < 2 and len(threads) < 40:
