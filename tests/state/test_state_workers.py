@@ -1,9 +1,10 @@
 """``sfq serve --workers 2`` as a real process tree on one port, its policy's ledger in a real
 redis-server: connections reach both workers (each its own gateway in Redis), a pool's
 ``max_in_flight`` holds over both (counted at the upstream), SIGHUP reloads every worker,
-SIGTERM drains every worker and the parent exits 0, a SIGKILLed worker is replaced while the
-port goes on answering, a worker that cannot start stops the parent, and the access log gets
-whole lines from both workers (a file, and a pipe on stdout)."""
+SIGTERM (or SIGINT) drains every worker and the parent exits 0, a SIGKILLed worker is replaced
+while the port goes on answering, the workers stop when the parent is SIGKILLed, a worker that
+cannot start stops the parent, and the access log gets whole lines from both workers (a file,
+and a pipe on stdout)."""
 
 from __future__ import annotations
 
@@ -187,8 +188,9 @@ def test_sighup_reloads_every_worker(redis_server: RedisServer, upstream: Upstre
     assert g.proc.poll() is None and set(_started(g)) == pids  # nothing restarted
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_sigterm_drains_every_worker_and_the_parent_exits_0(redis_server: RedisServer, tmp_path: Path,
-                                                            prefix: str, gateways: list[Gateway]):
+                                                            prefix: str, gateways: list[Gateway], sig: int):
     up = Upstream(delay=0.0).start()
     try:
         p = tmp_path / "p.yaml"
@@ -203,7 +205,7 @@ def test_sigterm_drains_every_worker_and_the_parent_exits_0(redis_server: RedisS
         t = threading.Thread(target=lambda: out.append(_post(c, "sk-a", "held")[0]))
         t.start()
         wait_until(lambda: up.now == 1, "the request to run")
-        g.proc.send_signal(signal.SIGTERM)
+        g.proc.send_signal(sig)
         wait_until(lambda: _connect_refused(_port(g)), "the port to refuse new connections")
         assert g.proc.poll() is None  # a worker still finishes its running request
         up.release()
@@ -245,6 +247,28 @@ def test_a_killed_worker_is_replaced_and_the_port_keeps_answering(redis_server: 
     after = _gateway_ids(g, 2, also=lambda ids: bool(ids - before))
     assert len(after - before) == 1
     assert g.stop() == 0
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (reaped, or a zombie its new parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_workers_stop_when_the_parent_is_killed(redis_server: RedisServer, upstream: Upstream, tmp_path: Path,
+                                                    prefix: str, gateways: list[Gateway]):
+    p = tmp_path / "p.yaml"
+    p.write_text(policy_yaml(upstream.url, redis_server.url, prefix=prefix))
+    g = _workers(p)
+    gateways.append(g)
+    pids = _pids(g)
+    g.kill()  # SIGKILL: nothing of the parent's runs
+    wait_until(lambda: all(_gone(pid) for pid in pids), "the orphaned workers to stop")
+    wait_until(lambda: _connect_refused(_port(g)), "the port to be free")
 
 
 def test_a_worker_that_cannot_start_stops_the_parent(redis_server: RedisServer, upstream: Upstream, tmp_path: Path,
