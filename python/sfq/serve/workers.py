@@ -218,6 +218,8 @@ class Supervisor:
                 log.info("%s: stopping the workers (each drains; running requests get %g s)",
                          signal.Signals(sig).name, self.grace)
                 self._stop()
+            elif sig == signal.SIGHUP and self.stopping:  # (a worker past its drain would die of it)
+                log.info("SIGHUP: not passed on, the workers are stopping")
             elif sig == signal.SIGHUP:
                 live = [w for w in self.workers if w.pid]
                 log.info("SIGHUP: every worker re-reads %s (pids %s)", self.config,
