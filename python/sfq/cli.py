@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve POST /v1/chat/completions and /v1/completions (streaming too), GET /v1/models, "
                     "/health, /metrics and /dashboard, with the policy file's fair queue between the clients and the "
                     "backends (docs/gateway.md). SIGTERM: graceful shutdown; SIGHUP: "
-                    "reload the file. Access log: one JSON line per request on stdout.")
+                    "reload the file. Access log: one JSON line per request on stdout. With --workers N, "
+                    "N processes serve the port and share the policy's Redis (state.redis).")
     sv.add_argument("--config", required=True, metavar="FILE", help="the policy file (docs/policy.md)")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     sv.add_argument("--port", type=_nonneg_int, default=8080, help="port to listen on (8080; 0 = any free port)")
@@ -149,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where the access log goes: - (stdout, the default), a file, or off")
     sv.add_argument("--no-dashboard", action="store_false", dest="dashboard",
                     help="do not serve GET /dashboard (the page that polls /stats; 404 then)")
+    sv.add_argument("--workers", type=_positive_int, default=1, metavar="N",
+                    help="gateway processes serving the one port (1). N > 1 needs the policy's state.redis: the "
+                         "workers share every limit, budget and the fair order there, as several gateways do; "
+                         "a parent process binds the port, passes SIGTERM and SIGHUP on to every worker and "
+                         "replaces one that dies")
     top = sub.add_parser(
         "top", help="watch a running gateway's fairness in the terminal (its GET /stats)",
         description="A live view of a running sfq serve, read from its GET /stats: per pool, each org's share "
@@ -318,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .serve import run
 
         return run(args.config, host=args.host, port=args.port, grace=args.grace, access_log=args.access_log,
-                   dashboard=args.dashboard)
+                   dashboard=args.dashboard, workers=args.workers)
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse rejects it first
     return 2
 

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -394,3 +395,101 @@ def test_bad_sizes_are_refused():
         accesslog.open_access_log("-", max_buffer=0)
     with pytest.raises(ValueError, match="flush_bytes"):
         accesslog.open_access_log("-", flush_bytes=True)
+
+
+async def test_a_shared_pipe_is_written_in_whole_lines_of_at_most_pipe_buf(tmp_path: Path):
+    """``shared=True`` (``sfq serve --workers``): each write to a pipe holds whole lines and at
+    most ``PIPE_BUF`` bytes, so that POSIX writes it whole, never split by another process's
+    write; a line longer than that is written alone. A regular file is written as before."""
+    fifo = tmp_path / "access.fifo"
+    os.mkfifo(fifo)
+    r = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        writer = accesslog.open_access_log(str(fifo), shared=True)
+        assert writer.chunk == accesslog.PIPE_BUF
+        writes: list[bytes] = []
+        sink = writer._sink
+        real = sink.write
+
+        def record(data: bytes | bytearray) -> int:
+            n = real(data)
+            writes.append(bytes(data[:n]))
+            return n
+
+        sink.write = record  # type: ignore[method-assign]
+        lines = [b'{"n":%d,"pad":"%s"}\n' % (i, b"x" * (i * 37 % 900)) for i in range(300)]
+        lines.insert(150, b'{"long":"%s"}\n' % (b"y" * (accesslog.PIPE_BUF + 100)))
+        for x in lines:
+            writer.write(x)
+        got = bytearray()
+        want = sum(map(len, lines))
+        for _ in range(10_000):  # the pipe holds 64 KiB: read as the writer waits for room
+            await asyncio.sleep(0)
+            try:
+                got += os.read(r, 1 << 16)
+            except BlockingIOError:
+                pass
+            if len(got) == want:
+                break
+        assert bytes(got) == b"".join(lines)
+        assert len(writes) > 1
+        for w in writes:
+            assert w.endswith(b"\n") and (len(w) <= accesslog.PIPE_BUF or w.count(b"\n") == 1), len(w)
+        writer.close()
+    finally:
+        os.close(r)
+    with open(tmp_path / "file.log", "wb"):
+        pass
+    assert accesslog.open_access_log(str(tmp_path / "file.log"), shared=True).chunk is None  # (one write a batch)
+    r2, w2 = _pipe()
+    try:
+        assert AccessLog(accesslog._sink_of_fd(w2, "p", owned=False)).chunk is None  # not shared: as before
+    finally:
+        os.close(r2)
+        os.close(w2)
+
+
+_SHARED_SCRIPT = """
+import asyncio, logging, sys
+from sfq.serve import configure_logging
+from sfq.serve.accesslog import direct
+configure_logging("-", shared=True)
+w = direct(logging.getLogger("sfq.serve.access"))
+tag = sys.argv[1].encode()
+
+async def main():
+    for burst in range(30):
+        for i in range(300):
+            w.write(b'{"p":"%s","n":%d,"pad":"%s"}\\n' % (tag, burst * 300 + i, tag * (50 + i % 400)))
+        await asyncio.sleep(0)
+
+asyncio.run(main())
+"""
+
+
+def test_two_processes_on_one_pipe_never_split_each_others_lines():
+    """Two writers with ``shared=True`` on the same stdout pipe, in bursts of ~75 KB (more than
+    the pipe holds, so writes wait for room and resume): every line arrives whole."""
+    r, w = os.pipe()
+    try:
+        procs = [subprocess.Popen([sys.executable, "-c", _SHARED_SCRIPT, tag], stdout=w, stderr=subprocess.PIPE)
+                 for tag in ("a", "b")]
+    finally:
+        os.close(w)
+    out = bytearray()
+    with os.fdopen(r, "rb") as fh:
+        for chunk in iter(lambda: fh.read1(1 << 12), b""):  # a slow reader: the pipe stays nearly full
+            out += chunk
+            time.sleep(0.0002)
+    for p in procs:
+        assert p.wait(LIMIT) == 0, p.stderr.read() if p.stderr else ""
+        if p.stderr:
+            p.stderr.close()
+    lines = bytes(out).split(b"\n")
+    assert lines[-1] == b""
+    seen = {"a": [], "b": []}  # type: dict[str, list[int]]
+    for x in lines[:-1]:
+        d = json.loads(x)
+        assert d["pad"] == d["p"] * len(d["pad"]), x[:80]
+        seen[d["p"]].append(d["n"])
+    assert seen == {"a": list(range(9000)), "b": list(range(9000))}

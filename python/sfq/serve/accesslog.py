@@ -22,6 +22,24 @@ more than its line is worth; :class:`AccessLog` takes the line's bytes instead a
   reader makes no progress for ``CLOSE_TIMEOUT`` seconds (then the rest is dropped, and said
   so on stderr).
 
+Several processes writing one log (``sfq serve --workers N``: each worker has its own writer
+on the same stdout or the same file): every write holds whole lines, so no line is split by
+another process's, as long as the system writes each ``write()`` whole and in one place:
+
+* a regular file (``--access-log FILE``, opened ``O_APPEND`` by each worker, or stdout
+  redirected to a file, whose offset the workers share): one ``write()`` per batch. Linux
+  puts each ``write()`` to a local file at the end as one piece (the file's lock is held for
+  the whole write; a shared offset moves under its own lock since Linux 3.14). A short write
+  happens only when the disk is full (the rest of the line may then land after another
+  process's lines); NFS gives no such promise.
+* a pipe, a FIFO, a terminal or a stream socket (``shared=True``): each ``write()`` is at
+  most ``PIPE_BUF`` bytes (4096 on Linux) and ends at a line's end. POSIX makes a write of at
+  most ``PIPE_BUF`` bytes to a pipe atomic, and non-blocking it is written whole or not at all
+  (``EAGAIN``); a Unix stream socket (journald's stdout) queues such a write as one buffer.
+  A single line longer than ``PIPE_BUF`` is written alone and could be split; the gateway's
+  lines are far shorter (the one field a client sets freely, ``model``, is cut to 256
+  characters in the log).
+
 Lines written from a thread that runs no event loop (another library logging on
 ``sfq.serve.access``) are handed to the loop that owns the writer, or written at once when
 there is none.
@@ -48,7 +66,7 @@ import time
 from typing import TextIO
 
 __all__ = ["AccessLog", "AccessLogHandler", "direct", "open_access_log", "FLUSH_BYTES", "MAX_BUFFER_BYTES",
-           "CLOSE_TIMEOUT"]
+           "CLOSE_TIMEOUT", "PIPE_BUF"]
 
 #: bytes: the buffer is written as soon as it holds this much, without waiting for the loop
 FLUSH_BYTES = 64 << 10
@@ -58,6 +76,8 @@ MAX_BUFFER_BYTES = 8 << 20
 CLOSE_TIMEOUT = 10.0
 #: seconds between two warnings about dropped lines
 WARN_EVERY = 1.0
+#: bytes: the most one write of a shared pipe, terminal or socket holds (what POSIX writes atomically to a pipe)
+PIPE_BUF: int = getattr(select, "PIPE_BUF", 512)
 
 log = logging.getLogger("sfq.serve")
 _get_running_loop = asyncio._get_running_loop
@@ -70,6 +90,8 @@ class _Sink:
 
     fd: int | None = None
     name = "?"
+    #: a regular file (or a block device): no write of it waits on a reader
+    regular = False
 
     # (the buffer itself is passed: only the loop's thread appends to it without the writer's
     # lock, and that thread is the one writing; other threads append under the lock)
@@ -81,10 +103,11 @@ class _Sink:
 
 
 class _FdSink(_Sink):
-    def __init__(self, fd: int, name: str, *, owned: bool) -> None:
+    def __init__(self, fd: int, name: str, *, owned: bool, regular: bool = False) -> None:
         self.fd = fd
         self.name = name
         self.owned = owned
+        self.regular = regular
 
     def write(self, data: bytes | bytearray) -> int:
         assert self.fd is not None
@@ -130,7 +153,7 @@ def _sink_of_fd(fd: int, name: str, *, owned: bool) -> _Sink:
     non-blocking, for a pipe, FIFO or terminal; ``MSG_DONTWAIT`` sends for a stream socket."""
     mode = os.fstat(fd).st_mode
     if stat.S_ISREG(mode) or stat.S_ISBLK(mode):
-        return _FdSink(fd, name, owned=owned)
+        return _FdSink(fd, name, owned=owned, regular=True)
     if stat.S_ISSOCK(mode):
         try:
             sock = socket.socket(fileno=os.dup(fd))
@@ -157,29 +180,32 @@ def _check_sizes(max_buffer: int, flush_bytes: int) -> None:
             raise ValueError(f"{name} must be an integer >= 1 (bytes), got {v!r}")
 
 
-def open_access_log(target: str, *, max_buffer: int = MAX_BUFFER_BYTES, flush_bytes: int = FLUSH_BYTES
-                    ) -> AccessLog:
+def open_access_log(target: str, *, max_buffer: int = MAX_BUFFER_BYTES, flush_bytes: int = FLUSH_BYTES,
+                    shared: bool = False) -> AccessLog:
     """The writer for ``target``: ``-`` (stdout) or a file's path (appended to, created with
     mode 0666 less the umask, as ``logging.FileHandler`` does). Raises ``OSError`` when the
-    file cannot be opened. ``max_buffer``, ``flush_bytes``: :class:`AccessLog`'s."""
+    file cannot be opened. ``max_buffer``, ``flush_bytes``: :class:`AccessLog`'s. ``shared``:
+    other processes write lines to the same pipe, terminal or socket (``sfq serve --workers``):
+    each write is then at most ``PIPE_BUF`` bytes of whole lines (see the module's docstring)."""
     _check_sizes(max_buffer, flush_bytes)
-    opts = {"max_buffer": max_buffer, "flush_bytes": flush_bytes}
     if target == "-":
         stream = sys.stdout if sys.stdout is not None else sys.stderr
         try:
             fd = stream.fileno()
         except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
-            return AccessLog(_StreamSink(stream, "<stdout>"), **opts)
+            return AccessLog(_StreamSink(stream, "<stdout>"), max_buffer=max_buffer, flush_bytes=flush_bytes)
         with contextlib.suppress(OSError, ValueError):
             stream.flush()  # what it holds goes first
-        return AccessLog(_sink_of_fd(fd, "<stdout>", owned=False), **opts)
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o666)
-    try:
-        sink = _sink_of_fd(fd, target, owned=True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return AccessLog(sink, **opts)
+        sink = _sink_of_fd(fd, "<stdout>", owned=False)
+    else:
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o666)
+        try:
+            sink = _sink_of_fd(fd, target, owned=True)
+        except BaseException:
+            os.close(fd)
+            raise
+    return AccessLog(sink, max_buffer=max_buffer, flush_bytes=flush_bytes,
+                     chunk=PIPE_BUF if shared and not sink.regular else None)
 
 
 class AccessLog:
@@ -188,9 +214,14 @@ class AccessLog:
     :meth:`write` is for the thread of the event loop that runs the gateway (or a thread with
     no loop, which then writes at once); records of other threads come through
     :class:`AccessLogHandler`. ``dropped``: lines dropped so far (the buffer was full, or the
-    file could no longer be written)."""
+    file could no longer be written). ``chunk``: the most bytes one write holds, each write
+    ending at a line's end (a longer line is written alone); ``None``: the whole buffer."""
 
-    def __init__(self, sink: _Sink, *, max_buffer: int = MAX_BUFFER_BYTES, flush_bytes: int = FLUSH_BYTES) -> None:
+    def __init__(self, sink: _Sink, *, max_buffer: int = MAX_BUFFER_BYTES, flush_bytes: int = FLUSH_BYTES,
+                 chunk: int | None = None) -> None:
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"chunk must be an integer >= 1 (bytes) or None, got {chunk!r}")
+        self.chunk = chunk
         self._sink = sink
         self._buf = bytearray()
         _check_sizes(max_buffer, flush_bytes)
@@ -287,9 +318,13 @@ class AccessLog:
         full (``True``: it would block). ``copy``: write a copy of the buffer (a caller outside
         the loop: the loop may add to it meanwhile). Under the lock."""
         buf = self._buf
+        chunk = self.chunk
         while buf and not self._broken:
             try:
-                n = self._sink.write(bytes(buf) if copy else buf)
+                if chunk is not None and len(buf) > chunk:
+                    n = self._sink.write(bytes(buf[:_lines_within(buf, chunk)]))
+                else:
+                    n = self._sink.write(bytes(buf) if copy else buf)
             except BlockingIOError:
                 return True
             except InterruptedError:
@@ -389,6 +424,16 @@ class AccessLog:
             log.warning("access log %s: %d lines dropped (%d in all): %s", self.name, n, self.dropped,
                         "it can no longer be written" if self._broken else
                         f"its reader is not keeping up (over {self.max_buffer} bytes unwritten)")
+
+
+def _lines_within(buf: bytearray, most: int) -> int:
+    """How many bytes of ``buf`` (whole lines) one write of at most ``most`` bytes takes: up
+    to the last line's end within ``most``, or the first line whole when it is longer."""
+    i = buf.rfind(b"\n", 0, most)
+    if i >= 0:
+        return i + 1
+    j = buf.find(b"\n", most)
+    return j + 1 if j >= 0 else len(buf)
 
 
 def _poll_writable(fd: int, seconds: float) -> None:

@@ -76,6 +76,9 @@ _std_dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
 #: seconds a refusal of a body still coming goes on reading (and dropping) it before closing
 LINGER_SECONDS = 2.0
+#: characters of a request's ``model`` the access log keeps (the one field of a line a client
+#: sets freely: a line stays far under ``PIPE_BUF``, which ``--workers`` relies on)
+LOGGED_MODEL_CHARS = 256
 #: the largest ``max_tokens`` (or ``max_completion_tokens``) a request may ask for
 MAX_OUTPUT_TOKENS = 1 << 24
 #: the largest ``n`` (and ``best_of``): OpenAI's own limit
@@ -821,7 +824,7 @@ class Gateway:
             outcome = "cancelled_before_start" if e.status == 499 else "refused"
         u = e.usage if isinstance(e.usage, dict) else {}
         line = {"ts": round(time.time(), 3), "request_id": e.rid, "path": e.path, "status": e.status, "org": org,
-                "class": cls, "pool": pool, "model": e.model if isinstance(e.model, str) else None,
+                "class": cls, "pool": pool, "model": e.model[:LOGGED_MODEL_CHARS] if isinstance(e.model, str) else None,
                 "stream": e.stream, "outcome": outcome, "reason": reason, "wait": wait,
                 "queue_wait": round(queue_wait, 6), "tries": tries,
                 "backend": backend, "cost_charged": charged, "prompt_tokens": u.get("prompt_tokens"),

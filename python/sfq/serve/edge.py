@@ -41,6 +41,7 @@ import json
 import logging
 import math
 import os
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -70,6 +71,18 @@ _IDLE, _HEAD, _BUSY = 0, 1, 2
 
 _prefix = "req_" + os.urandom(6).hex()
 _counter = itertools.count(1)
+
+
+def _new_prefix() -> None:
+    """A forked process (``sfq serve --workers``) draws its own prefix: its request ids never
+    repeat its parent's or a sibling's."""
+    global _prefix, _counter
+    _prefix = "req_" + os.urandom(6).hex()
+    _counter = itertools.count(1)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_prefix)
 
 
 def new_request_id() -> str:
@@ -376,13 +389,19 @@ class EdgeHandler(RequestHandler):
 
 
 class EdgeSite(web.BaseSite):
-    """A TCP site whose connections run :class:`EdgeHandler` (``web.TCPSite`` otherwise)."""
+    """A TCP site whose connections run :class:`EdgeHandler` (``web.TCPSite`` otherwise): it
+    binds ``host`` and ``port``, or serves ``sock``, a listening socket bound already (``sfq
+    serve --workers``: every worker serves the socket its parent bound)."""
 
-    __slots__ = ("_edge", "_host", "_port")
+    __slots__ = ("_edge", "_host", "_port", "_sock")
 
-    def __init__(self, runner: web.BaseRunner, edge: Edge, host: str, port: int, *, backlog: int = 1024) -> None:
+    def __init__(self, runner: web.BaseRunner, edge: Edge, host: str = "127.0.0.1", port: int = 0, *,
+                 backlog: int = 1024, sock: socket.socket | None = None) -> None:
         super().__init__(runner, backlog=backlog)
         self._edge = edge
+        self._sock = sock
+        if sock is not None:
+            host, port = sock.getsockname()[:2]
         self._host = host
         self._port = port
 
@@ -395,8 +414,12 @@ class EdgeSite(web.BaseSite):
         server = self._runner.server
         assert server is not None
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self._edge.factory(server), self._host, self._port,
-                                                backlog=self._backlog, reuse_address=True)
+        if self._sock is not None:
+            self._server = await loop.create_server(self._edge.factory(server), sock=self._sock,
+                                                    backlog=self._backlog)
+        else:
+            self._server = await loop.create_server(self._edge.factory(server), self._host, self._port,
+                                                    backlog=self._backlog, reuse_address=True)
         self._edge.start()
 
     async def stop(self) -> None:

@@ -20,6 +20,8 @@ is installed), logging.
 * The edge (:mod:`sfq.serve.edge`): the soft file-descriptor limit is raised to the hard one,
   connections are capped below it, and the ``server:`` section's timeouts close idle,
   trickling and unread connections.
+* ``--workers N`` (N > 1): a parent binds the socket and runs N of these processes on it
+  (:mod:`sfq.serve.workers`); ``run`` hands over to it.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ import asyncio
 import gc
 import logging
 import signal
+import socket
 import sys
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -48,24 +51,32 @@ log = logging.getLogger("sfq.serve")
 #: each collection then walks them and moves them to an older generation, only for them to be
 #: freed by reference counting moments later)
 GC_THRESHOLD = 10_000
+#: the signals that stop ``serve`` (a worker of ``--workers`` leaves SIGINT to its parent)
+_STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
 
 
-def configure_logging(access_log: str = "-", level: int = logging.INFO, stream: TextIO | None = None) -> None:
+def configure_logging(access_log: str = "-", level: int = logging.INFO, stream: TextIO | None = None, *,
+                      shared: bool = False) -> None:
     """Diagnostics to stderr; the access log (one JSON object per line) to stdout (``-``), a
     file, or nowhere (``off``).
 
     The access log gets an :class:`~sfq.serve.accesslog.AccessLogHandler`: the gateway's lines
     skip :mod:`logging` and are written once per event-loop iteration, without ever blocking
     the loop on a reader that stops reading (:mod:`sfq.serve.accesslog`). Calling this again
-    flushes and closes the writer it installed before."""
+    flushes and closes the writer it installed before. ``shared``: other processes of the
+    same ``sfq serve --workers`` write to the same stderr and access log: each diagnostic
+    line names its process (``sfq.serve[PID]``), and each access-log write holds whole lines
+    that no other process's write can split."""
     err = logging.StreamHandler(stream if stream is not None else sys.stderr)
-    err.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    who = "%(name)s[%(process)d]" if shared else "%(name)s"
+    err.setFormatter(logging.Formatter(f"%(asctime)s {who} %(levelname)s %(message)s"))
     root = logging.getLogger("sfq")
     root.handlers[:] = [err]
     root.setLevel(level)
     acc = logging.getLogger(ACCESS_LOGGER)
     acc.propagate = False
-    writer = None if access_log == "off" else open_access_log(access_log)  # (an OSError leaves things as they were)
+    # (an OSError leaves things as they were)
+    writer = None if access_log == "off" else open_access_log(access_log, shared=shared)
     old = [h for h in acc.handlers if isinstance(h, AccessLogHandler)]
     if writer is None:
         acc.handlers[:] = []
@@ -89,10 +100,13 @@ def _flush_access_log(timeout: float = CLOSE_TIMEOUT) -> None:
 
 async def serve(config: str | Path, *, host: str = "127.0.0.1", port: int = 8080, grace: float = 30.0,
                 ready: asyncio.Future[tuple[str, int]] | None = None,
-                stop: asyncio.Event | None = None, dashboard: bool = True) -> None:
+                stop: asyncio.Event | None = None, dashboard: bool = True,
+                sockets: Sequence[socket.socket] = ()) -> None:
     """Run the gateway until SIGTERM/SIGINT (or ``stop`` is set), then shut down gracefully.
     ``ready`` gets the bound ``(host, port)`` (``port=0`` picks a free one); ``dashboard=False``
-    leaves ``GET /dashboard`` unrouted (404)."""
+    leaves ``GET /dashboard`` unrouted (404). ``sockets``: listening sockets bound already,
+    served instead of binding ``host`` and ``port`` (``sfq serve --workers``: the parent's;
+    or a socket handed over by a service manager)."""
     raise_fd_limit()
     gw = Gateway(config, grace=grace, dashboard=dashboard)
     loop = asyncio.get_running_loop()
@@ -103,7 +117,8 @@ async def serve(config: str | Path, *, host: str = "127.0.0.1", port: int = 8080
         if gw.reload() and _frozen:
             _refreeze()
 
-    for sig, fn in ((signal.SIGTERM, stop.set), (signal.SIGINT, stop.set), (signal.SIGHUP, reload)):
+    wanted: list[tuple[signal.Signals, Callable[[], None]]] = [(s, stop.set) for s in _STOP_SIGNALS]
+    for sig, fn in (*wanted, (signal.SIGHUP, reload)):
         try:
             loop.add_signal_handler(sig, fn)
             handled.append(sig)
@@ -115,9 +130,11 @@ async def serve(config: str | Path, *, host: str = "127.0.0.1", port: int = 8080
                            lingering_time=0)
     try:
         await runner.setup()
-        site = EdgeSite(runner, gw.edge, host, port, backlog=1024)
-        await site.start()
-        sock = site._server.sockets[0]  # type: ignore[union-attr]
+        sites = [EdgeSite(runner, gw.edge, backlog=1024, sock=s) for s in sockets] or \
+            [EdgeSite(runner, gw.edge, host, port, backlog=1024)]
+        for site in sites:
+            await site.start()
+        sock = sites[0]._server.sockets[0]  # type: ignore[union-attr]
         bound = sock.getsockname()[:2]
         sv = gw.policy.server
         log.info("listening on http://%s:%d (policy %s; pools: %s; at most %d connections; timeouts: head %g s, "
@@ -129,7 +146,8 @@ async def serve(config: str | Path, *, host: str = "127.0.0.1", port: int = 8080
         await stop.wait()
         log.info("shutting down: no new requests; %d waiting answered 503; running ones get %g s",
                  sum(p["waiting"] for p in gw.pd.stats()["pools"].values()), grace)
-        await site.stop()  # stop accepting connections
+        for site in sites:
+            await site.stop()  # stop accepting connections
         await gw.drain()
         log.info("drained")
     finally:
@@ -167,11 +185,19 @@ def _freeze_gc() -> None:
     gc.set_threshold(GC_THRESHOLD, g1, g2)
 
 
-async def _serve_process(config: str | Path, **kwargs: Any) -> None:
+async def _serve_process(config: str | Path, *, on_ready: Callable[[], None] | None = None, **kwargs: Any) -> None:
     """``serve`` as the process runs it: the garbage collector tuned once it listens (an
-    embedder awaiting ``serve`` keeps its own settings)."""
+    embedder awaiting ``serve`` keeps its own settings); then ``on_ready`` is called."""
     ready: asyncio.Future[tuple[str, int]] = asyncio.get_running_loop().create_future()
-    ready.add_done_callback(lambda f: _freeze_gc() if not f.cancelled() and f.exception() is None else None)
+
+    def listening(f: asyncio.Future[tuple[str, int]]) -> None:
+        if f.cancelled() or f.exception() is not None:
+            return
+        _freeze_gc()
+        if on_ready is not None:
+            on_ready()
+
+    ready.add_done_callback(listening)
     await serve(config, ready=ready, **kwargs)
 
 
@@ -185,11 +211,18 @@ def _run(coro: Coroutine[Any, Any, None]) -> None:
 
 
 def run(config: str | Path, *, host: str = "127.0.0.1", port: int = 8080, grace: float = 30.0,
-        access_log: str = "-", dashboard: bool = True) -> int:
+        access_log: str = "-", dashboard: bool = True, workers: int = 1) -> int:
     """``sfq serve``'s entry point: the exit status (0 after a graceful shutdown, 1 when the
-    policy file is bad or cannot be read, 2 when the address cannot be bound)."""
+    policy file is bad or cannot be read, 2 when the address cannot be bound). ``workers``
+    > 1: that many processes on one socket, sharing the policy's Redis
+    (:func:`sfq.serve.workers.supervise`)."""
     from ..errors import PolicyError
 
+    if workers > 1:
+        from .workers import supervise
+
+        return supervise(config, workers=workers, host=host, port=port, grace=grace, access_log=access_log,
+                         dashboard=dashboard)
     configure_logging(access_log)
     try:
         _run(_serve_process(config, host=host, port=port, grace=grace, dashboard=dashboard))
