@@ -80,7 +80,7 @@ class Request:
                  "drop_reason", "item", "state", "backend", "started_at", "tries", "idempotency_key",
                  "outcome", "reason", "small", "retrying", "est", "epoch", "streaming", "charged", "delivered",
                  "work_flow", "working", "in_core", "avoid", "start_tag", "fixed", "hold",
-                 "charged_total", "guess", "max_wait")
+                 "charged_total", "guess", "max_wait", "ready_at")
 
     def __init__(self, flow: Flow, cost: float, tokens: float, arrival: float, deadline: float | None = None,
                  item: Any = None, need: float = 0.0, idempotency_key: str | None = None,
@@ -125,6 +125,10 @@ class Request:
         #: whether its charge is a guess (``guessed``), when another engine priced it (a stand-in
         #: of a gateway's candidate, ``sfq.state``); ``None``: the estimator says
         self.guess: bool | None = None
+        #: clock time its org's ``requests_per_minute`` reserved its token for (``on_limit:
+        #: wait``): until then it is parked, out of the competition (no slot, no place in the core:
+        #: :meth:`PolicyQueue.pop` joins it to its flow then); ``-inf``: not parked
+        self.ready_at = -_INF
 
     def __repr__(self) -> str:
         return (f"Request(#{self.id} {self.flow.org}/{self.flow.cls}/{self.flow.pool} cost={self.cost:g} "
@@ -320,6 +324,11 @@ class PolicyQueue:
         self.n_waiting = 0  # requests waiting, every class
         self.in_flight = 0
         self._drops: list[tuple[float, int, Request]] = []  # (drop_at, id, request), lazily cleaned
+        #: requests parked until their org's rate refills (``Request.ready_at``): ``(ready_at, id,
+        #: request)``, lazily cleaned; counted as waiting (their class's places, ``n_waiting``) but
+        #: in no flow and not in the core, so they hold no slot and delay no one
+        self.parked: list[tuple[float, int, Request]] = []
+        self.n_parked = 0  # requests parked (live entries of ``parked``)
         self._dropped: list[Request] = []  # dropped by pop(), not yet handed out by expire()
         #: seconds a waiting request may wait while no backend of the pool is in rotation
         #: before it is answered (reason ``unavailable``); counted from its arrival or from the
@@ -407,6 +416,14 @@ class PolicyQueue:
                         o = newest.get(f.org)
                         if last is not None and (o is None or last.id > o.id):
                             newest[f.org] = last
+        if self.n_parked:  # requests parked until their org's rate refills hold places too
+            for _, _, x in self.parked:
+                if x.state == WAITING and x.ready_at > -_INF and x.flow.cls == cls:
+                    org = x.flow.org
+                    held[org] = held.get(org, 0) + 1
+                    o = newest.get(org)
+                    if o is None or x.id > o.id:
+                        newest[org] = x
         top = max(held, key=lambda o: (held[o], o in newest), default=None)
         if top is not None and cls not in self.strict:
             top = self._first_of_tied(held, newest, top)
@@ -500,6 +517,20 @@ class PolicyQueue:
         at_deadline = r.deadline if r.deadline is not None else _INF
         r.drop_at = at_age if at_age < at_deadline else at_deadline
         r.drop_reason = "deadline" if at_deadline <= at_age else "queue_timeout"
+        if r.ready_at > -_INF:  # its org's rate: parked until its token comes (pop joins it then)
+            heapq.heappush(self.parked, (r.ready_at, r.id, r))
+            self.n_parked += 1
+        else:
+            self._join(r, spec)
+        self.waiting_by_class[flow.cls] += 1
+        self.n_waiting += 1
+        if r.drop_at < _INF:
+            heapq.heappush(self._drops, (r.drop_at, r.id, r))
+
+    def _join(self, r: Request, spec: ClassSpec) -> None:
+        """``r`` (counted as waiting) takes its place in its flow: its strict class's FIFO, or
+        its flow's size bucket, the flow entering the core if it had no entry."""
+        flow = r.flow
         if spec.strict:
             self.strict[flow.cls].append(r)
             self._strict_n[flow.cls] += 1
@@ -510,10 +541,27 @@ class PolicyQueue:
             fq.n += 1
             if fq.token is None:
                 self._enter(fq)
-        self.waiting_by_class[flow.cls] += 1
-        self.n_waiting += 1
-        if r.drop_at < _INF:
-            heapq.heappush(self._drops, (r.drop_at, r.id, r))
+
+    def _unpark(self, now: float) -> None:
+        """Join to their flows, in the order of their tokens, the parked requests whose token
+        has come by ``now``: each rejoins the competition as a request arriving then (its flow
+        at ``max(S, v)``: it banks no credit for the wait), its queue age counted from its
+        arrival."""
+        parked = self.parked
+        classes = self.policy.classes
+        while parked and parked[0][0] <= now:
+            at, _, r = heapq.heappop(parked)
+            if r.state == WAITING and r.ready_at == at:
+                r.ready_at = -_INF
+                self.n_parked -= 1
+                self._join(r, classes[r.flow.cls])
+
+    def next_unpark(self) -> float | None:
+        """When the next parked request's token comes (``None``: none is parked)."""
+        parked = self.parked
+        while parked and (parked[0][2].state != WAITING or parked[0][2].ready_at != parked[0][0]):
+            heapq.heappop(parked)
+        return parked[0][0] if parked else None
 
     def _enter(self, fq: _FlowQ) -> None:
         """Give the flow its entry in the core (its next turn), at a lower bound of its head's
@@ -540,6 +588,11 @@ class PolicyQueue:
         cls = r.flow.cls
         self.waiting_by_class[cls] -= 1
         self.n_waiting -= 1
+        if r.ready_at > -_INF:  # parked: in no flow yet (its heap entry goes lazily)
+            self.n_parked -= 1
+            if not self.n_parked:
+                self.parked.clear()
+            return
         if cls in self.strict:
             self._strict_n[cls] -= 1
             self.strict[cls].remove(r)
@@ -788,6 +841,9 @@ class PolicyQueue:
         drops = self._drops
         if (drops and drops[0][0] <= now) or self.down_since is not None:  # (_drop_expired's own tests)
             self._drop_expired(now)
+        parked = self.parked
+        if parked and parked[0][0] <= now:
+            self._unpark(now)
         self.blocked_until = -_INF
         if not self._pool_room(now):
             return None
@@ -1129,11 +1185,16 @@ class PolicyQueue:
     # ------------------------------------------------------------ views
     def wake_at(self) -> float | None:
         """The earliest clock time at which :meth:`pop` or :meth:`expire` may have something new
-        without any other event (a bucket refills, a pause ends, a request runs out of time)."""
+        without any other event (a bucket refills, a pause ends, a request runs out of time, a
+        parked request's token comes)."""
         t = self.next_drop() if self._drops or self.down_since is not None else None  # (else: none)
         b = self.blocked_until
         if b > -_INF and (t is None or b < t):
-            return b
+            t = b
+        if self.n_parked:  # a parked request's token comes (it joins its flow then)
+            p = self.next_unpark()
+            if p is not None and (t is None or p < t):
+                t = p
         return t
 
     def held(self, flow: Flow) -> int:
@@ -1150,6 +1211,7 @@ class PolicyQueue:
         return 0 if fq is None else fq.n
 
     def iter_waiting(self) -> Iterator[Request]:
+        yield from (r for _, _, r in list(self.parked) if r.state == WAITING and r.ready_at > -_INF)
         for d in self.strict.values():
             yield from (r for r in d if r.state == WAITING)
         for fq in self.flows.values():
