@@ -600,3 +600,35 @@ async def test_a_teams_max_users_counts_its_live_users_over_every_gateway(redis_
     finally:
         await one.close()
         await two.close()
+
+
+async def test_an_org_rate_that_waits_takes_its_tokens_ahead_once_over_every_gateway(redis_server: RedisServer,
+                                                                                      prefix: str):
+    """``on_limit: wait`` in ``ADMIT``: over the org's rate, a request that may wait longer
+    than its token's refill takes the token ahead (the bucket in Redis goes into debt) and its
+    ticket says how long until it refills; the next admission, at any gateway, waits for the
+    next token; one that may not wait that long is refused, told when its token would come.
+    The waits are Redis's computation on its own clock (two requests a minute: 30 s a token),
+    checked with the few milliseconds the round trips take."""
+    pol = _policy(redis_server.url, prefix, orgs="  c: {keys: [kc], classes: [batch], requests_per_minute: 2}")
+    a, b = RedisState(pol.state, pol), RedisState(pol.state, pol)
+    await a.start()
+    await b.start()
+    try:
+        c = Flow("c", "batch", "p")
+        waits = []
+        for st in (a, b, a, b):
+            t = await st.admit(c, 1000.0)
+            assert t is not None
+            waits.append(t.wait)
+        assert waits[:2] == [0.0, 0.0]
+        assert 29.0 < waits[2] <= 30.0 and 59.0 < waits[3] <= 60.0, waits  # one bucket, two gateways
+        for st, horizon in ((b, 80.0), (a, None)):  # the next token comes 90 s from now: refused
+            with pytest.raises(Refused) as ei:
+                await st.admit(c, horizon)
+            assert ei.value.reason == "rate_limited" and 89.0 < (ei.value.retry_after or 0) <= 90.0
+        t = await b.admit(c, float("inf"))  # no bound: it waits
+        assert t is not None and 89.0 < t.wait <= 90.0
+    finally:
+        await a.close()
+        await b.close()
