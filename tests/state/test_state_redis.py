@@ -632,3 +632,25 @@ async def test_an_org_rate_that_waits_takes_its_tokens_ahead_once_over_every_gat
     finally:
         await a.close()
         await b.close()
+
+
+def test_while_redis_is_lost_an_org_rate_that_waits_takes_its_tokens_ahead_in_the_gateways_slice(prefix: str):
+    """Degraded (``on_loss: local``): the gateway admits alone within its slice of the org's
+    rate, and a request that may wait takes its token ahead there too (an injected clock;
+    one live gateway: the whole rate is its slice)."""
+    pol = _policy("redis://127.0.0.1:9", prefix, orgs="  c: {keys: [kc], classes: [batch], requests_per_minute: 2}")
+    now = [100.0]
+    st = RedisState(pol.state, pol, clock=lambda: now[0])
+    st._gateways = [st.gateway_id]  # (what its last look at the live gateways found)
+    c = Flow("c", "batch", "p")
+    assert [st._admit_alone(c, 1000.0) for _ in range(2)] == [None, None]  # (nothing to hold: no ticket)
+    t = st._admit_alone(c, 1000.0)
+    assert t is not None and t.wait == pytest.approx(30.0)
+    with pytest.raises(Refused) as ei:
+        st._admit_alone(c, 59.0)  # its token would come in 60 s
+    assert ei.value.reason == "rate_limited" and ei.value.retry_after == pytest.approx(60.0)
+    with pytest.raises(Refused):
+        st._admit_alone(c, None)  # on_limit: refuse
+    now[0] += 30.0
+    t = st._admit_alone(c, 31.0)
+    assert t is not None and t.wait == pytest.approx(30.0)
