@@ -35,6 +35,9 @@ Limits: a flow whose org (or class) is at its ``max_in_flight`` leaves the compe
 and banks no credit. Pool-wide limits (the pool's ``max_in_flight``, backend slots, the
 ``requests_per_minute`` and ``tokens_per_minute`` buckets, backends paused by a 429) hold
 the whole pool: requests keep their places in the fair queue until the limit allows the next.
+A request that took its org's ``requests_per_minute`` token ahead (``on_limit: wait``: the
+engine's admission) is *parked* until that token refills (``Request.ready_at``): counted as
+waiting, but in no flow and not in the core, it then joins its flow as a request arriving then.
 A waiting request is dropped the moment its class's ``max_queue_age_seconds``, its own
 ``max_wait`` (the smaller of the two is its queue age bound) or its own deadline runs out
 (:meth:`PolicyQueue.expire`).
@@ -1205,10 +1208,13 @@ class PolicyQueue:
         return n + int(st is not None and st.state == WAITING and st.flow == flow and not n)
 
     def waiting(self, flow: Flow) -> int:
+        """Requests of ``flow`` waiting: in its queue, and parked for its org's rate."""
+        n = sum(1 for _, _, r in self.parked if r.state == WAITING and r.ready_at > -_INF and r.flow == flow) \
+            if self.n_parked else 0
         if flow.cls in self.strict:
-            return sum(1 for r in self.strict[flow.cls] if r.state == WAITING and r.flow == flow)
+            return n + sum(1 for r in self.strict[flow.cls] if r.state == WAITING and r.flow == flow)
         fq = self.flows.get(flow)
-        return 0 if fq is None else fq.n
+        return n + (0 if fq is None else fq.n)
 
     def iter_waiting(self) -> Iterator[Request]:
         yield from (r for _, _, r in list(self.parked) if r.state == WAITING and r.ready_at > -_INF)
