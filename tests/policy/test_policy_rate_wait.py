@@ -306,3 +306,25 @@ def test_nested_orgs_wait_too(clock: Clock, core) -> None:
     assert r.ready_at == pytest.approx(t0 + REFILL)
     clock.t = t0 + REFILL
     assert e.poll() == [r]
+
+
+def test_a_strict_class_waits_in_its_fifo_order(clock: Clock, core) -> None:
+    classes = CLASSES + "  urgent: {strict: true, max_in_flight: 2, max_queue_length: 5, on_limit: wait}\n"
+    orgs = """
+      a: {keys: [ka], classes: [urgent, batch], requests_per_minute: 2}
+      b: {keys: [kb], classes: [urgent]}
+    """
+    e = engine(core, clock, classes=classes, orgs=orgs)
+    t0 = clock.t
+    u, ub = Flow("a", "urgent", "p"), Flow("b", "urgent", "p")
+    first = [go(e, u) for _ in range(2)]  # the tokens and the class's two slots
+    parked = go(e, u, deadline=t0 + 100)
+    assert parked.ready_at == pytest.approx(t0 + REFILL)
+    queued_b = go(e, ub)  # org b's urgent request waits for a class slot, first in the FIFO
+    for x in first:
+        e.complete(x)
+    assert e.poll() == [queued_b] and parked.state == WAITING  # the parked one holds no place in the FIFO
+    clock.t = t0 + REFILL
+    assert e.poll() == [parked]
+    with pytest.raises(Refused):
+        go(e, Flow("a", "batch", "p"))  # the batch class does not wait (no on_limit: refuse)
