@@ -144,8 +144,8 @@ KEEPABLE = sorted(
     | {f"{s}.{k}" for s in ("limits", "timeouts", "prices") for k in CATALOG[f"pools.*.{s}"]}
     | {f"class.{k}" for k in CATALOG["classes.*"]}
     | {f"urgent.{k}" for k in CATALOG["classes.urgent"] if k != "strict"}
-    | {"weight", "max_in_flight", "requests_per_minute", "on_limit", "budget", "team_budget", "teams", "users", "max_users",
-       "nested", "org_template", "server.pools"}
+    | {"weight", "max_in_flight", "requests_per_minute", "on_limit", "budget", "team_budget", "teams", "users",
+       "max_users", "nested", "org_template", "server.pools"}
     | {f"{s}.{k}" for s in ("cost", "retry", "metrics") for k in CATALOG[s]}
     | {f"server.{k}" for k, v in CATALOG["server"].items() if v is not None})
 
