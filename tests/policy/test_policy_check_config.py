@@ -262,3 +262,20 @@ def test_the_state_row_says_who_shares_it(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "shared by every sfq serve and PolicyDispatcher started with this file" in out
     assert "in memory" not in out
+
+
+def test_a_bad_on_limit_is_named_with_its_value_wherever_it_is_written(tmp_path, capsys):
+    text = BASE.replace("batch: {weight: 1}", "batch: {weight: 1, on_limit: queue}").replace(
+        'classes: [interactive]}', 'classes: [interactive], requests_per_minute: 60, on_limit: Wait}') + (
+        "org_template: {classes: [batch], on_limit: true}\n")
+    p = tmp_path / "policy.yaml"
+    p.write_text(text)
+    assert main(["check-config", str(p), "--plain"]) == 1
+    err = capsys.readouterr().err
+    for line in ("classes.batch.on_limit: must be one of wait, refuse, got 'queue'",
+                 "orgs.a.on_limit: must be one of wait, refuse, got 'Wait'",
+                 "org_template.on_limit: must be one of wait, refuse, got True"):
+        assert line in err, err
+    p.write_text(text.replace("on_limit: queue", "on_limit: wait").replace("on_limit: Wait", "on_limit: refuse")
+                 .replace("on_limit: true", "on_limit: wait"))
+    assert main(["check-config", str(p), "--plain"]) == 0

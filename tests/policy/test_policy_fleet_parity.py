@@ -38,15 +38,16 @@ CATALOG: dict[str, dict[str, Any]] = {
     "pools.*.prices": {"input": 1, "cached_input": 0.5, "output": 4},
     "classes.*": {"weight": 6, "max_in_flight": 4, "max_queue_length": 50, "max_queue_age_seconds": 30,
                   "small_cost": 200, "small_picks": 2, "deadline_seconds": 20, "ttft_objective_seconds": 2,
-                  "refuse_unmeetable": True},
+                  "refuse_unmeetable": True, "on_limit": "wait"},
     "classes.urgent": {"strict": True, "max_in_flight": 2, "max_queue_length": 10, "max_queue_age_seconds": 5},
     "orgs.*": {"keys": None, "key_sha256": None, "classes": ["interactive", "batch"], "weight": 2,
                "max_in_flight": 5, "requests_per_minute": 300, "teams": None, "users": "equal", "max_users": 20,
-               "budget": None},
+               "budget": None, "on_limit": "wait"},
     "orgs.*.budget": {"amount": 50, "per": "month"},
     "orgs.*.teams.*": {"weight": 3, "keys": None, "key_sha256": None, "max_users": 5, "budget": None},
     "orgs.*.teams.*.budget": {"amount": 5, "per": "day"},
-    "org_template": {"classes": ["batch"], "weight": 1, "max_in_flight": 3, "requests_per_minute": 60},
+    "org_template": {"classes": ["batch"], "weight": 1, "max_in_flight": 3, "requests_per_minute": 60,
+                     "on_limit": "wait"},
     "cost": {"input_weight": 1, "output_weight": 2, "default_max_tokens": 512, "prior_ratio": 0.5,
              "charge": "served", "cached_input_weight": 0.25},
     "retry": {"max_attempts": 3, "budget_per_flow_percent": 20, "backoff": "exponential_with_jitter",
@@ -76,7 +77,7 @@ def _backend_key() -> Any:
 
 def _org(name: str, keep: set[str], nested: bool) -> dict[str, Any]:
     o: dict[str, Any] = {"classes": ["interactive", "batch", "urgent"]}
-    for k in ("weight", "max_in_flight", "requests_per_minute"):
+    for k in ("weight", "max_in_flight", "requests_per_minute", "on_limit"):
         if k in keep:
             o[k] = CATALOG["orgs.*"][k]
     if "budget" in keep:
@@ -144,8 +145,8 @@ KEEPABLE = sorted(
     | {f"{s}.{k}" for s in ("limits", "timeouts", "prices") for k in CATALOG[f"pools.*.{s}"]}
     | {f"class.{k}" for k in CATALOG["classes.*"]}
     | {f"urgent.{k}" for k in CATALOG["classes.urgent"] if k != "strict"}
-    | {"weight", "max_in_flight", "requests_per_minute", "budget", "team_budget", "teams", "users", "max_users",
-       "nested", "org_template", "server.pools"}
+    | {"weight", "max_in_flight", "requests_per_minute", "on_limit", "budget", "team_budget", "teams", "users",
+       "max_users", "nested", "org_template", "server.pools"}
     | {f"{s}.{k}" for s in ("cost", "retry", "metrics") for k in CATALOG[s]}
     | {f"server.{k}" for k, v in CATALOG["server"].items() if v is not None})
 

@@ -3,6 +3,7 @@ jumps through the PolicyEngine; after every step nothing is lost and every limit
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 from typing import Any
@@ -36,9 +37,9 @@ classes:
   interactive: {weight: 4, max_queue_length: 6, max_queue_age_seconds: 60, small_cost: 100, small_picks: 2}
   batch: {weight: 1, max_in_flight: 3, max_queue_length: 10}
 orgs:
-  a: {keys: [ka], classes: [batch, interactive], max_in_flight: 2, requests_per_minute: 40}
+  a: {keys: [ka], classes: [batch, interactive], max_in_flight: 2, requests_per_minute: 4, on_limit: wait}
   b: {keys: [kb], classes: [interactive, system], weight: 2}
-  c: {keys: [kc], classes: [batch, system], max_in_flight: 3}
+  c: {keys: [kc], classes: [batch, system], max_in_flight: 3, requests_per_minute: 20}
 retry: {max_attempts: 3, budget_per_flow_percent: 20}
 """
 POLICY = parse_policy(POLICY_TEXT)
@@ -77,6 +78,8 @@ def machine(make):  # one state machine per twin
                     assert exc.retry_after is not None and exc.retry_after >= 0
                 self.refused += 1
                 return
+            if r.ready_at > -math.inf:  # over org a's rate (on_limit: wait): parked until its token, in time
+                assert f.org == "a" and r.state == WAITING and self.clock.t < r.ready_at < r.drop_at
             self.all.append(r)
 
         @rule()
@@ -89,10 +92,10 @@ def machine(make):  # one state machine per twin
             for r in self.e.dropped:  # ran out of time, or gave its place up to another org's (never started)
                 assert (r.outcome in ("refused", "failed") and r.reason in ("queue_timeout", "deadline")
                         or r.reason == "queue_full" and r.outcome == ("refused" if r.tries == 0 else "failed"))
-            # nothing waiting is past its time after a poll
+            # nothing waiting is past its time after a poll, nor parked past its token's refill
             for r in self.e.live.values():
                 if r.state == WAITING:
-                    assert r.drop_at > now
+                    assert r.drop_at > now and (r.ready_at == -math.inf or r.ready_at > now)
 
         def _pick(self, data: st.DataObject, state: str) -> Request | None:
             rs = [r for r in self.e.live.values() if r.state == state]

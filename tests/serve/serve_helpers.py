@@ -58,6 +58,7 @@ class Upstream:
 
     def __init__(self) -> None:
         self.requests: list[tuple[str, dict[str, Any], dict[str, str]]] = []  # (path, body, headers)
+        self.arrivals: list[tuple[float, str]] = []  # (time.monotonic() on arrival, text): for counts per window
         self.aborted: list[str] = []  # texts of held requests whose connection the gateway dropped
         self.finished: list[str] = []
         self.holding: list[str] = []
@@ -121,6 +122,7 @@ class Upstream:
         body = await request.json()
         text = _text_of(body)
         self.requests.append((request.path, body, dict(request.headers)))
+        self.arrivals.append((time.monotonic(), text))
         chat = request.path.endswith("chat/completions")
         n = int(body.get("max_tokens") or 3)
         usage = {"prompt_tokens": len(text), "completion_tokens": n, "total_tokens": len(text) + n}

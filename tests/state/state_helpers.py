@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ class Upstream:
         self.total = 0
         self.served: Counter[str] = Counter()
         self.order: list[str] = []
+        self.arrivals: list[tuple[float, str]] = []  # (time.monotonic() on arrival, prompt): for counts per window
         self.url = ""
         self._gate: asyncio.Event | None = None
         self.hold = False
@@ -97,6 +99,7 @@ class Upstream:
     async def _complete(self, request: web.Request) -> web.Response:
         body = await request.json()
         text = str(body.get("prompt", ""))
+        self.arrivals.append((time.monotonic(), text))
         self.now += 1
         self.total += 1
         self.peak = max(self.peak, self.now)

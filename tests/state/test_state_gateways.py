@@ -250,3 +250,58 @@ def test_queue_space_is_shared_fairly_through_real_gateways(redis_server: RedisS
     finally:
         up.release()
         up.stop()
+
+
+def _most_in_a_window(times: list[float], window: float) -> int:
+    """The most of ``times`` (seconds) that fall in one window of ``window`` seconds."""
+    ts = sorted(times)
+    j = most = 0
+    for i, t in enumerate(ts):
+        while ts[j] <= t - window:
+            j += 1
+        most = max(most, i - j + 1)
+    return most
+
+
+def test_an_org_over_its_rate_waits_for_its_tokens_over_both_gateways(
+        redis_server: RedisServer, upstream: Upstream, tmp_path: Path, prefix: str, gateways: list[Gateway]):
+    """``on_limit: wait`` over two gateways sharing Redis: a burst over the org's rate, half
+    on each, with ``X-SFQ-Timeout`` long enough, all succeed; the org's one bucket (in Redis)
+    takes each token ahead once, whichever gateway asks, so the upstream never sees more in any
+    window than the bucket and its refills allow (one bucket per gateway would have let the
+    whole burst through at once). One whose deadline comes before its token is refused with
+    ``retry-after-ms`` within the refill. Counts, not durations (a slow machine only spreads
+    the starts more)."""
+    upstream.delay = 0.0
+    rpm, over = 30, 4  # a bucket of 30, a token every 2 s; 4 over it
+    p = tmp_path / "p.yaml"
+    p.write_text(policy_yaml(upstream.url, redis_server.url, pool_limit=64, prefix=prefix,
+                             orgs_extra=f"  waiter:\n    keys: [sk-waiter]\n    classes: [batch]\n"
+                                        f"    requests_per_minute: {rpm}\n    on_limit: wait\n"))
+    g1, g2 = Gateway(p), Gateway(p)
+    gateways += [g1, g2]
+    n = rpm + over
+    out = [0] * n
+
+    def go(i: int) -> None:
+        out[i] = (g1, g2)[i % 2].post("sk-waiter", f"waiter {i}", timeout=LIMIT * 2,
+                                      headers={"X-SFQ-Timeout": "60"})[0]
+
+    ts = [threading.Thread(target=go, args=(i,)) for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(LIMIT * 3)
+    assert out == [200] * n
+    burst = [t for t, x in list(upstream.arrivals) if x.startswith("waiter ")]
+    assert len(burst) == n
+    assert _most_in_a_window(burst, 1.9) <= rpm + 1, sorted(b - min(burst) for b in burst)
+    # the bucket is spent: with 0.5 s to wait at most, the request is refused (the next token is
+    # up to 2 s away) or waits for a token that comes sooner; a refusal says when the token comes
+    for i in range(rpm + 5):
+        code, body = (g1, g2)[i % 2].post("sk-waiter", f"waiter late {i}", headers={"X-SFQ-Timeout": "0.5"})
+        if code == 429:
+            break
+        assert code == 200
+    assert code == 429 and body["error"]["code"] == "rate_limited", body
+    assert "all gateways together" in body["error"]["message"]

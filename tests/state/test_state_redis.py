@@ -644,3 +644,57 @@ async def test_a_flows_nearest_deadline_goes_first_whichever_gateway_holds_it(
         await a.close()
         await b.close()
     assert order == ["soonest", "soon", "late", "none"], order
+
+
+async def test_an_org_rate_that_waits_takes_its_tokens_ahead_once_over_every_gateway(redis_server: RedisServer,
+                                                                                      prefix: str):
+    """``on_limit: wait`` in ``ADMIT``: over the org's rate, a request that may wait longer
+    than its token's refill takes the token ahead (the bucket in Redis goes into debt) and its
+    ticket says how long until it refills; the next admission, at any gateway, waits for the
+    next token; one that may not wait that long is refused, told when its token would come.
+    The waits are Redis's computation on its own clock (two requests a minute: 30 s a token),
+    checked with the few milliseconds the round trips take."""
+    pol = _policy(redis_server.url, prefix, orgs="  c: {keys: [kc], classes: [batch], requests_per_minute: 2}")
+    a, b = RedisState(pol.state, pol), RedisState(pol.state, pol)
+    await a.start()
+    await b.start()
+    try:
+        c = Flow("c", "batch", "p")
+        waits = []
+        for st in (a, b, a, b):
+            t = await st.admit(c, 1000.0)
+            assert t is not None
+            waits.append(t.wait)
+        assert waits[:2] == [0.0, 0.0]
+        assert 29.0 < waits[2] <= 30.0 and 59.0 < waits[3] <= 60.0, waits  # one bucket, two gateways
+        for st, horizon in ((b, 80.0), (a, None)):  # the next token comes 90 s from now: refused
+            with pytest.raises(Refused) as ei:
+                await st.admit(c, horizon)
+            assert ei.value.reason == "rate_limited" and 89.0 < (ei.value.retry_after or 0) <= 90.0
+        t = await b.admit(c, float("inf"))  # no bound: it waits
+        assert t is not None and 89.0 < t.wait <= 90.0
+    finally:
+        await a.close()
+        await b.close()
+
+
+def test_while_redis_is_lost_an_org_rate_that_waits_takes_its_tokens_ahead_in_the_gateways_slice(prefix: str):
+    """Degraded (``on_loss: local``): the gateway admits alone within its slice of the org's
+    rate, and a request that may wait takes its token ahead there too (an injected clock;
+    one live gateway: the whole rate is its slice)."""
+    pol = _policy("redis://127.0.0.1:9", prefix, orgs="  c: {keys: [kc], classes: [batch], requests_per_minute: 2}")
+    now = [100.0]
+    st = RedisState(pol.state, pol, clock=lambda: now[0])
+    st._gateways = [st.gateway_id]  # (what its last look at the live gateways found)
+    c = Flow("c", "batch", "p")
+    assert [st._admit_alone(c, 1000.0) for _ in range(2)] == [None, None]  # (nothing to hold: no ticket)
+    t = st._admit_alone(c, 1000.0)
+    assert t is not None and t.wait == pytest.approx(30.0)
+    with pytest.raises(Refused) as ei:
+        st._admit_alone(c, 59.0)  # its token would come in 60 s
+    assert ei.value.reason == "rate_limited" and ei.value.retry_after == pytest.approx(60.0)
+    with pytest.raises(Refused):
+        st._admit_alone(c, None)  # on_limit: refuse
+    now[0] += 30.0
+    t = st._admit_alone(c, 31.0)
+    assert t is not None and t.wait == pytest.approx(30.0)

@@ -105,10 +105,12 @@ class Gateway:
         for raw in iter(self.proc.stderr.readline, b""):
             self.err.append(raw.decode("utf-8", "replace"))
 
-    def post(self, key: str, prompt: str, timeout: float = LIMIT) -> tuple[int, dict[str, Any]]:
+    def post(self, key: str, prompt: str, timeout: float = LIMIT,
+             headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
         data = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 1}).encode()
         req = urllib.request.Request(self.url + "/v1/completions", data=data, method="POST",
-                                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+                                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json",
+                                              **(headers or {})})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, json.loads(r.read())

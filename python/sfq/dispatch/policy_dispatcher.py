@@ -497,15 +497,17 @@ class PolicyDispatcher:
             return self._admit_now(flow, body, timeout, key, streaming, cost, max_wait)
         flow, deadline, est, streaming, wait = self._checks(flow, body, timeout, streaming, cost, max_wait)
         hold = await self._reserve(flow, est)  # the budget over every gateway
-        try:
-            ticket = await self.state.admit(flow)  # org rates, queue lengths over every gateway
+        try:  # org rates, queue lengths over every gateway
+            ticket = await self.state.admit(flow, self._rate_horizon(flow, deadline, wait))
         except Refused as exc:
             self.engine.spend.release(hold)
             self.engine.refuse(flow, exc.reason)
             raise
+        # over its org's rate, its token taken ahead (on_limit: wait): parked until it refills
+        ready = self.clock() + ticket.wait if ticket is not None and ticket.wait > 0 else None
         try:
             r = self.engine.submit(flow, cost=cost, estimate=est, streaming=streaming, deadline=deadline,
-                                   idempotency_key=key, start=True, hold=hold, max_wait=wait)
+                                   idempotency_key=key, start=True, hold=hold, max_wait=wait, ready_at=ready)
         except OverflowError as exc:  # a figure too large for the scheduler: the body's fault
             self.state.drop(ticket)
             self.engine.spend.release(hold)
@@ -517,6 +519,23 @@ class PolicyDispatcher:
             raise
         self.state.bind(ticket, r)
         return self._queued(r)
+
+    def _rate_horizon(self, flow: Flow, deadline: float | None, max_wait: float | None) -> float | None:
+        """Seconds a request of ``flow`` may wait for its org's token over the org's
+        ``requests_per_minute`` (``on_limit: wait``): to its deadline, queue age or ``max_wait``,
+        the soonest (``inf``: none); ``None``: refused at once (``on_limit: refuse``). The shared
+        state's admission takes the token ahead when it refills within it."""
+        p = self.policy
+        if not p.waits_for_rate(flow.org, flow.cls):
+            return None
+        now = self.clock()
+        age = p.classes[flow.cls].max_queue_age_seconds
+        bound = math.inf if age is None else age
+        if max_wait is not None and max_wait < bound:
+            bound = max_wait
+        if deadline is not None and deadline - now < bound:
+            bound = deadline - now
+        return bound
 
     def _admit_now(self, flow: Flow, body: Mapping[str, Any] | None, timeout: float | None, key: str | None,
                    streaming: bool | None, cost: float | None = None, max_wait: float | None = None) -> Request:

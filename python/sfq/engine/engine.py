@@ -290,7 +290,7 @@ class PolicyEngine:
                need: object = None, deadline: object = None, item: Any = None,
                idempotency_key: str | None = None, estimate: Estimate | None = None,
                streaming: bool = False, start: bool = False, hold: Hold | None = None,
-               max_wait: object = None) -> Request:
+               max_wait: object = None, ready_at: object = None) -> Request:
         """Accept a request of ``flow`` (from :meth:`classify`) into its pool's queue.
 
         ``estimate``: the request's estimate (``CostEstimator.estimate``); with it the request
@@ -310,22 +310,33 @@ class PolicyEngine:
         :meth:`poll` would make, for a driver that polls after every event and checks no
         ``fits`` of its own (an uncontended request then costs no poll).
 
+        Over its org's ``requests_per_minute``, a request whose ``on_limit`` is ``wait``
+        (:meth:`~sfq.policy.Policy.waits_for_rate`) takes its token ahead (the bucket goes into
+        debt) and is *parked* until that token's refill: accepted, counted as waiting, but in no
+        flow and not in the core (no slot, no place in the order, nobody delayed), it joins its
+        flow then (:meth:`wake_at` names the time); when its deadline, queue age or ``max_wait``
+        would run out first it is refused, as with ``on_limit: refuse``. ``ready_at``: a clock
+        time before which the request may not join its flow (a shared state reserved its org's
+        token for then, ``sfq.state``); it is parked until then.
+
         Raises ``Refused`` (recorded) with reason ``rate_limited`` (the org's
-        ``requests_per_minute``), ``queue_full``, ``deadline`` (already past) or ``too_large``
-        (no backend's ``max_context`` fits ``need``), with ``retry_after`` where trying later
-        can help; ``NoHealthyBackend`` (recorded as refused, ``unavailable``) when no backend
-        of the pool is in rotation; ``ValueError`` for a flow the policy does not allow or a
-        bad number (nothing recorded). ``Refused`` with reason ``budget_exhausted`` (429, retry
-        at the period's end) when the org's budget cannot cover the request's reservation
-        (:class:`~sfq.policy.spend.SpendBook`); ``hold``: a reservation the caller already made
-        in a shared ledger (``sfq.state``), the request's from now on (given back if refused).
+        ``requests_per_minute``; ``retry_after``: when its next token comes), ``queue_full``,
+        ``deadline`` (already past) or ``too_large`` (no backend's ``max_context`` fits
+        ``need``), with ``retry_after`` where trying later can help; ``NoHealthyBackend``
+        (recorded as refused, ``unavailable``) when no backend of the pool is in rotation;
+        ``ValueError`` for a flow the policy does not allow or a bad number (nothing recorded).
+        ``Refused`` with reason ``budget_exhausted`` (429, retry at the period's end) when the
+        org's budget cannot cover the request's reservation (:class:`~sfq.policy.spend.SpendBook`);
+        ``hold``: a reservation the caller already made in a shared ledger (``sfq.state``), the
+        request's from now on (given back if refused).
         """
         return self._submit(flow, cost, tokens, need, deadline, item, idempotency_key, estimate, streaming, start,
-                            hold, max_wait)
+                            hold, max_wait, ready_at)
 
     def _submit(self, flow: Flow, cost: object, tokens: object, need: object,
                 deadline: object, item: Any, idempotency_key: str | None, estimate: Estimate | None,
-                streaming: bool, start: bool, hold: Hold | None, max_wait: object = None) -> Request:
+                streaming: bool, start: bool, hold: Hold | None, max_wait: object = None,
+                ready_at: object = None) -> Request:
         """:meth:`submit` with its arguments in order (the driver's call, without keywords)."""
         if type(flow) is not Flow:
             flow = Flow(*flow)
@@ -346,6 +357,11 @@ class PolicyEngine:
                 wait = float(max_wait)
             else:
                 raise ValueError(f"max_wait must be a number of seconds > 0 or None, got {max_wait!r}")
+        park = -_INF  # parked until then (its org's rate: ready_at, or its token's refill below)
+        if ready_at is not None:
+            if isinstance(ready_at, bool) or not isinstance(ready_at, (int, float)) or ready_at != ready_at:
+                raise ValueError(f"ready_at must be a clock time (a number) or None, got {ready_at!r}")
+            park = float(ready_at)
         now = self.clock()
         # counters and metrics are kept per (org, class, pool): teams and users add no series
         key = flow if len(flow) == 3 else flow[:3]
@@ -385,13 +401,23 @@ class PolicyEngine:
                 raise
         bucket = self._org_bucket(flow.org, now) if self._org_rates else None
         if bucket is not None and not bucket.take(1, now):
-            self.spend.release(hold)
-            self.submitted += 1
-            self.metrics.ended(self._refusal_key(key), "refused", "rate_limited")
-            raise Refused("rate_limited", f"org {flow.org!r} is over its requests_per_minute "
-                                          f"({bucket.capacity:g})", retry_after=bucket.wait(1, now))
+            refill = bucket.wait(1, now)  # (0 < refill: take() refused)
+            waits = self.policy.waits_for_rate(flow.org, flow.cls)
+            if not waits or now + refill >= self._bound(spec, now, wait, deadline):
+                self.spend.release(hold)
+                self.submitted += 1
+                self.metrics.ended(self._refusal_key(key), "refused", "rate_limited")
+                raise Refused("rate_limited", f"org {flow.org!r} is over its requests_per_minute "
+                                              f"({bucket.capacity:g})" + (
+                                                  "; its next token comes after the request's deadline, queue age "
+                                                  "or max_wait" if waits else ""), retry_after=refill)
+            bucket.debit(1, now)  # on_limit: wait: the token is the request's, taken ahead (a debt)
+            if now + refill > park:
+                park = now + refill
         user = flow.user if len(flow) > 3 else None  # nested shares: a user counts towards max_users
         if user is not None and not self._user_room(flow):
+            if bucket is not None:  # (its token, taken last: given back exactly)
+                bucket.credit(1, now)
             self.submitted += 1
             self.metrics.ended(self._refusal_key(key), "refused", "too_many_users")
             where = f"team {flow.team!r} of org {flow.org!r}" if flow.team is not None else f"org {flow.org!r}"
@@ -403,6 +429,9 @@ class PolicyEngine:
         r.fixed = fixed
         r.hold = hold
         r.max_wait = wait
+        if park > now:  # parked until its token comes (queue_new)
+            r.ready_at = park
+            start = False
         if start and victim is None and q.start_alone(r, now, spec):
             # nothing waited in its pool and nothing bound: it started at once, as the pair
             # queue_new + pop would have started it (PolicyQueue.start_alone)
@@ -517,6 +546,18 @@ class PolicyEngine:
             allowed.clear()
         allowed.add(flow)
         return True
+
+    @staticmethod
+    def _bound(spec: ClassSpec, now: float, max_wait: float, deadline: object) -> float:
+        """When a request arriving ``now`` would be dropped unstarted: its class's queue age,
+        its ``max_wait`` or its deadline, the soonest (``PolicyQueue.queue_new``'s ``drop_at``)."""
+        age = spec.max_queue_age_seconds
+        bound = now + age if age is not None else _INF
+        if now + max_wait < bound:
+            bound = now + max_wait
+        if deadline is not None and float(deadline) < bound:  # type: ignore[arg-type]
+            bound = float(deadline)  # type: ignore[arg-type]
+        return bound
 
     def _org_bucket(self, org: str, now: float) -> TokenBucket | None:
         b = self.org_rate.get(org)
@@ -1196,7 +1237,8 @@ class PolicyEngine:
         pools = {}
         for name, q in self.queues.items():
             pools[name] = {
-                "waiting": len(q), "in_flight": q.in_flight, "max_in_flight": q.slots.limit,
+                "waiting": len(q), "rate_waiting": q.n_parked, "in_flight": q.in_flight,
+                "max_in_flight": q.slots.limit,
                 "virtual_time": float(q.sched.virtual_time),
                 "requests_bucket": None if q.rpm is None else q.rpm.available(now),
                 "tokens_bucket": None if q.tpm is None else q.tpm.available(now),

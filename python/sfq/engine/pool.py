@@ -35,6 +35,9 @@ Limits: a flow whose org (or class) is at its ``max_in_flight`` leaves the compe
 and banks no credit. Pool-wide limits (the pool's ``max_in_flight``, backend slots, the
 ``requests_per_minute`` and ``tokens_per_minute`` buckets, backends paused by a 429) hold
 the whole pool: requests keep their places in the fair queue until the limit allows the next.
+A request that took its org's ``requests_per_minute`` token ahead (``on_limit: wait``: the
+engine's admission) is *parked* until that token refills (``Request.ready_at``): counted as
+waiting, but in no flow and not in the core, it then joins its flow as a request arriving then.
 A waiting request is dropped the moment its class's ``max_queue_age_seconds``, its own
 ``max_wait`` (the smaller of the two is its queue age bound) or its own deadline runs out
 (:meth:`PolicyQueue.expire`).
@@ -86,7 +89,7 @@ class Request:
                  "drop_reason", "item", "state", "backend", "started_at", "tries", "idempotency_key",
                  "outcome", "reason", "small", "retrying", "est", "epoch", "streaming", "charged", "delivered",
                  "work_flow", "working", "in_core", "avoid", "start_tag", "fixed", "hold",
-                 "charged_total", "guess", "max_wait")
+                 "charged_total", "guess", "max_wait", "ready_at")
 
     def __init__(self, flow: Flow, cost: float, tokens: float, arrival: float, deadline: float | None = None,
                  item: Any = None, need: float = 0.0, idempotency_key: str | None = None,
@@ -131,6 +134,10 @@ class Request:
         #: whether its charge is a guess (``guessed``), when another engine priced it (a stand-in
         #: of a gateway's candidate, ``sfq.state``); ``None``: the estimator says
         self.guess: bool | None = None
+        #: clock time its org's ``requests_per_minute`` reserved its token for (``on_limit:
+        #: wait``): until then it is parked, out of the competition (no slot, no place in the core:
+        #: :meth:`PolicyQueue.pop` joins it to its flow then); ``-inf``: not parked
+        self.ready_at = -_INF
 
     def __repr__(self) -> str:
         return (f"Request(#{self.id} {self.flow.org}/{self.flow.cls}/{self.flow.pool} cost={self.cost:g} "
@@ -364,6 +371,11 @@ class PolicyQueue:
         self.in_flight = 0
         self._drops: list[tuple[float, int, Request]] = []  # (drop_at, id, request), lazily cleaned
         self._arrivals = 0  # requests with a deadline queued so far (their order among equal deadlines)
+        #: requests parked until their org's rate refills (``Request.ready_at``): ``(ready_at, id,
+        #: request)``, lazily cleaned; counted as waiting (their class's places, ``n_waiting``) but
+        #: in no flow and not in the core, so they hold no slot and delay no one
+        self.parked: list[tuple[float, int, Request]] = []
+        self.n_parked = 0  # requests parked (live entries of ``parked``)
         self._dropped: list[Request] = []  # dropped by pop(), not yet handed out by expire()
         #: seconds a waiting request may wait while no backend of the pool is in rotation
         #: before it is answered (reason ``unavailable``); counted from its arrival or from the
@@ -463,6 +475,14 @@ class PolicyQueue:
                         o = newest.get(f.org)
                         if last is not None and (o is None or last.id > o.id):
                             newest[f.org] = last
+        if self.n_parked:  # requests parked until their org's rate refills hold places too
+            for _, _, x in self.parked:
+                if x.state == WAITING and x.ready_at > -_INF and x.flow.cls == cls:
+                    org = x.flow.org
+                    held[org] = held.get(org, 0) + 1
+                    o = newest.get(org)
+                    if o is None or x.id > o.id:
+                        newest[org] = x
         top = max(held, key=lambda o: (held[o], o in newest), default=None)
         if top is not None and cls not in self.strict:
             top = self._first_of_tied(held, newest, top)
@@ -556,6 +576,20 @@ class PolicyQueue:
         at_deadline = r.deadline if r.deadline is not None else _INF
         r.drop_at = at_age if at_age < at_deadline else at_deadline
         r.drop_reason = "deadline" if at_deadline <= at_age else "queue_timeout"
+        if r.ready_at > -_INF:  # its org's rate: parked until its token comes (pop joins it then)
+            heapq.heappush(self.parked, (r.ready_at, r.id, r))
+            self.n_parked += 1
+        else:
+            self._join(r, spec)
+        self.waiting_by_class[flow.cls] += 1
+        self.n_waiting += 1
+        if r.drop_at < _INF:
+            heapq.heappush(self._drops, (r.drop_at, r.id, r))
+
+    def _join(self, r: Request, spec: ClassSpec) -> None:
+        """``r`` (counted as waiting) takes its place in its flow: its strict class's FIFO, or
+        its flow's size bucket, the flow entering the core if it had no entry."""
+        flow = r.flow
         if spec.strict:
             self.strict[flow.cls].append(r)
             self._strict_n[flow.cls] += 1
@@ -573,10 +607,27 @@ class PolicyQueue:
             fq.n += 1
             if fq.token is None:
                 self._enter(fq)
-        self.waiting_by_class[flow.cls] += 1
-        self.n_waiting += 1
-        if r.drop_at < _INF:
-            heapq.heappush(self._drops, (r.drop_at, r.id, r))
+
+    def _unpark(self, now: float) -> None:
+        """Join to their flows, in the order of their tokens, the parked requests whose token
+        has come by ``now``: each rejoins the competition as a request arriving then (its flow
+        at ``max(S, v)``: it banks no credit for the wait), its queue age counted from its
+        arrival."""
+        parked = self.parked
+        classes = self.policy.classes
+        while parked and parked[0][0] <= now:
+            at, _, r = heapq.heappop(parked)
+            if r.state == WAITING and r.ready_at == at:
+                r.ready_at = -_INF
+                self.n_parked -= 1
+                self._join(r, classes[r.flow.cls])
+
+    def next_unpark(self) -> float | None:
+        """When the next parked request's token comes (``None``: none is parked)."""
+        parked = self.parked
+        while parked and (parked[0][2].state != WAITING or parked[0][2].ready_at != parked[0][0]):
+            heapq.heappop(parked)
+        return parked[0][0] if parked else None
 
     def _enter(self, fq: _FlowQ) -> None:
         """Give the flow its entry in the core (its next turn), at a lower bound of its head's
@@ -603,6 +654,11 @@ class PolicyQueue:
         cls = r.flow.cls
         self.waiting_by_class[cls] -= 1
         self.n_waiting -= 1
+        if r.ready_at > -_INF:  # parked: in no flow yet (its heap entry goes lazily)
+            self.n_parked -= 1
+            if not self.n_parked:
+                self.parked.clear()
+            return
         if cls in self.strict:
             self._strict_n[cls] -= 1
             self.strict[cls].remove(r)
@@ -850,6 +906,9 @@ class PolicyQueue:
         drops = self._drops
         if (drops and drops[0][0] <= now) or self.down_since is not None:  # (_drop_expired's own tests)
             self._drop_expired(now)
+        parked = self.parked
+        if parked and parked[0][0] <= now:
+            self._unpark(now)
         self.blocked_until = -_INF
         if not self._pool_room(now):
             return None
@@ -1310,11 +1369,16 @@ class PolicyQueue:
     # ------------------------------------------------------------ views
     def wake_at(self) -> float | None:
         """The earliest clock time at which :meth:`pop` or :meth:`expire` may have something new
-        without any other event (a bucket refills, a pause ends, a request runs out of time)."""
+        without any other event (a bucket refills, a pause ends, a request runs out of time, a
+        parked request's token comes)."""
         t = self.next_drop() if self._drops or self.down_since is not None else None  # (else: none)
         b = self.blocked_until
         if b > -_INF and (t is None or b < t):
-            return b
+            t = b
+        if self.n_parked:  # a parked request's token comes (it joins its flow then)
+            p = self.next_unpark()
+            if p is not None and (t is None or p < t):
+                t = p
         return t
 
     def held(self, flow: Flow) -> int:
@@ -1325,12 +1389,16 @@ class PolicyQueue:
         return n + int(st is not None and st.state == WAITING and st.flow == flow and not n)
 
     def waiting(self, flow: Flow) -> int:
+        """Requests of ``flow`` waiting: in its queue, and parked for its org's rate."""
+        n = sum(1 for _, _, r in self.parked if r.state == WAITING and r.ready_at > -_INF and r.flow == flow) \
+            if self.n_parked else 0
         if flow.cls in self.strict:
-            return sum(1 for r in self.strict[flow.cls] if r.state == WAITING and r.flow == flow)
+            return n + sum(1 for r in self.strict[flow.cls] if r.state == WAITING and r.flow == flow)
         fq = self.flows.get(flow)
-        return 0 if fq is None else fq.n
+        return n + (0 if fq is None else fq.n)
 
     def iter_waiting(self) -> Iterator[Request]:
+        yield from (r for _, _, r in list(self.parked) if r.state == WAITING and r.ready_at > -_INF)
         for d in self.strict.values():
             yield from (r for r in d if r.state == WAITING)
         for fq in self.flows.values():

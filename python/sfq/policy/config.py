@@ -43,6 +43,7 @@ __all__ = [
     "TeamSpec",
     "UpstreamTimeouts",
     "BACKOFFS",
+    "ON_LIMIT",
     "PolicyErrors",
     "load_policy",
     "parse_policy",
@@ -53,6 +54,12 @@ __all__ = [
 BACKOFFS = ("exponential_with_jitter", "exponential", "constant")
 #: what a gateway sharing Redis does while it cannot reach it (``state.on_loss``)
 ON_LOSS = ("local", "refuse")
+#: what a request over its org's ``requests_per_minute`` gets (``on_limit`` of an org, the
+#: org template or a class): ``wait``, for its token when that comes before its deadline (or
+#: queue age, or ``max_wait``), else a refusal; ``refuse``, a refusal at once
+ON_LIMIT = ("wait", "refuse")
+#: ``on_limit`` where neither the org nor the class sets it: today's 429 (docs/policy.md)
+DEFAULT_ON_LIMIT = "refuse"
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
 _URL = re.compile(r"^https?://[^\s/]+(/\S*)?$")
 _REDIS = re.compile(r"^(redis|rediss|unix)://\S+$")
@@ -164,6 +171,9 @@ class ClassSpec:
     deadline_seconds: float | None = None
     ttft_objective_seconds: float | None = None
     refuse_unmeetable: bool = False
+    #: what its requests get over their org's ``requests_per_minute`` (``ON_LIMIT``; ``None``:
+    #: not set, so the org's setting or the default applies: :meth:`Policy.waits_for_rate`)
+    on_limit: str | None = None
 
 
 #: users live at once in one team (or one org without teams) unless the file says otherwise
@@ -208,6 +218,9 @@ class OrgSpec:
     users: bool = False
     #: users live at once in the org (without teams); each team has its own ``max_users``
     max_users: int = DEFAULT_MAX_USERS
+    #: what its requests get over its ``requests_per_minute`` (``ON_LIMIT``; ``None``: not set,
+    #: the class's setting or the default applies: :meth:`Policy.waits_for_rate`)
+    on_limit: str | None = None
 
     @property
     def default_class(self) -> str:
@@ -375,6 +388,18 @@ class Policy:
             return not o.nested
         team, user = flow[3], flow[4]
         return ((team in o.teams) if o.teams else team is None) and (user is not None) == o.users
+
+    def waits_for_rate(self, org: str, cls: str) -> bool:
+        """Whether a request of ``org`` in class ``cls`` over the org's ``requests_per_minute``
+        waits for its token (``on_limit: wait``) rather than being refused at once: the org's
+        own ``on_limit`` (or its template's) when it sets one, else the class's, else
+        :data:`DEFAULT_ON_LIMIT`."""
+        o = self.org(org, keep=False)
+        how = o.on_limit if o is not None else None
+        if how is None:
+            c = self.classes.get(cls)
+            how = c.on_limit if c is not None else None
+        return (how or DEFAULT_ON_LIMIT) == "wait"
 
     def flow_weight(self, org: str, cls: str) -> float:
         """A flow's weight: the org's weight times the class's (strict classes: the org's)."""
@@ -794,7 +819,7 @@ def _class(name: str, v: object, path: str) -> ClassSpec:
     errs = _Collect()
     d = _section(v, path, ("strict", "weight", "max_in_flight", "max_queue_length", "max_queue_age_seconds",
                            "small_cost", "small_picks", "deadline_seconds", "ttft_objective_seconds",
-                           "refuse_unmeetable"), errs)
+                           "refuse_unmeetable", "on_limit"), errs)
     strict = d.get("strict", False)
     if not isinstance(strict, bool):
         errs.add(PolicyError(f"{path}.strict", f"must be true or false, got {_desc(strict)}"))
@@ -831,9 +856,17 @@ def _class(name: str, v: object, path: str) -> ClassSpec:
     elif refuse and strict:
         errs.add(PolicyError(f"{path}.refuse_unmeetable", "a strict class is first come first served across its "
                                                           "orgs, not by deadline: its requests are not refused early"))
+    on_limit = _opt_check(errs, d, "on_limit", path, _on_limit)
     errs.raise_any()
     return ClassSpec(name, strict, cast(float, weight), mif, mql, age, small_cost, cast(int, picks), deadline, ttft,
-                     refuse)
+                     refuse, on_limit)
+
+
+def _on_limit(v: object, path: str) -> str:
+    """``on_limit`` (an org's, the template's, a class's): one of :data:`ON_LIMIT`."""
+    if v not in ON_LIMIT:
+        raise PolicyError(path, f"must be one of {', '.join(ON_LIMIT)}, got {_desc(v)}")
+    return str(v)
 
 
 def _backend(b: object, bp: str) -> BackendSpec:
@@ -904,7 +937,7 @@ def _timeouts(v: object, tp: str) -> UpstreamTimeouts:
     return out
 
 
-_ORG_SETTINGS = ("classes", "weight", "max_in_flight", "requests_per_minute")
+_ORG_SETTINGS = ("classes", "weight", "max_in_flight", "requests_per_minute", "on_limit")
 _NESTED = ("teams", "users", "max_users")
 
 
@@ -1035,11 +1068,13 @@ def _org_settings(name: str, d: Mapping[str, Any], path: str, classes: Mapping[s
     mif = _opt_check(errs, d, "max_in_flight", path, _integer)
     rpm = _opt_check(errs, d, "requests_per_minute", path, _number)
     budget = _opt_check(errs, d, "budget", path, _budget)
+    on_limit = _opt_check(errs, d, "on_limit", path, _on_limit)
     errs.raise_any()
     ct = tuple(cast("list[str]", cls))
     if lists is not None:
         ct = lists.setdefault(ct, ct)
-    return OrgSpec(name, digests, ct, cast(float, weight), mif, rpm, budget)
+    o = OrgSpec(name, digests, ct, cast(float, weight), mif, rpm, budget)
+    return o if on_limit is None else replace(o, on_limit=on_limit)
 
 
 def _cost(v: object, path: str) -> CostSpec:

@@ -19,6 +19,7 @@ request's id; the client gets a fixed message naming what failed, and the same i
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, NamedTuple
 
 from .. import errors as _errors
@@ -60,12 +61,18 @@ class HTTPError(NamedTuple):
     retry: bool | None = None
     #: the request field at fault (OpenAI's ``param``), when known
     param: str | None = None
+    #: ``retry-after-ms``: the same wait in whole milliseconds (rounded up), where the gateway
+    #: knows it that closely (an org's rate: the refill); the official OpenAI clients read it
+    #: before ``Retry-After``
+    retry_after_ms: int | None = None
 
     def headers(self) -> dict[str, str]:
         again = should_retry(self.status) if self.retry is None else self.retry
         h = {"x-should-retry": "true" if again else "false"}
         if self.retry_after is not None:
             h["Retry-After"] = str(self.retry_after)
+        if self.retry_after_ms is not None:
+            h["retry-after-ms"] = str(self.retry_after_ms)
         return h
 
 
@@ -86,8 +93,11 @@ def http_error_of(exc: BaseException) -> HTTPError:
         ra = whole_seconds(exc.retry_after) if status == 429 or exc.retry_after is not None else None
         # a deadline or queue age that ran out: the same request would wait as long again
         # (a spent budget: no retry helps before the period ends, hours or days away)
+        ms = None
+        if exc.reason == "rate_limited" and exc.retry_after is not None and math.isfinite(exc.retry_after):
+            ms = max(1, math.ceil(exc.retry_after * 1000.0 - 1e-6))  # (the refill, to the millisecond)
         return HTTPError(status, typ, code, _REFUSAL_TEXT.get(exc.reason) or str(exc), ra,
-                         False if status == 504 or exc.reason == "budget_exhausted" else None)
+                         False if status == 504 or exc.reason == "budget_exhausted" else None, None, ms)
     if isinstance(exc, DeadlineExceeded):
         return HTTPError(504, "timeout_error", "deadline_exceeded", str(exc), None, False)
     if isinstance(exc, BackendRateLimited):

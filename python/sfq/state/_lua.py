@@ -12,7 +12,8 @@ that must outlive any one gateway. Keys (``P`` = the prefix):
 * ``P lease:<kind>:<name>`` sorted set: a slot held (``<gateway>:<request>:<try>``) scored by
   its expiry; ``kind`` is ``pool``, ``backend``, ``org`` or ``class``.
 * ``P bucket:<name>`` hash ``l`` (level), ``t`` (time): a token bucket (an org's rate, at
-  admission); absent = full. The pools' buckets are the decider's.
+  admission; below 0 while requests wait for tokens taken ahead, ``on_limit: wait``); absent =
+  full. The pools' buckets are the decider's.
 * ``P cand:<pool>`` hash member -> a waiting candidate (JSON: its flow, price, tokens, the
   backends it may use, its slot groups, waiting place and retry-budget key), ``P cexp``
   sorted set: every candidate's expiry (renewed by its gateway); ``P seq``: their order of
@@ -86,9 +87,14 @@ end
 #: A nested flow's user (``u``) is live at a gateway while a request of it waits or runs there
 #: (``P users:<org><TAB><team>``: members ``<user><TAB><gateway>``, leases); a user live at no
 #: gateway is refused (``too_many_users``) when its team already has ``max_users`` live.
-#: {m, o (the org), lease, q: [key, max] | null, org: [key, cap, rate] | null,
+#: Over the org's rate, a request that may wait (``on_limit: wait``: ``h``, the seconds to its
+#: deadline, queue age or max_wait, >= 0) takes its token ahead when it refills within ``h``: the
+#: bucket goes into debt, so the next admission (at any gateway) waits for the next token, and
+#: the wait until this one's refill is returned; ``h`` < 0 (``on_limit: refuse``) or a refill
+#: at or after ``h``: refused, with that wait.
+#: {m, o (the org), lease, q: [key, max] | null, org: [key, cap, rate, h] | null,
 #:  u: [key, user member, max_users] | null}
-#: -> {1, the member evicted or ''} | {0, reason, wait}
+#: -> {1, the member evicted or '', the wait for its token (seconds; 0: none)} | {0, reason, wait}
 ADMIT = _COMMON + r"""
 local has_q = A.q ~= cjson.null and A.q ~= nil
 local has_u = A.u ~= cjson.null and A.u ~= nil
@@ -120,10 +126,14 @@ if has_q and count(A.q[1]) >= A.q[2] then
     if (string.match(x, '\t(.*)$') or '') == top and (bs == nil or t >= bs) then evict, bs = x, t end
   end
 end
+local wait = 0
 if A.org ~= cjson.null and A.org ~= nil then
-  local key, cap, rate = A.org[1], A.org[2], A.org[3]
+  local key, cap, rate, h = A.org[1], A.org[2], A.org[3], tonumber(A.org[4]) or -1
   local l = level(key, cap, rate)
-  if l < 1 - 1e-9 then return {0, 'rate_limited', fmt((1 - l) / rate)} end
+  if l < 1 - 1e-9 then
+    wait = (1 - l) / rate
+    if h < 0 or wait >= h then return {0, 'rate_limited', fmt(wait)} end
+  end
   bset(key, l - 1, cap, rate)
 end
 if evict ~= '' then
@@ -137,7 +147,7 @@ if has_u then
   redis.call('ZADD', A.u[1], NOW + A.lease, A.u[2])
   redis.call('PEXPIRE', A.u[1], math.ceil(A.lease * 3000))
 end
-return {1, evict}
+return {1, evict, fmt(wait)}
 """
 
 #: A gateway's round trip for one pool (docs/design.md §5a.1: the fleet's decider): what its

@@ -55,13 +55,17 @@ class Ticket:
     """A request admitted by the shared state, before the engine has queued it: ``member`` is
     its name in the shared state."""
 
-    __slots__ = ("member", "flow", "queued", "user")
+    __slots__ = ("member", "flow", "queued", "user", "wait")
 
-    def __init__(self, member: str, flow: Flow, queued: bool, user: tuple[str, str] | None = None) -> None:
+    def __init__(self, member: str, flow: Flow, queued: bool, user: tuple[str, str] | None = None,
+                 wait: float = 0.0) -> None:
         self.member = member
         self.flow = flow
         self.queued = queued  # holds a waiting place (its class has a max_queue_length)
         self.user = user  # its user's place among its team's live users (max_users): (key, member)
+        #: seconds until the org's token it took ahead refills (``on_limit: wait``, over its
+        #: org's rate): the request may not join its flow before (0: it may now)
+        self.wait = wait
 
 
 class SharedState:
@@ -102,9 +106,12 @@ class SharedState:
         limit (``available`` stays true)."""
         return False
 
-    async def admit(self, flow: Flow) -> Ticket | None:
+    async def admit(self, flow: Flow, horizon: float | None = None) -> Ticket | None:
         """Admission (org rates, queue lengths): a ticket, or ``Refused`` (``rate_limited``,
-        ``queue_full``, ``state_unavailable``)."""
+        ``queue_full``, ``state_unavailable``). ``horizon``: over its org's rate, the request
+        may wait that many seconds for its token (``on_limit: wait``: the time to its deadline,
+        queue age or ``max_wait``, ``inf`` for none): when the token refills sooner it is taken
+        ahead and the ticket's ``wait`` says when; ``None``: refused at once."""
         return None
 
     def bind(self, ticket: Ticket | None, r: Request) -> None:

@@ -94,6 +94,9 @@ REJOIN_WAIT = 2.0
 SEEN_FRESH = 2.0
 
 
+#: seconds: an unbounded wait for an org's token, as ``ADMIT`` takes it (JSON has no infinity)
+_FOREVER = 1e12
+
 #: why a request that waited was refused after all (another org's admission took its place)
 _EVICTED = ("the request's waiting place went to another org's request: its class's queue was full (max_queue_length, "
             "all gateways together) and this org held the most places")
@@ -621,10 +624,10 @@ class RedisState(SharedState):
     def _unavailable(self) -> Refused:
         return Refused("state_unavailable", f"the gateways' shared state cannot be used: {self.reason}")
 
-    async def admit(self, flow: Flow) -> Ticket | None:
+    async def admit(self, flow: Flow, horizon: float | None = None) -> Ticket | None:
         if not self._connected:
             if self.degraded:
-                return self._admit_alone(flow)
+                return self._admit_alone(flow, horizon)
             raise self._unavailable()
         cls = self.policy.classes[flow.cls]
         org = self._org(flow.org)
@@ -633,8 +636,9 @@ class RedisState(SharedState):
         if cls.max_queue_length is not None:
             q = [f"{self.prefix}queue:{flow.pool}:{flow.cls}", cls.max_queue_length]
         rate = None
-        if org.requests_per_minute is not None:
-            rate = [f"{self.prefix}bucket:org:{flow.org}", org.requests_per_minute, org.requests_per_minute / 60.0]
+        if org.requests_per_minute is not None:  # (-1: refused at once over it; else seconds it may wait)
+            h = -1.0 if horizon is None else min(horizon, _FOREVER)
+            rate = [f"{self.prefix}bucket:org:{flow.org}", org.requests_per_minute, org.requests_per_minute / 60.0, h]
         u = self._user_of(flow)
         if q is None and rate is None and u is None:
             return None
@@ -648,7 +652,7 @@ class RedisState(SharedState):
                 self._evicted(str(res[1]))
             user = None if u is None else (u[0], u[1])
             self._user_live(user, 1)
-            return Ticket(member, flow, q is not None, user)
+            return Ticket(member, flow, q is not None, user, float(res[2]) if len(res) > 2 else 0.0)
         if res[1] == "too_many_users":
             assert u is not None
             where = f"team {flow.team!r} of org {flow.org!r}" if flow.team is not None else f"org {flow.org!r}"
@@ -686,7 +690,7 @@ class RedisState(SharedState):
         if self._connected:
             self._spawn(self._withdraw(list(user)))
 
-    def _admit_alone(self, flow: Flow) -> Ticket | None:
+    def _admit_alone(self, flow: Flow, horizon: float | None = None) -> Ticket | None:
         """:meth:`admit` while Redis is lost: the org's rate, the class's waiting places and
         the team's live users within this gateway's slices of them."""
         cls = self.policy.classes[flow.cls]
@@ -709,19 +713,23 @@ class RedisState(SharedState):
                                             f"{flow.pool!r} at this gateway, its part of max_queue_length "
                                             f"({cls.max_queue_length}) while the gateways' shared state cannot be "
                                             "reached", retry_after=1.0)
+        wait = 0.0
         if org.requests_per_minute is not None:
             b = self._bucket(f"org:{flow.org}", org.requests_per_minute)
             now = self.clock()
             if not b.take(1, now):
-                raise Refused("rate_limited", f"org {flow.org!r} is over its requests_per_minute "
-                                              f"({org.requests_per_minute:g}, all gateways together; this gateway's "
-                                              "part while the shared state cannot be reached)",
-                              retry_after=max(b.wait(1, now), 0.001))
+                wait = max(b.wait(1, now), 0.001)
+                if horizon is None or wait >= horizon:
+                    raise Refused("rate_limited", f"org {flow.org!r} is over its requests_per_minute "
+                                                  f"({org.requests_per_minute:g}, all gateways together; this "
+                                                  "gateway's part while the shared state cannot be reached)",
+                                  retry_after=wait)
+                b.debit(1, now)  # on_limit: wait: its token, taken ahead
         user = None if u is None else (u[0], u[1])
-        if q is None and user is None:
+        if q is None and user is None and not wait:
             return None
         self._user_live(user, 1)
-        return Ticket(f"{self.gateway_id}:t{next(self._tickets)}\t{flow.org}", flow, q is not None, user)
+        return Ticket(f"{self.gateway_id}:t{next(self._tickets)}\t{flow.org}", flow, q is not None, user, wait)
 
     def _bucket(self, name: str, per_minute: float) -> TokenBucket:
         """This gateway's part of a global bucket while Redis is lost (full when first needed)."""
