@@ -29,7 +29,8 @@ fleet's meters are Redis's, and a gateway alone for a few seconds only orders it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+import math
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
@@ -44,21 +45,30 @@ __all__ = ["Slices", "Alone", "sliced_policy"]
 
 
 class Slices:
-    """This gateway's part of every global limit: ``rank`` among ``n`` live gateways."""
+    """This gateway's part of every global limit: ``rank`` among ``n`` live gateways, equal
+    parts; or, with ``tables`` (the decider's last two tables of the gateways' shares, each
+    ``{gateway id: share}`` summing to 1, :func:`shares_table`), this gateway's part by its
+    demand: the smaller of what the two tables give it (:func:`allocate`)."""
 
-    __slots__ = ("rank", "n")
+    __slots__ = ("rank", "n", "me", "tables")
 
-    def __init__(self, rank: int, n: int) -> None:
+    def __init__(self, rank: int, n: int, me: str = "", tables: Sequence[Mapping[str, float]] = ()) -> None:
         if n < 1 or not 0 <= rank < n:
             raise ValueError(f"a slice needs 0 <= rank < n, got rank {rank!r} of {n!r}")
         self.rank = rank
         self.n = n
+        self.me = me
+        self.tables = [t for t in tables if me in t]
 
     def count(self, limit: int) -> int:
         """This gateway's part of a count ``limit``: the parts of the ``n`` gateways add up to it."""
+        if self.tables:
+            return min(allocate(limit, t)[self.me] for t in self.tables)
         return limit // self.n + (1 if self.rank < limit % self.n else 0)
 
     def rate(self, per_minute: float) -> float:
+        if self.tables:
+            return per_minute * min(t[self.me] for t in self.tables)
         return per_minute / self.n
 
     def bucket(self, per_minute: float, now: float) -> TokenBucket:
@@ -67,6 +77,39 @@ class Slices:
 
     def __repr__(self) -> str:
         return f"Slices(rank={self.rank}, n={self.n})"
+
+
+#: the part of the gateways' shares spread equally over them (every live gateway gets some of
+#: each limit while Redis is lost, whatever its demand was a moment before)
+SPREAD = 0.1
+
+
+def shares_table(demand: Mapping[str, float], live: Sequence[str]) -> dict[str, float]:
+    """The decider's table of the live gateways' shares of every limit while Redis would be lost:
+    each gateway's ``demand`` (the weights of the flows with work waiting or running there),
+    plus :data:`SPREAD` of the whole spread equally (equal shares when nothing is demanded)."""
+    ids = sorted(set(live))
+    if not ids:
+        return {}
+    total = sum(max(0.0, demand.get(g, 0.0)) for g in ids)
+    if total <= 0:
+        return {g: 1.0 / len(ids) for g in ids}
+    even = SPREAD * total / len(ids)
+    whole = total * (1 + SPREAD)
+    return {g: (max(0.0, demand.get(g, 0.0)) + even) / whole for g in ids}
+
+
+def allocate(limit: int, table: Mapping[str, float]) -> dict[str, int]:
+    """A count ``limit`` split by ``table``'s shares: each its floor, then one more to the largest
+    remainders (ties by id), so that the parts add up to ``limit`` exactly; every gateway
+    computes the same split from the same table."""
+    ids = sorted(table)
+    exact = {g: limit * table[g] for g in ids}
+    out = {g: int(math.floor(exact[g])) for g in ids}
+    left = limit - sum(out.values())
+    for g in sorted(ids, key=lambda g: (-(exact[g] - out[g]), g))[:max(0, left)]:
+        out[g] += 1
+    return out
 
 
 #: a limit's part: ``part(name, limit)``, ``name`` being ``pool:P``, ``backend:B``, ``org:O``
@@ -232,6 +275,14 @@ class Alone:
 
     def meter(self, flow: Flow) -> float:
         return self.queues[flow.pool].meter(flow)
+
+    def demand(self, policy: Policy) -> dict[str, float]:
+        """Per gateway (a member's prefix): the weights of its flows with work waiting or running
+        here, each flow once (what its slices follow should Redis be lost)."""
+        flows: dict[str, set[Flow]] = {}
+        for m, r in self._in.items():
+            flows.setdefault(m.split(":", 1)[0], set()).add(r.flow)
+        return {g: sum(policy.flow_weight(f.org, f.cls) for f in fs) for g, fs in flows.items()}
 
     def wake_at(self, pool: str) -> float | None:
         return self.queues[pool].wake_at()

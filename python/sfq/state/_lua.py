@@ -37,7 +37,8 @@ that must outlive any one gateway. Keys (``P`` = the prefix):
   from the org holding the most (``ADMIT``).
 * ``P gw`` sorted set: the live gateways (their ids, scored by the expiry of their last
   renewal): how many share each limit, and each one's rank, for the slices a gateway keeps
-  while Redis cannot be reached.
+  while Redis cannot be reached. ``P slices``: the decider's table of their shares by demand
+  (JSON ``{v, s: {gateway: share}}``), read with each renewal.
 * ``P policy``: the hash of the policy in force (expires unless a gateway renews it).
 * ``P spend:<account>:<period>`` hash ``s``: what the account (an org, or ``<org><TAB><team>``)
   spent in the period (currency, settled requests); ``... :res`` sorted set: its running
@@ -288,9 +289,10 @@ return cjson.encode({lead = lead, became = became, g = g, lost = lost, seen = se
 #: starts again) takes every candidate and running attempt instead, and the order number they
 #: are up to (``q``); ``live``: the live candidates and running attempts too (a gateway that
 #: died stops renewing them).
-#: {gw, lease, ttl, init, live, upto, pools: [names], g: [[m, backend, pool], ...], seen: [lease keys]}
+#: {gw, lease, ttl, init, live, upto, pools: [names], g: [[m, backend, pool], ...], seen: [lease keys],
+#:  slices: the gateways' shares table (JSON) to keep in ``P slices`` | null}
 #: -> JSON {ok: false, lead} | {ok: true, gone: [m], ev: [event JSON], cand: [candidate JSON],
-#:          run: [[m, run JSON]], lc: [live candidates], lr: [live running], q}
+#:          run: [[m, run JSON]], lc: [live candidates], lr: [live running], q, gw: [live gateways]}
 DECIDE = _COMMON + r"""
 local lk = P .. 'lead'
 local lead = redis.call('GET', lk)
@@ -335,8 +337,10 @@ if next(owners) ~= nil and #(A.seen or {}) > 0 then  -- the slots held now, to e
   for _, k in ipairs(A.seen) do ns[#ns + 1] = {k, count(k)} end
   redis.call('PUBLISH', P .. 'wake', 'n\n' .. cjson.encode(ns))
 end
-local out = {ok = true, gone = gone, ev = {}, cand = {}, run = {}, lc = {}, lr = {}, q = 0}
+local out = {ok = true, gone = gone, ev = {}, cand = {}, run = {}, lc = {}, lr = {}, q = 0, gw = {}}
+if has(A.slices) then redis.call('SET', P .. 'slices', A.slices, 'PX', math.ceil(A.lease * 3000)) end
 if A.init or A.live then
+  out.gw = redis.call('ZRANGEBYSCORE', P .. 'gw', '(' .. fmt(NOW), '+inf')
   -- candidates whose gateway stopped renewing them leave; so do attempts whose leases expired
   local stale = redis.call('ZRANGEBYSCORE', cexp, '-inf', NOW)
   for _, p in ipairs(A.pools) do
@@ -433,13 +437,15 @@ redis.call('SET', P .. 'policy', A.hash, 'PX', math.ceil(A.lease * 3000))
 return {1}
 """
 
-#: a gateway is alive (it joined or renewed): {gw, lease} -> the live gateways' ids, sorted
+#: a gateway is alive (it joined or renewed): {gw, lease} -> JSON {ids: the live gateways' ids,
+#: sorted; table: the decider's last table of their shares while Redis would be lost (``P
+#: slices``, JSON), or ''}
 GATEWAYS = _COMMON + r"""
 local k = P .. 'gw'
 redis.call('ZREMRANGEBYSCORE', k, '-inf', NOW)
 redis.call('ZADD', k, NOW + A.lease, A.gw)
 redis.call('PEXPIRE', k, math.ceil(A.lease * 3000))
-return redis.call('ZRANGE', k, 0, -1)
+return cjson.encode({ids = redis.call('ZRANGE', k, 0, -1), table = redis.call('GET', P .. 'slices') or ''})
 """
 
 #: a reservation in one or more budgets (an org's, its team's), all or none, atomic over every

@@ -58,7 +58,7 @@ from ..engine.pool import PolicyQueue, Request, guessed
 from ..policy.spend import Hold
 from ..policy.limits import TokenBucket
 from . import _lua
-from ._local import Alone, Slices
+from ._local import Alone, Slices, shares_table
 from .base import SharedState, Ticket
 
 __all__ = ["RedisState", "StateUnavailable", "policy_hash"]
@@ -189,6 +189,10 @@ class RedisState(SharedState):
         self._lead_evt: asyncio.Event | None = None
         self._live_at = -math.inf
         self._applied_q = 0  # the order number of the last event the decider applied
+        #: the decider's tables of the gateways' shares (version, {gateway: share}) seen last
+        self._tables: list[tuple[Any, dict[str, float]]] = []
+        self._table_at = -math.inf  # when this gateway, deciding, last made one
+        self._table_out: str | None = None  # made, to go with its next round trip
         self.decisions = 0  # grants this gateway decided as the decider
         self._ttl = min(LEAD_TTL, self.lease)  # (a dead decider is replaced no later than its leases expire)
         #: the delivered-service modes: a flow's running work keeps its meter (a flow lease)
@@ -333,7 +337,12 @@ class RedisState(SharedState):
         return self._fatal or (None if self._available else self._reason)
 
     def _slices(self) -> Slices:
-        return Slices(self._gateways.index(self.gateway_id), len(self._gateways))
+        """This gateway's slices while Redis is lost: by the decider's last two tables of the
+        gateways' shares (the smaller part of the two: a table changes at most every
+        ``lease_seconds / 2``, so every live gateway saw the one before the last, and the parts
+        add up to at most each limit), else equal parts by rank."""
+        return Slices(self._gateways.index(self.gateway_id), len(self._gateways), self.gateway_id,
+                      [t for _, t in self._tables] if len(self._tables) == 2 else [])
 
     # ------------------------------------------------------------ Redis calls
     async def _call(self, name: str, payload: dict[str, Any]) -> list[Any]:
@@ -382,9 +391,19 @@ class RedisState(SharedState):
             self._go_up()
 
     async def _alive(self) -> list[str]:
-        """This gateway is alive: the live ones, as Redis names them (sorted ids)."""
-        res = await self._call("GATEWAYS", {"gw": self.gateway_id, "lease": self.lease})
-        return sorted(str(g) for g in res)
+        """This gateway is alive: the live ones, as Redis names them (sorted ids); and the
+        decider's table of their shares, kept with the one before it (:meth:`_slices`)."""
+        res = await self._call_json("GATEWAYS", {"gw": self.gateway_id, "lease": self.lease})
+        table = res.get("table") or ""
+        if table:
+            try:
+                t = json.loads(table)
+                v, shares = t["v"], {str(g): float(x) for g, x in t["s"].items()}
+            except (ValueError, KeyError, TypeError, AttributeError):
+                v, shares = None, {}
+            if v is not None and (not self._tables or self._tables[-1][0] != v):
+                self._tables = (self._tables + [(v, shares)])[-2:]
+        return sorted(str(g) for g in _list(res.get("ids")))
 
     def reloaded(self, policy: Policy) -> None:
         """A reload put ``policy`` in force: its limits from now on, and its hash for the prefix
@@ -991,7 +1010,8 @@ class RedisState(SharedState):
                                                "init": init, "live": live, "pools": list(self.policy.pools),
                                                "upto": mark, "g": [list(x) for x in grants],
                                                "seen": [k for pool in self.policy.pools for k in self._seen_keys(pool)]
-                                               if grants else []})
+                                               if grants else [], "slices": self._table_out})
+        self._table_out = None
         # events a message brought while the call was out are newer than what it saw alive
         live = live and self._applied_q == mark and not self._decided
         if not res.get("ok"):
@@ -1022,6 +1042,10 @@ class RedisState(SharedState):
                 lead.remove(m)
             for m in running - set(_list(res.get("lr"))):
                 lead.done(m, None)
+            if now - self._table_at >= max(self.lease / 2, 1.0):  # (at most every lease/2: _slices)
+                self._table_at = now
+                table = shares_table(lead.demand(self.policy), [str(g) for g in _list(res.get("gw"))])
+                self._table_out = json.dumps({"v": f"{self.gateway_id}:{now:.6f}", "s": table})
         self._decide_now(lead)
 
     def _take_events(self, lead: Alone, evs: list[dict[str, Any]], fill: bool = False) -> bool:

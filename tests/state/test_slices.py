@@ -1,0 +1,47 @@
+"""The slices of the global limits that gateways keep while Redis is lost (docs/gateway.md,
+"When Redis is lost"), by the decider's tables of their shares: every table's split adds up to
+each limit exactly, and gateways that hold either of the last two tables, each taking the
+smaller of the parts the two give it, never take more than the limit together."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sfq.state._local import SPREAD, Slices, allocate, shares_table
+
+IDS = ["a", "b", "c", "d", "e"]
+demands = st.dictionaries(st.sampled_from(IDS), st.floats(0, 100, allow_nan=False), max_size=5)
+lives = st.lists(st.sampled_from(IDS), min_size=1, max_size=5, unique=True)
+
+
+@settings(max_examples=300, deadline=None)
+@given(demands, lives, st.integers(0, 300))
+def test_a_tables_split_adds_up_to_the_limit(demand: dict[str, float], live: list[str], limit: int) -> None:
+    t = shares_table(demand, live)
+    assert set(t) == set(live) and abs(sum(t.values()) - 1.0) < 1e-9
+    assert min(t.values()) > 0  # every live gateway keeps a part of the rates (SPREAD)
+    parts = allocate(limit, t)
+    assert sum(parts.values()) == limit and min(parts.values()) >= 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(demands, min_size=3, max_size=3), lives, st.integers(0, 64), st.data())
+def test_gateways_on_either_of_the_last_two_tables_stay_within_the_limit(
+        ds: list[dict[str, float]], live: list[str], limit: int, data: st.DataObject) -> None:
+    t1, t2, t3 = (shares_table(d, live) for d in ds)
+    total = 0
+    for i, g in enumerate(sorted(live)):
+        pair = data.draw(st.sampled_from([(t1, t2), (t2, t3)]))  # (a gateway that renewed since t3, or not)
+        total += Slices(i, len(live), g, pair).count(limit)
+    assert total <= limit
+
+
+def test_the_busier_gateway_gets_the_larger_slice() -> None:
+    """Weights 2:1:1 sticky to three gateways (issue 41's unfair case with equal slices): the
+    slices follow the demand, with SPREAD of them equal."""
+    t = shares_table({"a": 2.0, "b": 1.0, "c": 1.0}, ["a", "b", "c"])
+    assert allocate(8, t) == {"a": 4, "b": 2, "c": 2}
+    assert abs(t["a"] - (2 + SPREAD * 4 / 3) / (4 * (1 + SPREAD))) < 1e-12
+    assert abs(Slices(0, 3, "a", [t, t]).rate(60.0) - 60.0 * t["a"]) < 1e-9
+    assert Slices(0, 3, "a", []).count(8) == 3  # without two tables: equal parts by rank
