@@ -24,7 +24,12 @@ Per configuration one gateway on the same engine: first the quiet tenant alone f
 * ``priority``: the quiet tenant's class ``strict: true`` (served before the weighted ones);
 * ``sfq``: three orgs of weight 1 (SFQ between them, Goyal, Vin and Cheng 1996);
 * ``sfq-deadlines``: ``sfq`` with the quiet tenant's class setting ``deadline_seconds`` and
-  ``ttft_objective_seconds`` (EDF inside its flow, docs/design.md §5d).
+  ``ttft_objective_seconds`` (EDF inside its flow, docs/design.md §5d);
+* ``headroom-K`` (a prototype, ``--configs``): ``sfq-deadlines`` with the pool's
+  ``limits.headroom: K``: when no more than K slots are free, only a flow with nothing running
+  or below its part of the other slots may take one (as Kubernetes API Priority and Fairness
+  lets seats be borrowed), so a quiet tenant finds a slot at once; what it costs is K slots
+  idle while the flood holds its part.
 
 Reported per configuration: the quiet tenant's TTFT p50 and p99 alone and under the flood
 (seconds) and their ratios; the objective attainment (TTFT within ``--objective`` s); the
@@ -33,7 +38,7 @@ over FIFO's.
 
 Run from the repository root::
 
-    python benchmarks/bench_isolation.py                 # ~3 minutes: 4 configurations
+    python benchmarks/bench_isolation.py                 # ~5 minutes: 6 configurations
     python benchmarks/bench_isolation.py --quick         # a smoke run (numbers not for quoting)
 
 Results go to ``benchmarks/results/isolation.json`` (not with ``--quick``) and a markdown table
@@ -67,7 +72,7 @@ if not os.environ.get("PYTHONPATH"):
 from support.processes import Gateway  # noqa: E402
 from support.workload import Fleet  # noqa: E402
 
-CONFIGS = ("fifo", "priority", "sfq", "sfq-deadlines")
+CONFIGS = ("fifo", "priority", "sfq", "sfq-deadlines", "headroom-1", "headroom-2")
 KEYS = {"flood-a": "k-a", "flood-b": "k-b", "quiet": "k-q"}
 FLOOD = (50, 350)  # answer tokens, uniform
 QUIET_TOKENS = 20
@@ -75,12 +80,13 @@ QUIET_TOKENS = 20
 
 def policy(config: str, url: str, slots: int, objective: float, deadline: float) -> str:
     """The gateway's policy for one configuration (one pool over the engine)."""
+    headroom = f"\n    limits: {{headroom: {int(config.split('-')[1])}}}" if config.startswith("headroom-") else ""
     head = f"""\
 pools:
   main:
     models: [m]
     backends:
-      - {{url: "{url}", max_in_flight: {slots}}}
+      - {{url: "{url}", max_in_flight: {slots}}}{headroom}
 cost: {{input_weight: 1, output_weight: 2, charge: served}}
 """
     if config == "fifo":
@@ -90,10 +96,11 @@ classes:
 orgs:
   everyone: {{keys: [{", ".join(KEYS.values())}], classes: [all]}}
 """
-    quiet = {"priority": "{strict: true, max_in_flight: %d}" % slots,
+    quiet = {"priority": "{strict: true, max_in_flight: %d, max_queue_age_seconds: 3600}" % slots,
              "sfq": "{weight: 1, small_cost: null}",
              "sfq-deadlines": "{weight: 1, small_cost: null, deadline_seconds: %g, ttft_objective_seconds: %g}"
-                              % (deadline, objective)}[config]
+                              % (deadline, objective)}[
+                                  "sfq-deadlines" if config.startswith("headroom-") else config]
     return head + f"""\
 classes:
   batch: {{weight: 1, small_cost: null}}
@@ -267,9 +274,9 @@ def test_bench_isolation_smoke() -> None:
     import pytest
 
     pytest.importorskip("openai")
-    res = run(("fifo", "sfq-deadlines"), slots=4, unit=0.001, clients=2, interval=0.1, alone=0.5, warmup=0.2,
+    res = run(("fifo", "sfq-deadlines", "headroom-1"), slots=4, unit=0.001, clients=2, interval=0.1, alone=0.5, warmup=0.2,
               seconds=1.0, objective=0.5, deadline=2.0, seed=0)
-    assert [r["config"] for r in res["rows"]] == ["fifo", "sfq-deadlines"]
+    assert [r["config"] for r in res["rows"]] == ["fifo", "sfq-deadlines", "headroom-1"]
     for r in res["rows"]:
         assert r["quiet_alone"]["n"] > 0 and r["quiet_flood"]["n"] > 0 and r["tokens_per_s"] > 0
         assert r["errors"] == 0, r["error_sample"]
