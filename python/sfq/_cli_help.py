@@ -78,6 +78,12 @@ SCENARIOS: dict[str, str] = {
         "10/11) and under nested shares, the policy's teams and users: equal (sfq-nested: "
         "each team 1/2, each t1 user 1/20)."
     ),
+    "deadlines": (
+        "An interactive class (TTFT objective 1 s, deadlines of 1 s or 3 s) beside two batch "
+        "tenants flooding one 32-slot engine: per class the objective attainment and the batch "
+        "service against FIFO's, for fifo, prio, sfq and sfq-edf (the engine with deadlines: "
+        "EDF inside a flow)."
+    ),
 }
 
 #: policy name -> how it decides who goes next

@@ -16,7 +16,8 @@ from typing import Callable, Sequence
 
 __all__ = ["main", "build_parser"]
 
-_SCENARIOS = ("drift", "return", "kv-sweep", "rpm-sweep", "teams", "shallow", "keep-one", "many", "trace", "nested")
+_SCENARIOS = ("drift", "return", "kv-sweep", "rpm-sweep", "teams", "shallow", "keep-one", "many", "trace", "nested",
+              "deadlines")
 _POLICIES = ("fifo", "prio", "rr", "drr", "wfq", "sfq", "sfq-seed", "lcf", "vtc", "vtc-h")
 _CHARGES = ("seed", "settle", "served")
 

@@ -349,6 +349,9 @@ class PolicyQueue:
         self.rpm = TokenBucket(lim.requests_per_minute, now) if lim.requests_per_minute else None
         self.tpm = TokenBucket(lim.tokens_per_minute, now) if lim.tokens_per_minute else None
         self.slots = Slots(f"pools.{pool}.limits.max_in_flight", lim.max_in_flight)
+        #: ``limits.headroom`` (0: off): see :meth:`_may_take`
+        self.headroom = lim.headroom
+        self._run_n: dict[Flow, int] = {}  # running requests per flow (kept while headroom is on)
         self.backends: dict[str, _Backend] = {
             b.name: _Backend(b.name, b.max_in_flight, b.max_context) for b in self.spec.backends}
         self.largest_context = (_INF if any(b.max_context is None for b in self.spec.backends)
@@ -813,10 +816,31 @@ class PolicyQueue:
 
     def _release_aside(self, now: float, fits: Fits | None) -> None:
         """Put back in the competition the flows set aside whose head now fits a backend."""
+        headroom = self.headroom
         for fq in list(self.aside):
             head = fq.preferred()
-            if head is not None and self._backend_for(head, now, fits) is not None:
+            if head is not None and self._backend_for(head, now, fits) is not None and (
+                    not headroom or self._may_take(fq.flow)):
                 self._unaside(fq)
+
+    def _may_take(self, flow: Flow) -> bool:
+        """``limits.headroom``: whether ``flow`` may take a slot now. Yes while more than
+        ``headroom`` of the pool's slots are free; else only when the flow has nothing running
+        or fewer running than its part of the slots not kept (``slots - headroom`` over the flows
+        with work, waiting or running).
+        A prototype (issue 42): the slots kept are idle while every flow with work holds its
+        part, which is what it costs in throughput."""
+        cap = sum(b.limit for b in self.backends.values() if b.healthy)
+        if self.slots.limit is not None:
+            cap = min(cap, self.slots.limit)
+        if cap - self.in_flight > self.headroom:
+            return True
+        running = self._run_n.get(flow, 0)
+        if not running:
+            return True
+        active = set(self._run_n)
+        active.update(f for f, fq in self.flows.items() if fq.n)
+        return running < (cap - self.headroom) / max(1, len(active))
 
     def pause_backend(self, name: str, seconds: float) -> None:
         """An upstream 429: send nothing to backend ``name`` for ``seconds`` (its Retry-After)."""
@@ -944,6 +968,11 @@ class PolicyQueue:
             if self.tpm is not None and not self._tokens_ok(head, now):
                 return None
             b = self._backend_for(head, now, fits)
+            if b is not None and self.headroom and not self._may_take(fq.flow):
+                fq.aside = True  # held back from the last free slots (limits.headroom), uncharged
+                self.aside.append(fq)
+                sched.suspend(fq.flow)
+                continue
             if b is not None:
                 break
             if len(self.aside) >= self.overtake:
@@ -1162,6 +1191,8 @@ class PolicyQueue:
         b.in_flight += 1
         self.in_flight += 1
         self.slots.acquire()
+        if self.headroom:
+            self._run_n[r.flow] = self._run_n.get(r.flow, 0) + 1
         if self.rpm is not None:
             self.rpm.take(1, now)
         if self.tpm is not None:
@@ -1223,6 +1254,12 @@ class PolicyQueue:
         b.in_flight -= 1
         self.in_flight -= 1
         self.slots.release()
+        if self.headroom:
+            n = self._run_n.get(r.flow, 0) - 1
+            if n > 0:
+                self._run_n[r.flow] = n
+            else:
+                self._run_n.pop(r.flow, None)
         if self._done is not None:
             self._served(r.started_at, r.cost)
         r.state = ENDED

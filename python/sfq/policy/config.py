@@ -90,6 +90,12 @@ class PoolLimits:
     requests_per_minute: float | None = None
     tokens_per_minute: float | None = None
     max_in_flight: int | None = None
+    #: slots kept back (a prototype, default 0: off): when no more than ``headroom`` of the
+    #: pool's slots are free, a weighted flow may take one only while it has nothing running
+    #: or fewer running than its part of the slots not kept (over the flows with work; as
+    #: Kubernetes API Priority and Fairness lets seats be borrowed); the rest wait, set aside,
+    #: so that a quiet flow finds a slot at once instead of waiting for one to free
+    headroom: int = 0
 
 
 @dataclass(frozen=True)
@@ -918,10 +924,11 @@ def _pool(name: str, v: object, path: str) -> PoolSpec:
 
 def _limits(v: object, lp: str) -> PoolLimits:
     errs = _Collect()
-    ld = _section(v, lp, ("requests_per_minute", "tokens_per_minute", "max_in_flight"), errs)
+    ld = _section(v, lp, ("requests_per_minute", "tokens_per_minute", "max_in_flight", "headroom"), errs)
     limits = PoolLimits(_opt_check(errs, ld, "requests_per_minute", lp, _number),
                         _opt_check(errs, ld, "tokens_per_minute", lp, _number),
-                        _opt_check(errs, ld, "max_in_flight", lp, _integer))
+                        _opt_check(errs, ld, "max_in_flight", lp, _integer),
+                        _opt_check(errs, ld, "headroom", lp, _integer) or 0)
     errs.raise_any()
     return limits
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -112,7 +112,8 @@ class EngineDiscipline(Discipline):
 
     def __init__(self, policy: Policy | None, flows: Sequence[Flow] = (), *,
                  scheduler: Callable[[], Any] | None = None, estimator: CostEstimator | None = None,
-                 label: str | None = None, charge: str | None = None, run_estimator: bool = False) -> None:
+                 label: str | None = None, charge: str | None = None, run_estimator: bool = False,
+                 deadlines: Mapping[int, float] | None = None) -> None:
         self._charge = DEFAULT_CHARGE if charge is None else str(charge)
         if self._charge not in CHARGE_MODES:
             raise ValueError(f"unknown charge mode {self._charge!r}; choose from {', '.join(CHARGE_MODES)}")
@@ -127,6 +128,9 @@ class EngineDiscipline(Discipline):
         self._estimator = estimator
         self._run_estimator = run_estimator
         self._label = label
+        #: simulator rid -> seconds from arrival to the request's own deadline (as if it sent
+        #: ``X-SFQ-Timeout``); requests not named state none (their class's default applies)
+        self.deadlines: Mapping[int, float] = deadlines if deadlines is not None else {}
         self.t = 0
         self.refused: dict[str, int] = {}
         self.dropped: dict[str, int] = {}
@@ -232,7 +236,9 @@ class EngineDiscipline(Discipline):
         flow = self.flow_of[r.flow]
         est = self.estimator.estimate_tokens(int(r.prompt), int(r.max_tokens), model=self.model, flow=flow)
         try:
-            self.engine.submit(flow, estimate=est, streaming=True, item=r)
+            own = self.deadlines.get(r.rid)
+            deadline = None if own is None else self._clock() + own
+            self.engine.submit(flow, estimate=est, streaming=True, item=r, deadline=deadline)
         except Refused:
             self.refused[flow.org] = self.refused.get(flow.org, 0) + 1
             left = getattr(self.sim, "left", None)

@@ -166,6 +166,21 @@ def table_rows(res: ScenarioResult) -> tuple[str, list[str], list[list[str]], st
                  f"keeping {p['keep_waiting']} requests waiting, {p['steps']:,} steps")
         caption = ("shares of the service (weighted tokens); sfq: one flow per user (flat); sfq-nested: teams of "
                    "weight 1 with users: equal (the engine's tree of schedulers)")
+    elif s == "deadlines":
+        headers = ["policy", "interactive\nattainment", "interactive\nin time", "interactive TTFT\np50 / p99, s",
+                   "batch\nattainment", "batch service\nvs FIFO"]
+        for r in res.results:
+            i, b = r["classes"]["interactive"], r["classes"]["batch"]
+            rows.append([_label(r), _pct(i["attainment"]), _pct(i["in_time"]),
+                         f"{_n(i['ttft_p50'], 2)} / {_n(i['ttft_p99'], 2)}", _pct(b["attainment"]),
+                         _pct(r["batch_vs_fifo"])])
+        obj = p["objective_s"]
+        title = (f"deadlines: an interactive class (TTFT objective {obj['interactive']:g} s) beside a batch flood, "
+                 f"one engine of {p['slots']} slots, {p['steps']:,} steps")
+        caption = ("attainment: requests whose first token came within the class's objective (dropped or never "
+                   "started: missed); in time: started before their own deadline; sfq-edf: the engine with "
+                   f"deadlines (half the interactive requests {obj['interactive']:g} s, the rest the class's "
+                   f"{p['deadline_seconds']:g} s), EDF inside the flow")
     elif s == "many":
         headers = ["policy", "events", "last step", "weighted\ntokens/step", "Jain\nindex"]
         for r in res.results:

@@ -31,6 +31,9 @@ themselves for the plots. Units: steps, tokens, weighted tokens (``w_p``, ``w_q`
                client keeping two requests waiting, 20,000 steps: each team's and user's
                share under flat per-user SFQ (t1 gets 10/11) and under nested shares
                (``teams`` + ``users: equal``: each team 1/2, each t1 user 1/20).
+``deadlines``  an interactive class with a TTFT objective and deadlines beside a batch flood on
+               one 32-slot engine: per class the objective attainment, and the batch
+               service against FIFO's, for fifo, prio, sfq and sfq-edf (:mod:`sfq.sim.deadlines`).
 
 Every row's ``max_drift`` is the largest gap ``|W_f(a,b)/w_f - W_g(a,b)/w_g|`` between two
 flows over an interval in which both have a request waiting at the balancer in every step
@@ -83,6 +86,7 @@ DEFAULT_POLICIES: dict[str, tuple[str, ...]] = {
     "many": ALL_FAIR,
     "trace": ALL_FAIR,
     "nested": ("fifo", "sfq"),  # (and sfq-nested, always)
+    "deadlines": ("fifo", "prio", "sfq"),  # (and sfq-edf, always)
 }
 KV_SWEEP = (2048, 4096, 8192, 16384, 32768)
 RPM_SWEEP = (5, 20, 40, 80, None)
@@ -692,7 +696,15 @@ SCENARIOS: dict[str, Callable[..., ScenarioResult]] = {
     "many": run_many,
     "trace": run_trace,
     "nested": run_nested,
+    "deadlines": lambda opts, policies=None, progress=None: _run_deadlines(opts, policies, progress),
 }
+
+
+def _run_deadlines(opts: Options, policies: Sequence[str] | None, progress: Progress | None) -> ScenarioResult:
+    from .deadlines import run_deadlines
+
+    res: ScenarioResult = run_deadlines(opts, policies, progress)
+    return res
 
 
 def run_scenario(name: str, opts: Options | None = None, policies: Sequence[str] | None = None,
@@ -737,4 +749,8 @@ def workload_for(name: str, opts: Options | None = None) -> Workload:
         return many_workload(opts.seed, opts.steps or 5000)
     if name == "nested":
         return nested_workload(opts.seed, opts.steps or 20_000)
+    if name == "deadlines":
+        from .deadlines import deadlines_workload
+
+        return deadlines_workload(opts.seed, opts.steps or 12_000)
     raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")

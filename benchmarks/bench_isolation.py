@@ -1,0 +1,286 @@
+"""The isolation figure (issue 42, part 5): a quiet tenant's time to first token while two others
+flood, divided by the same tenant's TTFT alone on the same fleet, with the fleet's throughput
+beside FIFO's (work conservation).
+
+Real ``python -m sfq serve`` processes, the official ``openai`` client, one loopback engine
+(``tests/support/workload.py``'s ``FakeEngine``) of ``--slots`` slots (32) whose service time
+grows with the tokens (``--unit`` seconds a token of prompt, twice that a token of output: 10 ms
+an output token by default, so a flood answer of 50-350 tokens holds its slot 0.5-3.5 s). The
+tenants:
+
+* ``flood-a``, ``flood-b``: ``--clients`` closed-loop clients each (plain completions,
+  ``max_tokens`` 350, answers of U[50, 350] tokens, seeded), together always more than the
+  engine's slots: both are backlogged throughout;
+* ``quiet``: streamed chat completions of 20 tokens, Poisson arrivals every ``--interval`` s on
+  average (seeded), far below its share. Its TTFT is the time from the request to the first
+  chunk with content (the engine's role chunk comes before its prefill and is not counted).
+
+Per configuration one gateway on the same engine: first the quiet tenant alone for
+``--alone`` s (its TTFT alone), then the flood and the quiet tenant together for
+``--warmup`` + ``--seconds`` s (measured after the warm-up). The configurations:
+
+* ``fifo``: every key in one org with one class: one flow, first come first served (the FIFO
+  of ``bench_overload.py``; what a proxy without sfq does);
+* ``priority``: the quiet tenant's class ``strict: true`` (served before the weighted ones);
+* ``sfq``: three orgs of weight 1 (SFQ between them, Goyal, Vin and Cheng 1996);
+* ``sfq-deadlines``: ``sfq`` with the quiet tenant's class setting ``deadline_seconds`` and
+  ``ttft_objective_seconds`` (EDF inside its flow, docs/design.md §5d);
+* ``headroom-K`` (a prototype, ``--configs``): ``sfq-deadlines`` with the pool's
+  ``limits.headroom: K``: when no more than K slots are free, only a flow with nothing running
+  or below its part of the other slots may take one (as Kubernetes API Priority and Fairness
+  lets seats be borrowed), so a quiet tenant finds a slot at once; what it costs is K slots
+  idle while the flood holds its part.
+
+Reported per configuration: the quiet tenant's TTFT p50 and p99 alone and under the flood
+(seconds) and their ratios; the objective attainment (TTFT within ``--objective`` s); the
+output tokens the engine completed per second in the measured window, and that throughput
+over FIFO's.
+
+Run from the repository root::
+
+    python benchmarks/bench_isolation.py                 # ~5 minutes: 6 configurations
+    python benchmarks/bench_isolation.py --quick         # a smoke run (numbers not for quoting)
+
+Results go to ``benchmarks/results/isolation.json`` (not with ``--quick``) and a markdown table
+on stdout. Under pytest ``test_bench_isolation_smoke`` runs a tiny version; nothing is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT / "tests"))  # the loopback engine and process helpers (tests/support)
+if not os.environ.get("PYTHONPATH"):
+    try:
+        import sfq  # noqa: F401
+    except ImportError:  # a checkout without an install: the child gateways need python/ too
+        os.environ["PYTHONPATH"] = str(ROOT / "python")
+
+from support.processes import Gateway  # noqa: E402
+from support.workload import Fleet  # noqa: E402
+
+CONFIGS = ("fifo", "priority", "sfq", "sfq-deadlines", "headroom-1", "headroom-2")
+KEYS = {"flood-a": "k-a", "flood-b": "k-b", "quiet": "k-q"}
+FLOOD = (50, 350)  # answer tokens, uniform
+QUIET_TOKENS = 20
+
+
+def policy(config: str, url: str, slots: int, objective: float, deadline: float) -> str:
+    """The gateway's policy for one configuration (one pool over the engine)."""
+    headroom = f"\n    limits: {{headroom: {int(config.split('-')[1])}}}" if config.startswith("headroom-") else ""
+    head = f"""\
+pools:
+  main:
+    models: [m]
+    backends:
+      - {{url: "{url}", max_in_flight: {slots}}}{headroom}
+cost: {{input_weight: 1, output_weight: 2, charge: served}}
+"""
+    if config == "fifo":
+        return head + f"""\
+classes:
+  all: {{weight: 1, small_cost: null}}
+orgs:
+  everyone: {{keys: [{", ".join(KEYS.values())}], classes: [all]}}
+"""
+    quiet = {"priority": "{strict: true, max_in_flight: %d, max_queue_age_seconds: 3600}" % slots,
+             "sfq": "{weight: 1, small_cost: null}",
+             "sfq-deadlines": "{weight: 1, small_cost: null, deadline_seconds: %g, ttft_objective_seconds: %g}"
+                              % (deadline, objective)}[
+                                  "sfq-deadlines" if config.startswith("headroom-") else config]
+    return head + f"""\
+classes:
+  batch: {{weight: 1, small_cost: null}}
+  interactive: {quiet}
+orgs:
+  flood-a: {{keys: [k-a], classes: [batch]}}
+  flood-b: {{keys: [k-b], classes: [batch]}}
+  quiet: {{keys: [k-q], classes: [interactive]}}
+"""
+
+
+def _prompt(org: str, use: int) -> str:
+    head = f"org={org} use={use} |"
+    return head + " " + "p" * max(0, 80 - len(head) - 1)
+
+
+async def _drive(url: str, seconds: float, *, flood_clients: int, interval: float, seed: int,
+                 ttft: list[tuple[float, float]], errors: list[str]) -> None:
+    """The quiet tenant (and, with ``flood_clients``, the flood) for ``seconds``; appends
+    ``(sent, ttft)`` of the quiet tenant's requests."""
+    import openai
+
+    end = time.monotonic() + seconds
+    mk = {org: openai.AsyncOpenAI(base_url=url + "/v1", api_key=k, max_retries=0, timeout=120.0)
+          for org, k in KEYS.items()}
+
+    async def flooder(org: str, i: int) -> None:
+        rng = random.Random(f"{seed}-{org}-{i}")
+        while time.monotonic() < end:
+            use = rng.randint(*FLOOD)
+            try:
+                await mk[org].completions.create(model="m", prompt=_prompt(org, use), max_tokens=FLOOD[1])
+            except Exception as exc:  # counted: the run reports them
+                errors.append(f"{org}: {type(exc).__name__}: {exc}")
+
+    async def quiet_one() -> None:
+        t0 = time.monotonic()
+        try:
+            s = await mk["quiet"].chat.completions.create(
+                model="m", messages=[{"role": "user", "content": _prompt("quiet", QUIET_TOKENS)}],
+                max_tokens=QUIET_TOKENS, stream=True)
+            first = None
+            async for ev in s:
+                if first is None and ev.choices and ev.choices[0].delta.content:
+                    first = time.monotonic() - t0
+            if first is not None:
+                ttft.append((t0, first))
+        except Exception as exc:
+            errors.append(f"quiet: {type(exc).__name__}: {exc}")
+
+    async def quiet() -> None:
+        rng = random.Random(f"{seed}-quiet")
+        tasks = []
+        while time.monotonic() < end:
+            tasks.append(asyncio.ensure_future(quiet_one()))
+            await asyncio.sleep(rng.expovariate(1.0 / interval))
+        await asyncio.gather(*tasks)
+
+    jobs = [quiet()] + [flooder(org, i) for org in ("flood-a", "flood-b") for i in range(flood_clients)]
+    await asyncio.gather(*jobs)
+    for c in mk.values():
+        await c.close()
+
+
+def _q(xs: list[float], p: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, int(round(p / 100 * len(s))) - 1))]
+
+
+def run_config(config: str, *, slots: int, unit: float, clients: int, interval: float, alone: float,
+               warmup: float, seconds: float, objective: float, deadline: float, seed: int) -> dict[str, Any]:
+    fleet = Fleet([1.0], slots=slots, unit=unit).start()
+    gw = None
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = Path(tmp) / "policy.yaml"
+            cfg.write_text(policy(config, fleet.engines[0].url, slots, objective, deadline))
+            gw = Gateway(cfg)
+            errors: list[str] = []
+            alone_ttft: list[tuple[float, float]] = []
+            asyncio.run(_drive(gw.url, alone, flood_clients=0, interval=interval, seed=seed, ttft=alone_ttft,
+                               errors=errors))
+            busy: list[tuple[float, float]] = []
+            t0 = time.monotonic()
+            asyncio.run(_drive(gw.url, warmup + seconds, flood_clients=clients, interval=interval, seed=seed + 1,
+                               ttft=busy, errors=errors))
+            start, stop = t0 + warmup, t0 + warmup + seconds
+    finally:
+        if gw is not None:
+            gw.stop()
+        fleet.stop()
+    a = [x for _, x in alone_ttft]
+    b = [x for t, x in busy if start <= t < stop]
+    tokens = sum(n for t, _org, n in fleet.done if start <= t < stop)
+    a50, a99, b50, b99 = _q(a, 50), _q(a, 99), _q(b, 50), _q(b, 99)
+    return {
+        "config": config,
+        "quiet_alone": {"n": len(a), "p50": a50, "p99": a99},
+        "quiet_flood": {"n": len(b), "p50": b50, "p99": b99},
+        "p50_ratio": b50 / a50 if a50 and b50 is not None else None,
+        "p99_ratio": b99 / a99 if a99 and b99 is not None else None,
+        "attainment": sum(x <= objective for x in b) / len(b) if b else None,
+        "tokens_per_s": tokens / seconds,
+        "errors": len(errors),
+        "error_sample": errors[:3],
+    }
+
+
+def run(configs: tuple[str, ...] = CONFIGS, **kw: Any) -> dict[str, Any]:
+    rows = [run_config(c, **kw) for c in configs]
+    base = next((r["tokens_per_s"] for r in rows if r["config"] == "fifo"), None)
+    for r in rows:
+        r["throughput_vs_fifo"] = r["tokens_per_s"] / base if base else None
+    return {"rows": rows}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    def f(x: Any, d: int = 3) -> str:
+        return "-" if x is None else f"{x:.{d}f}"
+
+    out = ["| configuration | quiet TTFT alone p50 / p99 (s) | under the flood p50 / p99 (s) | p50 / p99 "
+           "vs alone | within objective | tokens/s | vs FIFO |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        a, b = r["quiet_alone"], r["quiet_flood"]
+        out.append(f"| {r['config']} | {f(a['p50'])} / {f(a['p99'])} | {f(b['p50'])} / {f(b['p99'])} | "
+                   f"{f(r['p50_ratio'], 1)}x / {f(r['p99_ratio'], 1)}x | "
+                   f"{'-' if r['attainment'] is None else format(r['attainment'], '.1%')} | "
+                   f"{r['tokens_per_s']:.0f} | {f(r['throughput_vs_fifo'] and 100 * r['throughput_vs_fifo'], 1)} % |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--slots", type=int, default=32)
+    ap.add_argument("--unit", type=float, default=0.005, help="seconds a prompt token, half an output token")
+    ap.add_argument("--clients", type=int, default=40, help="closed-loop clients of each flooding tenant")
+    ap.add_argument("--interval", type=float, default=0.25, help="the quiet tenant's mean gap (s)")
+    ap.add_argument("--alone", type=float, default=10.0)
+    ap.add_argument("--warmup", type=float, default=5.0)
+    ap.add_argument("--seconds", type=float, default=25.0)
+    ap.add_argument("--objective", type=float, default=0.5, help="the quiet class's TTFT objective (s)")
+    ap.add_argument("--deadline", type=float, default=2.0, help="the quiet class's deadline_seconds")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", default=str(HERE / "results" / "isolation.json"))
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.clients, a.alone, a.warmup, a.seconds = 8, 2.0, 1.0, 3.0
+    kw = dict(slots=a.slots, unit=a.unit, clients=a.clients, interval=a.interval, alone=a.alone, warmup=a.warmup,
+              seconds=a.seconds, objective=a.objective, deadline=a.deadline, seed=a.seed)
+    load_before = os.getloadavg()
+    t0 = time.monotonic()
+    res = run(tuple(a.configs.split(",")), **kw)
+    doc = {"benchmark": "bench_isolation", "python": platform.python_version(), "cpus": os.cpu_count(),
+           "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "wall_s": round(time.monotonic() - t0, 1),
+           "params": {**kw, "flood_tokens": FLOOD, "quiet_tokens": QUIET_TOKENS}, **res}
+    if not a.quick:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"\nload average before {load_before[0]:.2f}, after {doc['loadavg_after'][0]:.2f}; wall {doc['wall_s']} s\n")
+    print(table(res["rows"]))
+    return 0
+
+
+def test_bench_isolation_smoke() -> None:
+    """A tiny version once (CI's benchmark smoke run): every configuration runs and the quiet
+    tenant gets answers alone and under the flood; nothing is timed, no ratio asserted."""
+    import pytest
+
+    pytest.importorskip("openai")
+    res = run(("fifo", "sfq-deadlines", "headroom-1"), slots=4, unit=0.001, clients=2, interval=0.1, alone=0.5, warmup=0.2,
+              seconds=1.0, objective=0.5, deadline=2.0, seed=0)
+    assert [r["config"] for r in res["rows"]] == ["fifo", "sfq-deadlines", "headroom-1"]
+    for r in res["rows"]:
+        assert r["quiet_alone"]["n"] > 0 and r["quiet_flood"]["n"] > 0 and r["tokens_per_s"] > 0
+        assert r["errors"] == 0, r["error_sample"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
