@@ -33,7 +33,7 @@ CATALOG: dict[str, dict[str, Any]] = {
     "pools.*": {"models": ["m"], "backends": None, "limits": None, "timeouts": None, "prices": None},
     "pools.*.backends[]": {"url": "http://127.0.0.1:9", "max_in_flight": 8, "name": "b0", "max_context": 8192,
                            "api_key_env": "SFQ_TEST_KEY"},
-    "pools.*.limits": {"requests_per_minute": 600, "tokens_per_minute": 100000, "max_in_flight": 6},
+    "pools.*.limits": {"requests_per_minute": 600, "tokens_per_minute": 100000, "max_in_flight": 6, "headroom": 1},
     "pools.*.timeouts": {"connect": 2, "first_byte": 30, "between_events": 30, "total": 600},
     "pools.*.prices": {"input": 1, "cached_input": 0.5, "output": 4},
     "classes.*": {"weight": 6, "max_in_flight": 4, "max_queue_length": 50, "max_queue_age_seconds": 30,
