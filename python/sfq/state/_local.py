@@ -11,9 +11,15 @@ is lost"):
 * the live gateways are those that renewed in Redis within ``lease_seconds`` before it was lost
   (``P gw``, :data:`sfq.state._lua.GATEWAYS`): ``n`` of them, this one at ``rank`` in the sorted
   ids, so that every gateway computes the same split without talking to the others;
-* a count limit ``L`` (slots, waiting places) gives ``L // n`` to each, and one more to the
-  first ``L % n`` ranks (``sum == L``);
-* a rate (per minute) gives ``rate / n`` to each, bucket size and refill alike;
+* by demand: the fleet's decider writes a table of the live gateways' shares (:func:`shares_table`:
+  the weights of their flows with work, :data:`SPREAD` of the whole spread equally) at most
+  every ``lease_seconds / 2``; each gateway keeps the last two it read and takes, of each limit,
+  the smaller part the two give it (:func:`allocate`: whole parts that add up to a count; a
+  fraction of a rate). Every live gateway read the table before the last, so the parts add up
+  to at most each limit;
+* before there are two tables, equal parts: a count limit ``L`` (slots, waiting places) gives
+  ``L // n`` to each, and one more to the first ``L % n`` ranks (``sum == L``); a rate (per
+  minute) gives ``rate / n`` to each, bucket size and refill alike;
 * a budget gives each ``left / n``, ``left`` being what the gateway last saw unspent and not
   reserved (a budget it never saw is refused: it cannot know what is left).
 
