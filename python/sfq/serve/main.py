@@ -224,8 +224,17 @@ def run(config: str | Path, *, host: str = "127.0.0.1", port: int = 8080, grace:
         return supervise(config, workers=workers, host=host, port=port, grace=grace, access_log=access_log,
                          dashboard=dashboard)
     configure_logging(access_log)
+    return exit_status(config, lambda: _run(_serve_process(config, host=host, port=port, grace=grace,
+                                                           dashboard=dashboard)))
+
+
+def exit_status(config: str | Path, call: Callable[[], object]) -> int:
+    """``call()``'s exit status as ``sfq serve`` gives it: 0; 1 when the policy file is bad or
+    cannot be read; 2 for another OS error (the address cannot be bound); each said on stderr."""
+    from ..errors import PolicyError
+
     try:
-        _run(_serve_process(config, host=host, port=port, grace=grace, dashboard=dashboard))
+        call()
     except PolicyError as exc:
         print(f"sfq serve: {config}: {exc}", file=sys.stderr)
         return 1

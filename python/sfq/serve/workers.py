@@ -344,7 +344,6 @@ class Supervisor:
     def _child(self, slot: int, mask: set[int | signal.Signals]) -> int:
         """The worker's life after the fork (the signals still blocked): its own signal
         handling, then ``serve`` on the inherited sockets. Returns its exit status."""
-        from ..errors import PolicyError
         from . import main
 
         early: list[int] = []  # SIGTERM / SIGHUP before serve's handlers exist: acted on once it listens
@@ -373,16 +372,9 @@ class Supervisor:
             for sig in early:  # serve's own handlers take them now
                 os.kill(os.getpid(), sig)
 
-        try:
-            main._run(main._serve_process(self.config, sockets=self.sockets, grace=self.grace,
-                                          dashboard=self.dashboard, on_ready=on_ready))
-        except PolicyError as exc:
-            print(f"sfq serve: {self.config}: {exc}", file=sys.stderr)
-            return 1
-        except OSError as exc:
-            print(f"sfq serve: {exc}", file=sys.stderr)
-            return 2
-        return 0
+        status: int = main.exit_status(self.config, lambda: main._run(main._serve_process(
+            self.config, sockets=self.sockets, grace=self.grace, dashboard=self.dashboard, on_ready=on_ready)))
+        return status
 
 
 def _die_with_parent(parent: int) -> None:
@@ -420,18 +412,14 @@ def supervise(config: str | Path, *, workers: int, host: str = "127.0.0.1", port
     """``sfq serve --workers N``: the exit status (0 when every worker drained and exited 0; 1
     when the policy file is bad, has no ``state.redis``, or a worker failed; 2 when the address
     cannot be bound or the file cannot be read)."""
-    from ..errors import PolicyError
-    from .main import configure_logging
+    from .main import configure_logging, exit_status
 
     configure_logging("off", shared=True)  # the parent's own lines (each worker opens the access log itself)
-    try:
-        why = needs_redis(config, workers)
-    except PolicyError as exc:
-        print(f"sfq serve: {config}: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"sfq serve: {exc}", file=sys.stderr)
-        return 2
+    said: list[str | None] = []
+    status = exit_status(config, lambda: said.append(needs_redis(config, workers)))
+    if status:
+        return status
+    why = said[0]
     if why is not None:
         print(f"sfq serve: {config}: {why}", file=sys.stderr)
         return 1
