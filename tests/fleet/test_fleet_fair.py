@@ -36,7 +36,7 @@ Alternating: each org's requests go round-robin over the gateways, per request. 
 org always to one gateway (the orgs dealt over them in order: equal A, C -> 1 and B, D -> 2;
 weighted A -> 1, B -> 2, C -> 3).
 
-Asserted, after a 2 s warm-up, over 6 s of load: every backlogged org's share of the delivered
+Asserted, after a 2 s warm-up, over 5 s of load: every backlogged org's share of the delivered
 service within 5 points of its weighted share; with more than one gateway (or Redis), within
 3 points of the share the same org got in the same workload's one-gateway run (both measured
 here, the reference once per module, cached); and every request got exactly one outcome
@@ -59,7 +59,7 @@ from support.fleet import (ALTERNATING, STICKY, Report, Scenario, four_to_one_or
 from support.processes import RedisServer
 from support.workload import OrgLoad
 
-WARMUP, SECONDS = 2.0, 6.0
+WARMUP, SECONDS = 2.0, 5.0
 WITHIN_EXPECTED = 5.0  # points
 WITHIN_ONE_GATEWAY = 3.0  # points
 
@@ -133,9 +133,9 @@ def test_every_backlogged_org_gets_its_share(name: str, request: pytest.FixtureR
 
 
 #: issue 41's fault: Redis killed for 10 s mid-run (restarted empty), three gateways, the
-#: weighted workload on the two unequal engines; 3 s of warm-up, 20 s measured
+#: weighted workload on the two unequal engines; 2 s of warm-up, 16 s measured (Redis gone from 4 s to 14 s)
 REDIS_LOST = Scenario("weighted-3-redis-lost", weighted_orgs(tokens=200, clients=5), gateways=3, routing=ALTERNATING,
-                      speeds=(2.0, 1.0), warmup=WARMUP, seconds=20.0, window=5.0, redis_outage=(5.0, 10.0))
+                      speeds=(2.0, 1.0), warmup=WARMUP, seconds=16.0, window=4.0, redis_outage=(4.0, 10.0))
 
 
 #: the same with each org sticky to one gateway (A, of weight 2, alone on the first): while
@@ -143,8 +143,8 @@ REDIS_LOST = Scenario("weighted-3-redis-lost", weighted_orgs(tokens=200, clients
 #: slices follow the gateways' demand (the decider's table of their shares; lease 2 s, so that a
 #: table comes every second)
 REDIS_LOST_STICKY = Scenario("weighted-3-sticky-redis-lost", weighted_orgs(tokens=200, clients=5), gateways=3,
-                             routing=STICKY, speeds=(2.0, 1.0), warmup=WARMUP, seconds=20.0, window=5.0,
-                             redis_outage=(5.0, 10.0), lease=2.0)
+                             routing=STICKY, speeds=(2.0, 1.0), warmup=WARMUP, seconds=16.0, window=4.0,
+                             redis_outage=(4.0, 10.0), lease=2.0)
 
 
 @pytest.mark.parametrize("sc", [REDIS_LOST, REDIS_LOST_STICKY], ids=["alternating", "sticky"])
@@ -236,7 +236,7 @@ def test_an_over_declaring_org_sticky_to_one_gateway_gets_its_share_in_every_win
 #: issue 41's scale: eight gateways, weights 4:1 (B over-declaring 10x), requests alternating,
 #: two engines of unequal speed
 EIGHT = Scenario("four-to-one-8-alternating", four_to_one_orgs(tokens=200, clients=6), gateways=8,
-                 routing=ALTERNATING, speeds=(2.0, 1.0), warmup=WARMUP, seconds=12.0)
+                 routing=ALTERNATING, speeds=(2.0, 1.0), warmup=WARMUP, seconds=9.0)
 
 
 def test_eight_gateways_keep_four_to_one(request: pytest.FixtureRequest) -> None:
