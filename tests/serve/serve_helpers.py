@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from support.processes import stop_process
 
 UPSTREAM_KEY = "sk-upstream-secret"
 LIMIT = 15.0  # seconds: the safety net of every wait in these tests (never a timing check)
@@ -306,14 +307,7 @@ class GatewayProcess:
         return total
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(LIMIT)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(LIMIT)
-        return self.proc.returncode
+        return int(stop_process(self.proc) or 0)
 
 
 def raw_exchange(gw: GatewayProcess, data: bytes, *, limit: float = LIMIT) -> bytes:
@@ -390,10 +384,4 @@ class DemoProcess:
         self.url = line.split("listening on ")[1].split()[0].rstrip(":")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(LIMIT)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(LIMIT)
+        stop_process(self.proc)

@@ -43,6 +43,19 @@ def wait_until(cond: Callable[[], Any], what: str, limit: float = LIMIT) -> Any:
         time.sleep(0.01)
 
 
+
+def stop_process(proc: subprocess.Popen[Any]) -> int | None:
+    """SIGTERM ``proc`` (a graceful stop), SIGKILL it if it is not gone within ``LIMIT``; its
+    exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(LIMIT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(LIMIT)
+    return proc.returncode
+
 class RedisServer:
     """``redis-server --port N --save "" --appendonly no`` (nothing persists: a restart is empty)."""
 
@@ -144,11 +157,4 @@ class Gateway:
         self.proc.wait(LIMIT)
 
     def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(LIMIT)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(LIMIT)
-        return self.proc.returncode
+        return stop_process(self.proc)
