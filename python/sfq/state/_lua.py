@@ -48,7 +48,8 @@ that must outlive any one gateway. Keys (``P`` = the prefix):
 
 from __future__ import annotations
 
-__all__ = ["ADMIT", "OFFER", "DECIDE", "RENEW", "RETRY", "WITHDRAW", "HELLO", "GATEWAYS", "SPEND_RESERVE", "SPEND_SETTLE"]
+__all__ = ["ADMIT", "OFFER", "DECIDE", "RENEW", "RETRY", "WITHDRAW", "HELLO", "GATEWAYS", "SPEND_RESERVE",
+           "SPEND_SETTLE"]
 
 _COMMON = r"""
 local P = ARGV[1]
@@ -401,8 +402,8 @@ return {1}
 """
 
 #: every lease, candidate and waiting place this gateway holds, renewed, and the policy's
-#: hash: {lease, hash, add, items: [[key, m], ...], runs: [[m, run JSON], ...]} -> {1, missing indexes...} | {0, the hash
-#: in force}. Without ``add`` only what Redis still has is renewed and the missing ones are
+#: hash: {lease, hash, add, items: [[key, m], ...], runs: [[m, run JSON], ...]}
+#: -> {1, missing indexes...} | {0, the hash in force}. Without ``add`` only what Redis still has is renewed and the missing ones are
 #: named; with ``add`` they are put back (Redis restarted empty: they are real).
 RENEW = _COMMON + r"""
 local cur = redis.call('GET', P .. 'policy')

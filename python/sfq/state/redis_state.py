@@ -233,7 +233,7 @@ class RedisState(SharedState):
         self._rejoining = False  # putting back what was granted alone: nothing more is, until Redis grants
         #: candidates per flow registered in Redis at once (the rest wait here, in order)
         self._cap = {name: pool.limits.max_in_flight or 8 for name, pool in policy.pools.items()}
-        self._backends_of = {name: [b.name for b in pool.backends] for name, pool in policy.pools.items()}
+        self._seen_keys_of(policy)
         #: lease key -> the slots held over every gateway as this gateway last saw them (its
         #: round trips): what was left of each limit when Redis was lost
         self._seen: dict[str, tuple[float, int]] = {}  # lease key -> (when, count)
@@ -411,6 +411,7 @@ class RedisState(SharedState):
         self.policy = policy
         self.hash = policy_hash(policy)
         self._cap = {name: pool.limits.max_in_flight or 8 for name, pool in policy.pools.items()}
+        self._seen_keys_of(policy)
         self._lead = None  # the decider starts again, on the new policy, from what Redis holds
         self._decided = []
         self._fatal = None
@@ -795,9 +796,13 @@ class RedisState(SharedState):
                 # an uncontended candidate starts at once unless a token bucket (the decider's) applies
                 "fast": not lim.requests_per_minute and not lim.tokens_per_minute}
 
-    def _seen_keys(self, pool: str) -> list[str]:
+    def _seen_keys_of(self, policy: Policy) -> None:
+        """The lease keys of each pool and its backends (what a round trip asks the counts of),
+        made once per policy: ``_lease_keys`` per pool, ``_lease_keys_all`` for every pool."""
         p = self.prefix
-        return [f"{p}lease:pool:{pool}", *(f"{p}lease:backend:{b}" for b in self._backends_of[pool])]
+        self._lease_keys = {name: [f"{p}lease:pool:{name}", *(f"{p}lease:backend:{b.name}" for b in pool.backends)]
+                            for name, pool in policy.pools.items()}
+        self._lease_keys_all = [k for keys in self._lease_keys.values() for k in keys]
 
     def _candidate(self, r: Request, a: _Attempt, backends: Sequence[tuple[str, int]]) -> dict[str, Any]:
         pol = self.policy
@@ -917,7 +922,7 @@ class RedisState(SharedState):
         res: dict[str, Any] | None = None
         try:
             res = await self._call_json("OFFER", {**self._pool_args(pool), "c": new, "p": prices, "w": w, "a": adj,
-                                                  "rel": rel, "seen": self._seen_keys(pool), "resign": False})
+                                                  "rel": rel, "seen": self._lease_keys[pool], "resign": False})
         except StateUnavailable:
             pass  # the releases are lost (those leases expire by themselves), and the corrections
         finally:
@@ -926,7 +931,7 @@ class RedisState(SharedState):
             self._calls[pool] -= 1
         if res is not None:
             at = self.clock()
-            for key, c in zip(self._seen_keys(pool), _list(res.get("seen"))):
+            for key, c in zip(self._lease_keys[pool], _list(res.get("seen"))):
                 self._seen[key] = (at, int(c))
             for a in batch:
                 a.known = True
@@ -1009,8 +1014,8 @@ class RedisState(SharedState):
         res = await self._call_json("DECIDE", {"gw": self.gateway_id, "lease": self.lease, "ttl": self._ttl,
                                                "init": init, "live": live, "pools": list(self.policy.pools),
                                                "upto": mark, "g": [list(x) for x in grants],
-                                               "seen": [k for pool in self.policy.pools for k in self._seen_keys(pool)]
-                                               if grants else [], "slices": self._table_out})
+                                               "seen": self._lease_keys_all if grants else [],
+                                               "slices": self._table_out})
         self._table_out = None
         # events a message brought while the call was out are newer than what it saw alive
         live = live and self._applied_q == mark and not self._decided
@@ -1431,7 +1436,8 @@ class RedisState(SharedState):
     def stats(self) -> dict[str, Any]:
         return {"kind": "redis", "available": self.available, "degraded": self.degraded, "reason": self.reason,
                 "gateway": self.gateway_id, "gateways": len(self._gateways), "on_loss": self.spec.on_loss,
-                "prefix": self.prefix, "lease_seconds": self.lease, "holding": sum(a.granted for a in self._att.values()),
+                "prefix": self.prefix, "lease_seconds": self.lease,
+                "holding": sum(a.granted for a in self._att.values()),
                 "candidates": sum(not a.granted for a in self._att.values()), "round_trips": self.round_trips,
                 "round_trips_by_script": dict(self.trips_by),
                 "candidates_by_pool": {p: len(v) for p, v in self._pending.items()},
