@@ -698,3 +698,38 @@ def test_while_redis_is_lost_an_org_rate_that_waits_takes_its_tokens_ahead_in_th
     now[0] += 30.0
     t = st._admit_alone(c, 31.0)
     assert t is not None and t.wait == pytest.approx(30.0)
+
+
+async def test_a_corrupt_event_is_skipped_and_the_fleet_goes_on(redis_server: RedisServer, prefix: str,
+                                                                caplog: pytest.LogCaptureFixture):
+    """A record in ``P ev`` (or a message) the decider cannot read, as a gateway of another
+    version or a hand in Redis might leave: skipped, logged; the grants go on."""
+    pol = _policy(redis_server.url, prefix, limits="max_in_flight: 1")
+    a, b = RedisState(pol.state, pol), RedisState(pol.state, pol)
+    await a.start()
+    await b.start()
+    try:
+        r1 = _req(A)
+        await a.acquire(r1, BACKENDS, None)  # a decides (it found no decider), r1 runs
+        for _ in range(100):  # (its queues made from what Redis holds)
+            if a.decider("p") is not None:
+                break
+            await asyncio.sleep(0.02)
+        assert a.decider("p") is not None and a._client is not None
+        await a._client.execute_command("EVAL", "local q = redis.call('INCR', KEYS[1]) "
+                                        "local j = '{\"t\":\"c\",\"m\":\"x:1:1\",\"pool\":\"p\","
+                                        "\"flow\":[\"a\",\"batch\",\"p\"],\"cost\":\"abc\","
+                                        "\"tokens\":0,\"q\":' .. q .. '}' "
+                                        "redis.call('ZADD', KEYS[2], q, j) "
+                                        "redis.call('PUBLISH', KEYS[3], 'e\\n[' .. j .. ']') "
+                                        "return q", 3, f"{prefix}evq", f"{prefix}ev", f"{prefix}wake")
+        r2 = _req(B)
+        waiting = asyncio.create_task(b.acquire(r2, BACKENDS, None))
+        await asyncio.sleep(0.1)
+        a.attempt_over(r1, None)
+        assert await asyncio.wait_for(waiting, LIMIT) == BACKENDS[0][0]  # granted after the bad record
+        b.attempt_over(r2, None)
+        assert any("skipped an event" in m for m in caplog.messages), caplog.messages
+    finally:
+        await a.close()
+        await b.close()

@@ -1064,7 +1064,10 @@ class RedisState(SharedState):
             if q != self._applied_q + 1 and not fill:
                 return True
             self._applied_q = q
-            self._event(lead, e)
+            try:
+                self._event(lead, e)
+            except (ValueError, KeyError, TypeError, AttributeError):  # (a gateway's bad record: not the fleet's end)
+                log.warning("sfq: the fleet's decider skipped an event it cannot read: %.200r", e)
         return False
 
     def _decide_now(self, lead: Alone) -> None:
