@@ -120,6 +120,9 @@ def run(configs: list[tuple[int, str, str]], *, rounds: int, warmup: float, seco
                          f"; engines held at most {max(rep.engines_peak)} of {rep.slots}; killed gateway held "
                          f"{rep.killed_in_hands}")
                 print(f"  round {r + 1}/{rounds} {rep.summary()}{extra}", flush=True)
+                for org, errs in rep.errors.items():  # (what failed: the first few of each org)
+                    for e in errs[:3]:
+                        print(f"    error {org}: {e[:300]}", flush=True)
     finally:
         if redis is not None:
             redis.stop()
@@ -140,6 +143,9 @@ def run(configs: list[tuple[int, str, str]], *, rounds: int, warmup: float, seco
             "added_p50_ms": round(statistics.median(added) * 1000, 3) if added else None,
             "round_trips_per_request": (round(statistics.median(x["round_trips_per_request"] for x in rs), 3)
                                         if all(x.get("round_trips_per_request") is not None for x in rs) else None),
+            "idle_round_trips_per_request": (
+                round(statistics.median(x["idle_round_trips_per_request"] for x in rs), 3)
+                if all(x.get("idle_round_trips_per_request") is not None for x in rs) else None),
             "completed": {k: sum(x["completed"][k] for x in rs) for k in rs[0]["completed"]},
             "errors": sum(len(v) for x in rs for v in x["errors"].values()),
             "engines_peak": max(max(x["engines_peak"]) for x in rs), "slots": rs[0]["slots"],
@@ -152,13 +158,16 @@ def run(configs: list[tuple[int, str, str]], *, rounds: int, warmup: float, seco
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| gateways | routing | state | shares (fair: " + " / ".join(
                  f"{v:.0%}" for v in rows[0]["expected"].values()) + ") | max dev (pts) | worst window (pts) "
-             "| Jain | I TTFT p99 (ms) | added p50 (ms) | Redis trips / req | completed | errors | most held / slots |",
+             "| Jain | I TTFT p99 (ms) | added p50 (ms) | Redis trips / req (flood; idle) | completed | errors "
+             "| most held / slots |",
              "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         sh = " / ".join(f"{v:.1%}" for v in r["shares"].values())
         tt = f"{r['ttft_p99_s'] * 1000:.0f}" if r["ttft_p99_s"] is not None else ""
         ad = f"{r['added_p50_ms']:.2f}" if r["added_p50_ms"] is not None else ""
         rt = f"{r['round_trips_per_request']:.2f}" if r.get("round_trips_per_request") is not None else ""
+        if r.get("idle_round_trips_per_request") is not None:
+            rt += f"; {r['idle_round_trips_per_request']:.2f}"
         errs = r["errors"] + len(r["outcome_problems"])
         lines.append(f"| {r['gateways']} | {r['routing']} | {r['state']} | {sh} | {r['max_deviation_pts']:.1f} | "
                      f"{r['max_window_deviation_pts']:.1f} | {r['jain']:.4f} | {tt} | {ad} | {rt} | "

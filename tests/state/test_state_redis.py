@@ -733,3 +733,95 @@ async def test_a_corrupt_event_is_skipped_and_the_fleet_goes_on(redis_server: Re
     finally:
         await a.close()
         await b.close()
+
+
+async def _decider_of(*gws: RedisState) -> RedisState:
+    for _ in range(200):
+        for g in gws:
+            if g.decider("p") is not None:
+                return g
+        await asyncio.sleep(0.02)
+    raise AssertionError("no gateway became the fleet's decider")
+
+
+async def test_a_grant_redis_has_no_room_for_waits_for_what_the_decider_has_not_seen(
+        redis_server: RedisServer, prefix: str):
+    """The decider's view can lag what Redis holds (a running attempt put back after a restart,
+    its own release applied before the others' events): ``DECIDE`` makes no start past a limit
+    the leases count; the decider waits for what it has not seen, then grants."""
+    pol = _policy(redis_server.url, prefix, limits="max_in_flight: 1")
+    a, b = RedisState(pol.state, pol), RedisState(pol.state, pol)
+    await a.start()
+    await b.start()
+    try:
+        r1 = _req(A)
+        await a.acquire(r1, BACKENDS, None)
+        lead = await _decider_of(a, b)
+        assert lead is a and a._client is not None
+        # an attempt the decider knows nothing of holds the pool's slot (far in the future)
+        await a._client.zadd(f"{prefix}lease:pool:p", {"ghost:1:1": time.time() + 3600})
+        r2 = _req(B)
+        waiting = asyncio.create_task(b.acquire(r2, BACKENDS, None))
+        await asyncio.sleep(0.1)
+        a.attempt_over(r1, None)  # free in the decider's view, not in Redis's
+        await asyncio.sleep(0.8)
+        assert not waiting.done(), "a start past the pool's limit"
+        assert (await b.global_counts())["pool:p"] == 1
+        await a._client.zrem(f"{prefix}lease:pool:p", "ghost:1:1")
+        assert await asyncio.wait_for(waiting, LIMIT) == BACKENDS[0][0]
+        b.attempt_over(r2, None)
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_the_deciders_own_requests_ride_its_round_trips_and_one_that_leaves_is_gone(
+        redis_server: RedisServer, prefix: str):
+    """While candidates wait, the decider's own gateway sends its candidates and releases with
+    its ``DECIDE`` (a release and the start it frees in one round trip), not by ``OFFER``; one
+    of its candidates that gives up leaves Redis too, and blocks nobody."""
+    pol = _policy(redis_server.url, prefix, limits="max_in_flight: 1")
+    a, b = RedisState(pol.state, pol), RedisState(pol.state, pol)
+    await a.start()
+    await b.start()
+    got: list[str] = []
+    n = 40
+
+    async def gateway(st: RedisState, flow: Flow) -> None:
+        while len(got) < n:
+            r = _req(flow)
+            await st.acquire(r, BACKENDS, None)
+            got.append(flow.org)
+            await asyncio.sleep(0.005)  # "running"
+            st.attempt_over(r, None)
+
+    try:
+        r0 = _req(A)
+        await a.acquire(r0, BACKENDS, None)
+        assert await _decider_of(a, b) is a
+        a.attempt_over(r0, None)
+        offers0 = a.trips_by.get("OFFER", 0)
+        # two callers per gateway: something always waits
+        tasks = [asyncio.create_task(gateway(g, f)) for g, f in ((a, A), (a, A), (b, B), (b, B))]
+        await asyncio.wait_for(asyncio.gather(*tasks), LIMIT)
+        mine = got.count("a")
+        assert abs(mine - 0.75 * len(got)) <= 4, got  # weights 3:1 (a on the decider's gateway)
+        assert a.trips_by.get("OFFER", 0) - offers0 <= mine / 4, (a.trips_by, mine)
+        # one of the decider's own candidates gives up while the slot is held elsewhere
+        r1 = _req(B)
+        await b.acquire(r1, BACKENDS, None)
+        with pytest.raises(Refused):
+            await a.acquire(_req(A), BACKENDS, a.clock() + 0.3)
+        b.attempt_over(r1, None)
+        r2 = _req(B)
+        assert await asyncio.wait_for(b.acquire(r2, BACKENDS, None), LIMIT) == BACKENDS[0][0]
+        b.attempt_over(r2, None)
+        assert a._client is not None
+        for _ in range(100):
+            if not await a._client.hlen(f"{prefix}cand:p"):
+                break
+            await asyncio.sleep(0.02)
+        assert not await a._client.hlen(f"{prefix}cand:p"), "the candidate that left is still in Redis"
+    finally:
+        await a.close()
+        await b.close()

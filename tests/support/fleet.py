@@ -135,6 +135,8 @@ class Report:
     outcomes: dict[str, tuple[str, int, int, str]] = field(default_factory=dict)
     #: Redis round trips of every gateway during the load, per request sent (shared state only)
     round_trips_per_request: float | None = None
+    #: the same while the fleet is idle (one request at a time: the added-latency requests)
+    idle_round_trips_per_request: float | None = None
 
     def deviation_from(self, other: Report) -> float:
         """The largest |share here - share there| over the backlogged orgs, in points."""
@@ -345,7 +347,11 @@ def run_scenario(sc: Scenario, *, redis: RedisServer | None = None, workdir: Pat
         urls = [g.listen() for g in gws]
         added: list[float] = []
         if latency_requests:
+            idle0 = sum(g.round_trips() for g in gws) if sc.uses_redis else 0
             added = asyncio.run(_added_latency(fleet.engines[0].url, urls, latency_requests))
+            if sc.uses_redis:  # (the idle fleet: one request at a time, warm-up included)
+                seen["idle_round_trips"] = (sum(g.round_trips() for g in gws) - idle0) / (latency_requests
+                                                                                          + min(5, latency_requests))
             fleet.log.clear()
             fleet.done.clear()
             fleet.served_ids.clear()
@@ -359,7 +365,7 @@ def run_scenario(sc: Scenario, *, redis: RedisServer | None = None, workdir: Pat
             if sc.uses_redis and sc.redis_outage is None and sc.gateway_kill is None:
                 seen["round_trips"] = sum(g.round_trips() for g in gws) - trips0
                 if os.environ.get("SFQ_FLEET_TRIPS"):  # (where the round trips go, by script and gateway)
-                    print([g.state_stats().get("round_trips_by_script") for g in gws], flush=True)
+                    print([(g.state_stats().get("round_trips_by_script"), g.state_stats().get("offers_by_content")) for g in gws], flush=True)
         finally:
             for t in faults:
                 t.cancel()
@@ -386,6 +392,8 @@ def run_scenario(sc: Scenario, *, redis: RedisServer | None = None, workdir: Pat
     rep.outcomes = dict(res.outcomes)
     if "round_trips" in seen and res.outcomes:
         rep.round_trips_per_request = round(seen["round_trips"] / len(res.outcomes), 3)
+    if "idle_round_trips" in seen:
+        rep.idle_round_trips_per_request = round(seen["idle_round_trips"], 3)
     if latency_requests:
         rep.added_latency = added  # type: ignore[attr-defined]
     return rep

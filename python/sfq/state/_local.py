@@ -290,6 +290,10 @@ class Alone:
             flows.setdefault(m.split(":", 1)[0], set()).add(r.flow)
         return {g: sum(policy.flow_weight(f.org, f.cls) for f in fs) for g, fs in flows.items()}
 
+    def waiting(self, pool: str) -> int:
+        """The stand-ins waiting in ``pool``."""
+        return self.queues[pool].n_waiting
+
     def wake_at(self, pool: str) -> float | None:
         return self.queues[pool].wake_at()
 

@@ -32,8 +32,8 @@ that must outlive any one gateway. Keys (``P`` = the prefix):
   last minute; ``P rb:out:<flow>``: its retries waiting or running (leases): the retry budget.
 * ``P wake``: the pub/sub channel: ``e`` and the events (JSON) after a newline, for the
   decider; ``g:<gateway>`` and the grants (JSON) after a newline; ``n`` and the slots the
-  pools and backends hold (JSON ``[[lease key, count], ...]``) whenever a grant or a release
-  changed them; ``P evict``: the channel that names a waiting place taken
+  pools and backends hold, and the candidates waiting in the pools (JSON ``[[lease key or
+  P cand:<pool>, count], ...]``) whenever a grant or a release changed them; ``P evict``: the channel that names a waiting place taken
   from the org holding the most (``ADMIT``).
 * ``P gw`` sorted set: the live gateways (their ids, scored by the expiry of their last
   renewal): how many share each limit, and each one's rank, for the slices a gateway keeps
@@ -169,7 +169,8 @@ return {1, evict, fmt(wait)}
 #:  q: [key, member] | null, first: key | null}, ...], p: [[m, cost, guess]], w: [m, ...],
 #:  a: [[m, delta], ...], rel: [{m, keys, tok | null}, ...], seen: [lease keys], resign: bool}
 #: -> JSON {lead (the decider's id or ''), became (this gateway is it now), g: [[m, backend,
-#:     keys], ...] (the grants), lost: [members priced that Redis no longer knew], seen: [counts]}
+#:     keys], ...] (the grants), lost: [members priced that Redis no longer knew], seen: [counts],
+#:     wc: the candidates waiting in the pool now}
 OFFER = _COMMON + r"""
 local cand, cexp, ev = P .. 'cand:' .. A.pool, P .. 'cexp', P .. 'ev'
 local function has(x) return x ~= nil and x ~= cjson.null end
@@ -274,10 +275,12 @@ for _, k in ipairs(A.seen or {}) do
 end
 -- the slots held over every gateway, to every gateway, whenever they changed here: what is left
 -- of each limit should Redis be lost (docs/gateway.md, "When Redis is lost")
+local wc = redis.call('HLEN', cand)
 if (#g > 0 or #(A.rel or {}) > 0) and #pairs_ > 0 then
+  pairs_[#pairs_ + 1] = {cand, wc}
   redis.call('PUBLISH', P .. 'wake', 'n\n' .. cjson.encode(pairs_))
 end
-return cjson.encode({lead = lead, became = became, g = g, lost = lost, seen = seen})
+return cjson.encode({lead = lead, became = became, g = g, lost = lost, seen = seen, wc = wc})
 """
 
 #: The fleet's decider's round trip: it is still the decider (``P lead``, renewed), the grants it
@@ -290,10 +293,18 @@ return cjson.encode({lead = lead, became = became, g = g, lost = lost, seen = se
 #: starts again) takes every candidate and running attempt instead, and the order number they
 #: are up to (``q``); ``live``: the live candidates and running attempts too (a gateway that
 #: died stops renewing them).
+#: The decider's own gateway's items come first (``own``: what ``OFFER`` carries for another
+#: gateway, written without events: its queues have them), so that one of its releases and the
+#: start it frees go together. A grant is made only if it fits every limit the leases count
+#: (``plim``: each pool's ``max_in_flight``, -1 none; the backend's and the candidate's slot
+#: groups): the decider's view may lag what Redis holds; one that does not fit stays waiting
+#: (``full``).
 #: {gw, lease, ttl, init, live, upto, pools: [names], g: [[m, backend, pool], ...], seen: [lease keys],
+#:  own: {pool: {c: [candidate], p: [[m, cost, guess]], w: [m], rel: [{m, keys, tok}]}}, plim: {pool: n},
 #:  slices: the gateways' shares table (JSON) to keep in ``P slices`` | null}
-#: -> JSON {ok: false, lead} | {ok: true, gone: [m], ev: [event JSON], cand: [candidate JSON],
-#:          run: [[m, run JSON]], lc: [live candidates], lr: [live running], q, gw: [live gateways]}
+#: -> JSON {ok: false, lead} | {ok: true, gone: [m], full: [candidate JSON], mine: [[m, backend, keys]]
+#:          (its own gateway's grants), ev: [event JSON], cand: [candidate JSON], run: [[m, run JSON]],
+#:          lc: [live candidates], lr: [live running], q, gw: [live gateways]}
 DECIDE = _COMMON + r"""
 local lk = P .. 'lead'
 local lead = redis.call('GET', lk)
@@ -303,15 +314,61 @@ end
 redis.call('SET', lk, A.gw, 'PX', math.ceil(A.ttl * 1000))
 local cexp, run = P .. 'cexp', P .. 'run'
 local function has(x) return x ~= nil and x ~= cjson.null end
-local gone, owners = {}, {}
+local gone, owners, mine = {}, {}, {}
 local exp = NOW + A.lease
+-- the decider's own gateway's items (its queues have them already): releases, withdrawals,
+-- new candidates, new prices, as OFFER writes another gateway's, without events
+local freed = false
+if has(A.own) then
+  for pool, o in pairs(A.own) do
+    local cand = P .. 'cand:' .. pool
+    for _, r in ipairs(o.rel or {}) do
+      for _, k in ipairs(r.keys) do redis.call('ZREM', k, r.m) end
+      redis.call('HDEL', run, r.m)
+      freed = true
+    end
+    for _, m in ipairs(o.w or {}) do
+      if redis.call('HDEL', cand, m) == 1 then redis.call('ZREM', cexp, m) end
+    end
+    for _, c in ipairs(o.c or {}) do
+      c.seq = redis.call('INCR', P .. 'seq')
+      redis.call('HSET', cand, c.m, cjson.encode(c))
+      redis.call('ZADD', cexp, exp, c.m)
+    end
+    for _, x in ipairs(o.p or {}) do
+      local cj = redis.call('HGET', cand, x[1])
+      if cj then
+        local c = cjson.decode(cj)
+        c.cost, c.guess = x[2], x[3]
+        redis.call('HSET', cand, x[1], cjson.encode(c))
+      end
+    end
+  end
+end
+-- whether a start on backend b fits every limit the leases count (the decider's view is behind
+-- what Redis holds: a running attempt put back, a release of its own applied before others'
+-- events): else it is not made (``full``) and the decider waits for what it has not seen
+local function fits(c, b, pool)
+  local pl = A.plim and A.plim[pool]
+  if pl and pl >= 0 and count(P .. 'lease:pool:' .. pool) >= pl then return false end
+  for i, n in ipairs(c.backends or {}) do
+    if n == b and count(P .. 'lease:backend:' .. b) >= (c.lims[i] or 0) then return false end
+  end
+  for _, x in ipairs(c.groups or {}) do
+    if count(x[1]) >= x[2] then return false end
+  end
+  return true
+end
+local full = {}
 for _, x in ipairs(A.g or {}) do
   local m, b, cand = x[1], x[2], P .. 'cand:' .. x[3]
   local cj = redis.call('HGET', cand, m)
+  local c = cj and cjson.decode(cj)
   if not cj then
     gone[#gone + 1] = m
+  elseif not fits(c, b, x[3]) then
+    full[#full + 1] = cj
   else
-    local c = cjson.decode(cj)
     redis.call('HDEL', cand, m)
     redis.call('ZREM', cexp, m)
     local keys = {P .. 'lease:pool:' .. c.pool, P .. 'lease:backend:' .. b}
@@ -324,21 +381,27 @@ for _, x in ipairs(A.g or {}) do
       redis.call('PEXPIRE', c.first, 61000)
     end
     local owner = string.match(m, '^([^:]+):')
-    local gj = cjson.encode({b = b, k = keys})
-    redis.call('HSET', P .. 'grant:' .. owner, m, gj)
-    redis.call('PEXPIRE', P .. 'grant:' .. owner, math.ceil(A.lease * 3000))
-    owners[owner] = owners[owner] or {}
-    local o = owners[owner]
-    o[#o + 1] = {m, b, keys}
+    if owner == A.gw then  -- (its own: in the answer)
+      mine[#mine + 1] = {m, b, keys}
+      freed = true
+    else
+      local gj = cjson.encode({b = b, k = keys})
+      redis.call('HSET', P .. 'grant:' .. owner, m, gj)
+      redis.call('PEXPIRE', P .. 'grant:' .. owner, math.ceil(A.lease * 3000))
+      owners[owner] = owners[owner] or {}
+      local o = owners[owner]
+      o[#o + 1] = {m, b, keys}
+    end
   end
 end
 for o, gs in pairs(owners) do redis.call('PUBLISH', P .. 'wake', 'g:' .. o .. '\n' .. cjson.encode(gs)) end
-if next(owners) ~= nil and #(A.seen or {}) > 0 then  -- the slots held now, to every gateway (OFFER's)
+if (freed or next(owners) ~= nil) and #(A.seen or {}) > 0 then  -- the slots held now, to every gateway (OFFER's)
   local ns = {}
   for _, k in ipairs(A.seen) do ns[#ns + 1] = {k, count(k)} end
+  for _, p in ipairs(A.pools) do ns[#ns + 1] = {P .. 'cand:' .. p, redis.call('HLEN', P .. 'cand:' .. p)} end
   redis.call('PUBLISH', P .. 'wake', 'n\n' .. cjson.encode(ns))
 end
-local out = {ok = true, gone = gone, ev = {}, cand = {}, run = {}, lc = {}, lr = {}, q = 0, gw = {}}
+local out = {ok = true, gone = gone, full = full, mine = mine, ev = {}, cand = {}, run = {}, lc = {}, lr = {}, q = 0, gw = {}}
 if has(A.slices) then redis.call('SET', P .. 'slices', A.slices, 'PX', math.ceil(A.lease * 3000)) end
 if A.init or A.live then
   out.gw = redis.call('ZRANGEBYSCORE', P .. 'gw', '(' .. fmt(NOW), '+inf')
@@ -419,12 +482,16 @@ for i, it in ipairs(A.items) do
     out[#out + 1] = i - 1
   end
 end
+local evs = {}
 for _, x in ipairs(A.runs or {}) do  -- (with add) the attempts running: the decider adopts them
   if redis.call('HSETNX', P .. 'run', x[1], x[2]) == 1 then
     local q = redis.call('INCR', P .. 'evq')
-    redis.call('ZADD', P .. 'ev', q, cjson.encode({t = 'u', m = x[1], run = x[2], q = q}))
+    local j = cjson.encode({t = 'u', m = x[1], run = x[2], q = q})
+    redis.call('ZADD', P .. 'ev', q, j)
+    evs[#evs + 1] = j
   end
 end
+if #evs > 0 then redis.call('PUBLISH', P .. 'wake', 'e\n[' .. table.concat(evs, ',') .. ']') end
 return out
 """
 

@@ -86,6 +86,13 @@ ADJUST_DELAY = 0.2
 #: seconds a release waits for company (the next candidate of the same client, usually) before
 #: its own round trip
 RELEASE_DELAY = 0.002
+#: seconds at most a new candidate waits for company (this gateway's next release in its pool,
+#: usually) when it could not start at once anyway (candidates wait in its pool, as the last
+#: round trip or message said) and its flow has one waiting at the decider from this gateway
+#: already (a strict class's, and one with a deadline, never wait)
+CANDIDATE_DELAY = 0.025
+#: seconds for which a count of a pool's waiting candidates (a round trip's, a message's) holds
+FULL_FRESH = 0.5
 #: seconds a gateway back from going on alone waits, granting nothing, for the others it shared
 #: the slices with to be back too (each puts back what it holds before it says so)
 REJOIN_WAIT = 2.0
@@ -120,7 +127,7 @@ class _Attempt:
     """One attempt's candidacy, then its grant (the lease keys it holds)."""
 
     __slots__ = ("member", "pool", "keys", "granted", "payload", "request", "fut", "inflight", "registered", "flow",
-                 "known", "local")
+                 "known", "local", "at")
 
     def __init__(self, member: str, pool: str) -> None:
         self.member = member
@@ -135,6 +142,7 @@ class _Attempt:
         self.known = False  # Redis has its details: later calls send only its name
         self.flow = ""
         self.local = False  # granted by this gateway alone, while Redis was lost
+        self.at = 0.0  # when it became a candidate (this gateway's clock)
 
 
 class RedisState(SharedState):
@@ -175,6 +183,10 @@ class RedisState(SharedState):
         self._pending: dict[str, dict[str, _Attempt]] = {}  # pool -> member -> waiting for its grant
         self._calls: dict[str, int] = {}  # pool -> round trips in flight
         self._timers: dict[str, asyncio.TimerHandle] = {}
+        #: when the last message on ``P wake`` came, and when the subscription last began: a
+        #: look for grants by round trip is needed only when messages may have been lost
+        self._heard_at = -math.inf
+        self._subscribed_at = math.inf
         self._dirty: dict[str, bool] = {}
         self._releases: dict[str, list[dict[str, Any]]] = {}  # pool -> releases for the driver's next call
         self._withdrawn: dict[str, list[str]] = {}  # pool -> candidates that left, for the next call
@@ -186,6 +198,16 @@ class RedisState(SharedState):
         self._leading = False
         self._lead: Alone | None = None
         self._decided: list[tuple[str, str, str]] = []  # (member, backend, pool)
+        #: the decider's own gateway's candidates, prices, withdrawals and releases: applied to
+        #: its queues at once, to Redis with its next round trip (``DECIDE``, not ``OFFER``);
+        #: pool -> {"c": [candidate], "p": [[m, cost, guess]], "w": [m], "rel": [release]}
+        self._own: dict[str, dict[str, list[Any]]] = {}
+        self._own_att: list[_Attempt] = []  # the candidates in ``_own``, known once it is in Redis
+        self._own_adj: dict[str, dict[str, float]] = {}  # the corrections in it (back to _adj if it is not)
+        self._decide_at = -math.inf  # the decider's last round trip
+        #: (event order, when) of a grant Redis found no room for: the decider grants nothing
+        #: more until it applied a newer event, or :data:`LEAD_POLL` later
+        self._hold: tuple[int, float] | None = None
         self._lead_evt: asyncio.Event | None = None
         self._live_at = -math.inf
         self._applied_q = 0  # the order number of the last event the decider applied
@@ -219,6 +241,9 @@ class RedisState(SharedState):
         self._refusing = False
         self.round_trips = 0
         self.trips_by: dict[str, int] = {}  # script -> round trips
+        #: what each OFFER carried (``c`` new candidates, ``p`` prices, ``w`` withdrawals, ``a``
+        #: corrections, ``rel`` releases, joined by ``+``; ``look``: only a look for grants)
+        self.offers_by: dict[str, int] = {}
         #: the live gateways (ids, sorted) as Redis last named them: the slices kept without it
         self._gateways: list[str] = []
         #: degraded (Redis lost, ``on_loss: local``): each pool's local order, and the local
@@ -234,9 +259,12 @@ class RedisState(SharedState):
         #: candidates per flow registered in Redis at once (the rest wait here, in order)
         self._cap = {name: pool.limits.max_in_flight or 8 for name, pool in policy.pools.items()}
         self._seen_keys_of(policy)
+        self._plim = {n: -1 if p.limits.max_in_flight is None else p.limits.max_in_flight for n, p in policy.pools.items()}
         #: lease key -> the slots held over every gateway as this gateway last saw them (its
         #: round trips): what was left of each limit when Redis was lost
         self._seen: dict[str, tuple[float, int]] = {}  # lease key -> (when, count)
+        self._waiting: dict[str, tuple[float, int]] = {}  # pool -> (when, candidates waiting in it)
+        self._cand_prefix = f"{self.prefix}cand:"
         #: degraded: lease key -> the slots this gateway held when Redis was lost
         self._held_at_loss: dict[str, int] = {}
 
@@ -282,6 +310,8 @@ class RedisState(SharedState):
             return
         self.refuse_waiting()
         if self._connected:  # give back what ended last, now, and the decider's role
+            self._lead = None
+            self._requeue_own(kick=False)  # (the decider's own, not in Redis yet)
             pools = set(self._releases) | set(self._adj) | set(self._withdrawn) | {next(iter(self.policy.pools))}
             for pool in pools:
                 rel, adj, w = self._releases.get(pool, []), self._take_adj(pool), self._withdrawn.get(pool, [])
@@ -412,8 +442,8 @@ class RedisState(SharedState):
         self.hash = policy_hash(policy)
         self._cap = {name: pool.limits.max_in_flight or 8 for name, pool in policy.pools.items()}
         self._seen_keys_of(policy)
-        self._lead = None  # the decider starts again, on the new policy, from what Redis holds
-        self._decided = []
+        self._plim = {n: -1 if p.limits.max_in_flight is None else p.limits.max_in_flight for n, p in policy.pools.items()}
+        self._lose_lead()  # the decider starts again, on the new policy, from what Redis holds
         self._fatal = None
         self._spawn(self._hello_forced())
 
@@ -433,8 +463,7 @@ class RedisState(SharedState):
         self._available = False
         self._reason = reason
         self._leading = False  # (another gateway may decide meanwhile: this one starts again, if at all)
-        self._lead = None
-        self._decided = []
+        self._lose_lead()
         for pending in self._pending.values():  # Redis may come back empty: each is sent whole again
             for a in pending.values():
                 a.known = False
@@ -518,7 +547,11 @@ class RedisState(SharedState):
                 return
             at = self.clock()
             for key, c in _list(counts):
-                self._seen[str(key)] = (at, int(c))
+                key = str(key)
+                if key.startswith(self._cand_prefix):
+                    self._waiting[key[len(self._cand_prefix):]] = (at, int(c))
+                else:
+                    self._seen[key] = (at, int(c))
             return
         if text.startswith("e\n"):  # events for the decider, in order: it decides at once
             if not self._leading or self._lead_evt is None:
@@ -615,9 +648,11 @@ class RedisState(SharedState):
                 assert self._client is not None
                 ps = self._client.pubsub()
                 await asyncio.wait_for(ps.subscribe(channel, evict), self.timeout)
+                self._subscribed_at = self.clock()
                 while not self._closed:
                     m = await ps.get_message(ignore_subscribe_messages=True, timeout=1.0)
                     if m is not None and m.get("type") == "message":
+                        self._heard_at = self.clock()
                         d, c = m.get("data"), m.get("channel")
                         text = d.decode() if isinstance(d, bytes) else str(d)
                         if (c.decode() if isinstance(c, bytes) else str(c)) == evict:
@@ -627,6 +662,7 @@ class RedisState(SharedState):
             except asyncio.CancelledError:
                 raise
             except Exception:  # Redis went away: the probe brings it back; resubscribe then
+                self._subscribed_at = math.inf
                 await asyncio.sleep(PROBE)
             finally:
                 if ps is not None:
@@ -841,6 +877,7 @@ class RedisState(SharedState):
         a.flow = "\t".join(map(str, r.flow))
         a.request = r
         a.fut = asyncio.get_running_loop().create_future()
+        a.at = self.clock()
         self._pending.setdefault(pool, {})[a.member] = a
         self._kick(pool)
         try:
@@ -861,24 +898,42 @@ class RedisState(SharedState):
             raise
         return backend
 
-    def _kick(self, pool: str) -> None:
+    def _kick(self, pool: str, poll: bool = False) -> None:
         """Something changed for the pool (a new candidate, a release, a wake-up from another
-        gateway, a timer): make a round trip now, unless :data:`MAX_CALLS` are in flight and
-        none is new (then again right after one of them answers). Degraded: grant what this
-        gateway's slices allow, in its own order."""
+        gateway, a timer: ``poll``): make a round trip now, unless :data:`MAX_CALLS` are in
+        flight and none is new (then again right after one of them answers), or all it would
+        carry may wait for company (:meth:`_quiet`). Degraded: grant what this gateway's slices
+        allow, in its own order."""
         if self._closed:
             return
         if self.degraded:
             self._grant_alone(pool)
             return
         self._dirty[pool] = True
-        if not self._connected or self._calls.get(pool, 0) >= MAX_CALLS:
-            return  # _go_up kicks every pool; a call in flight looks again when it answers
+        if not self._connected:
+            return  # _go_up kicks every pool
+        lead = self._lead
+        if (self._leading and lead is not None and self._lead_evt is not None and not self._rejoining
+                and (lead.waiting(pool) or self._own.get(pool))):
+            # the decider's own, while candidates wait in the pool: decided on at once, to Redis
+            # with its next round trip (_take_own); uncontended, the OFFER's start at once
+            # places by what Redis holds, fresher than the decider's view of the others' releases
+            if not self._calls.get(pool):  # (else the OFFER in flight kicks again when it answers)
+                self._dirty[pool] = False
+                self._lead_evt.set()
+            return
+        if self._calls.get(pool, 0) >= MAX_CALLS:
+            return  # a call in flight looks again when it answers
         pending = self._pending.get(pool, {})
         releases = self._releases.get(pool, [])
         if (not releases and not self._adj.get(pool) and not self._withdrawn.get(pool)
                 and not any(not a.inflight for a in pending.values())):
             return
+        if not releases and not self._withdrawn.get(pool) and not (self._adj.get(pool) and poll):
+            wait = self._quiet(pool, pending.values())
+            if wait is not None:  # nothing to say that cannot wait for company (or a lost message)
+                self._arm(pool, wait)
+                return
         self._dirty[pool] = False
         self._calls[pool] = self._calls.get(pool, 0) + 1
         self._spawn(self._one_call(pool))
@@ -891,6 +946,59 @@ class RedisState(SharedState):
         pending = self._pending.setdefault(pool, {})
         releases = self._releases.setdefault(pool, [])
         withdrawn = self._withdrawn.setdefault(pool, [])
+        new, prices, batch = self._take_candidates(pool)
+        rel = releases[:]
+        releases.clear()
+        w = withdrawn[:]
+        withdrawn.clear()
+        adj = self._take_adj(pool)
+        res: dict[str, Any] | None = None
+        what = "+".join(n for n, x in (("c", new), ("p", prices), ("w", w), ("a", adj), ("rel", rel)) if x) or "look"
+        self.offers_by[what] = self.offers_by.get(what, 0) + 1
+        try:
+            res = await self._call_json("OFFER", {**self._pool_args(pool), "c": new, "p": prices, "w": w, "a": adj,
+                                                  "rel": rel, "seen": self._lease_keys[pool], "resign": False})
+        except StateUnavailable:
+            pass  # the releases are lost (those leases expire by themselves), and the corrections
+        finally:
+            for a in batch:
+                a.inflight = False
+            self._calls[pool] -= 1
+        if res is not None:
+            at = self.clock()
+            for key, c in zip(self._lease_keys[pool], _list(res.get("seen"))):
+                self._seen[key] = (at, int(c))
+            if "wc" in res:
+                self._waiting[pool] = (at, int(res["wc"]))
+            for a in batch:
+                a.known = True
+            lost = set(_list(res.get("lost")))
+            for a in batch:
+                if a.member in lost:  # Redis no longer knew it (a restart): sent whole next time
+                    a.known = False
+            if res.get("became") or res.get("lead") == self.gateway_id:
+                if not self._leading:
+                    log.info("this gateway decides the fleet's order now")
+                self._leading = True
+                if self._lead_evt is not None and self._lead is None:  # (it starts: from what Redis holds)
+                    self._lead_evt.set()
+            elif self._leading:  # another gateway took the role over (this one was too slow to renew it)
+                self._leading = False
+                self._lose_lead()
+            for m, backend, keys in _list(res.get("g")):
+                self._grant(str(m), str(backend), [str(k) for k in _list(keys)])
+        if self._dirty.get(pool) or releases or withdrawn:
+            self._kick(pool)
+        elif self._adj.get(pool):  # corrections alone wait for company, ADJUST_DELAY at most
+            self._arm(pool, ADJUST_DELAY)
+        if pending:
+            self._arm(pool, GRANT_POLL)
+
+    def _take_candidates(self, pool: str) -> tuple[list[Any], list[Any], list[_Attempt]]:
+        """The pool's candidates for a round trip: the new ones (each flow's next up to the
+        cap, its head first: the engine hands requests on in their flow's order, whole) and
+        the known ones whose price moved (``[member, cost, guess]``); each marked in flight."""
+        pending = self._pending.setdefault(pool, {})
         cap = self._cap[pool]
         per_flow: dict[str, int] = {}
         for a in pending.values():
@@ -914,49 +1022,7 @@ class RedisState(SharedState):
                 prices.append(x)
             a.inflight = True
             batch.append(a)
-        rel = releases[:]
-        releases.clear()
-        w = withdrawn[:]
-        withdrawn.clear()
-        adj = self._take_adj(pool)
-        res: dict[str, Any] | None = None
-        try:
-            res = await self._call_json("OFFER", {**self._pool_args(pool), "c": new, "p": prices, "w": w, "a": adj,
-                                                  "rel": rel, "seen": self._lease_keys[pool], "resign": False})
-        except StateUnavailable:
-            pass  # the releases are lost (those leases expire by themselves), and the corrections
-        finally:
-            for a in batch:
-                a.inflight = False
-            self._calls[pool] -= 1
-        if res is not None:
-            at = self.clock()
-            for key, c in zip(self._lease_keys[pool], _list(res.get("seen"))):
-                self._seen[key] = (at, int(c))
-            for a in batch:
-                a.known = True
-            lost = set(_list(res.get("lost")))
-            for a in batch:
-                if a.member in lost:  # Redis no longer knew it (a restart): sent whole next time
-                    a.known = False
-            if res.get("became") or res.get("lead") == self.gateway_id:
-                if not self._leading:
-                    log.info("this gateway decides the fleet's order now")
-                self._leading = True
-                if self._lead_evt is not None and self._lead is None:  # (it starts: from what Redis holds)
-                    self._lead_evt.set()
-            elif self._leading:  # another gateway took the role over (this one was too slow to renew it)
-                self._leading = False
-                self._lead = None
-                self._decided = []
-            for m, backend, keys in _list(res.get("g")):
-                self._grant(str(m), str(backend), [str(k) for k in _list(keys)])
-        if self._dirty.get(pool) or releases or withdrawn:
-            self._kick(pool)
-        elif self._adj.get(pool):  # corrections alone wait for company, ADJUST_DELAY at most
-            self._arm(pool, ADJUST_DELAY)
-        if pending:
-            self._arm(pool, GRANT_POLL)
+        return new, prices, batch
 
     def _grant(self, member: str, backend: str, keys: list[str]) -> None:
         """The decider granted ``member`` a start on ``backend`` (``keys``: the leases Redis
@@ -1000,31 +1066,112 @@ class RedisState(SharedState):
                 pass
             except Exception:  # (never the loop's end: the next round trip starts the decider again)
                 log.exception("sfq: the fleet's decider failed; starting it again from what Redis holds")
-                self._lead = None
-                self._decided = []
+                self._lose_lead()
+
+    def _lose_lead(self) -> None:
+        """The decider's queues are gone (its role lost, Redis lost, a reload, a failure): its
+        own gateway's items that Redis has not taken go back to be sent (by ``OFFER``, or by
+        the next decider's first round trip)."""
+        self._lead = None
+        self._decided = []
+        self._requeue_own()
+
+    def _requeue_own(self, kick: bool = True) -> None:
+        for pool, own in self._own.items():
+            self._releases.setdefault(pool, [])[:0] = own.get("rel", [])
+            self._withdrawn.setdefault(pool, [])[:0] = own.get("w", [])
+        for pool, adj in self._own_adj.items():
+            per = self._adj.setdefault(pool, {})
+            for m, d in adj.items():
+                per[m] = per.get(m, 0.0) + d
+        for a in self._own_att:
+            a.inflight = False
+            a.known = False  # sent whole again
+        had = bool(self._own or self._own_att)
+        self._own, self._own_att, self._own_adj = {}, [], {}
+        if had and kick and not self._closed:
+            for pool in list(self._pending) + list(self._releases):
+                self._kick(pool)
+
+    def _take_own(self, lead: Alone) -> None:
+        """The decider's own gateway's candidates, prices, withdrawals, corrections and
+        releases (what ``OFFER`` carries for another gateway), applied to its queues now and
+        kept for its next round trip (``DECIDE`` writes them before its grants). A pool with an
+        ``OFFER`` in flight waits for its answer (its events come back in order first)."""
+        for pool in self.policy.pools:
+            if self._calls.get(pool):
+                continue
+            own = self._own.setdefault(pool, {"c": [], "p": [], "w": [], "rel": []})
+            for m, d in self._take_adj(pool):
+                lead.correct(m, float(d))
+                per = self._own_adj.setdefault(pool, {})
+                per[m] = per.get(m, 0.0) + d
+            rel, self._releases[pool] = self._releases.get(pool, []), []
+            for r in rel:
+                lead.done(r["m"], r["tok"])
+            own["rel"].extend(rel)
+            w, self._withdrawn[pool] = self._withdrawn.get(pool, []), []
+            for m in w:
+                lead.remove(m)
+            own["w"].extend(w)
+            new, prices, batch = self._take_candidates(pool)
+            for c in new:
+                self._stand_in(lead, {**c, "t": "c"})
+            for m, cost, guess in prices:
+                lead.price(m, float(cost), bool(guess))
+            own["c"].extend(new)
+            own["p"].extend(prices)
+            self._own_att.extend(batch)
+        self._own = {p: o for p, o in self._own.items() if any(o.values())}
 
     async def _decide(self) -> None:
-        """One round trip of the decider: its last decisions to Redis, what happened since
-        back, and the next decisions (the engine's ``pop`` over the stand-ins)."""
+        """One round trip of the decider: its own gateway's items and its last decisions to
+        Redis, what happened since back, and the next decisions (the engine's ``pop`` over the
+        stand-ins). Its own new candidates and releases are decided on before the round trip
+        (a release and the start it frees go together). Nothing urgent (no grant, no release,
+        its role renewed less than :data:`LEAD_POLL` ago, no look at what is live due): no
+        round trip; what it has waits for the next."""
         init = self._lead is None
         now = self.clock()
         live = init or now - self._live_at >= LIVE_EVERY
+        if not init:
+            assert self._lead is not None
+            self._take_own(self._lead)
+            self._decide_now(self._lead)
+        if (not init and not live and not self._decided and now - self._decide_at < LEAD_POLL
+                and not any(o["rel"] for o in self._own.values())):
+            return
+        assert self._lead_evt is not None
+        self._lead_evt.clear()  # (what comes while the call is out wakes the loop again)
         grants, self._decided = self._decided, []
+        own, batch, own_adj = self._own, self._own_att, self._own_adj
+        self._own, self._own_att, self._own_adj = {}, [], {}
         mark = self._applied_q
-        res = await self._call_json("DECIDE", {"gw": self.gateway_id, "lease": self.lease, "ttl": self._ttl,
-                                               "init": init, "live": live, "pools": list(self.policy.pools),
-                                               "upto": mark, "g": [list(x) for x in grants],
-                                               "seen": self._lease_keys_all if grants else [],
-                                               "slices": self._table_out})
+        self._decide_at = now
+        try:
+            res = await self._call_json("DECIDE", {"gw": self.gateway_id, "lease": self.lease, "ttl": self._ttl,
+                                                   "init": init, "live": live, "pools": list(self.policy.pools),
+                                                   "upto": mark, "g": [list(x) for x in grants],
+                                                   "seen": self._lease_keys_all if grants or own else [],
+                                                   "own": own, "plim": self._plim, "slices": self._table_out})
+        except BaseException:
+            self._own, self._own_att, self._own_adj = own, batch, own_adj  # (sent again, by OFFER)
+            self._lose_lead()
+            raise
         self._table_out = None
         # events a message brought while the call was out are newer than what it saw alive
         live = live and self._applied_q == mark and not self._decided
         if not res.get("ok"):
             log.info("another gateway decides the fleet's order now (%s)", res.get("lead") or "none")
+            self._own, self._own_att, self._own_adj = own, batch, own_adj  # (not taken: sent again, by OFFER)
             self._leading = False
-            self._lead = None
+            self._lose_lead()
             return
-        self.decisions += len(grants) - len(_list(res.get("gone")))
+        for a in batch:
+            a.inflight = False
+            a.known = True
+        full = [json.loads(c) for c in _list(res.get("full"))]
+        self.decisions += len(grants) - len(_list(res.get("gone"))) - len(full)
         if live:
             self._live_at = now
         lead = self._lead
@@ -1040,7 +1187,14 @@ class RedisState(SharedState):
         else:
             for m in _list(res.get("gone")):
                 lead.undo(str(m))
+            for c in full:  # Redis holds more than the decider knows of: waiting again, and nothing
+                lead.undo(str(c["m"]))  # more is granted until the decider hears something new
+                self._stand_in(lead, c)
+            if full:
+                self._hold = (self._applied_q, now)
             self._take_events(lead, [json.loads(e) for e in _list(res.get("ev"))], fill=True)
+        for m, backend, keys in _list(res.get("mine")):  # its own gateway's grants
+            self._grant(str(m), str(backend), [str(k) for k in _list(keys)])
         if live:
             waiting, running = lead.members()
             for m in waiting - set(_list(res.get("lc"))):
@@ -1052,6 +1206,8 @@ class RedisState(SharedState):
                 table = shares_table(lead.demand(self.policy), [str(g) for g in _list(res.get("gw"))])
                 self._table_out = json.dumps({"v": f"{self.gateway_id}:{now:.6f}", "s": table})
         self._decide_now(lead)
+        if init:
+            self._lead_evt.set()  # (its own gateway's items: with the next)
 
     def _take_events(self, lead: Alone, evs: list[dict[str, Any]], fill: bool = False) -> bool:
         """Apply the events after the last applied, in their order; ``True`` when one is
@@ -1074,6 +1230,10 @@ class RedisState(SharedState):
         """The next starts the decider's queues allow, for its next round trip to write."""
         wake = math.inf
         n = len(self._decided)
+        if self._hold is not None:
+            if self._applied_q == self._hold[0] and self.clock() - self._hold[1] < LEAD_POLL:
+                return  # (the loop looks again within LEAD_POLL)
+            self._hold = None
         for pool in self.policy.pools:
             while True:
                 nxt = lead.next(pool)
@@ -1233,7 +1393,43 @@ class RedisState(SharedState):
 
     def _on_timer(self, pool: str) -> None:
         self._timers.pop(pool, None)
-        self._kick(pool)
+        self._kick(pool, poll=True)
+
+    def _contended(self, pool: str, now: float) -> bool:
+        """Whether candidates wait in ``pool`` (over every gateway), as a round trip or a message
+        said within :data:`FULL_FRESH` seconds: a new candidate cannot start at once then, it
+        waits for the decider's grant whatever it does."""
+        at, n = self._waiting.get(pool, (-math.inf, 0))
+        return n > 0 and now - at <= FULL_FRESH
+
+    def _quiet(self, pool: str, pending: Any) -> float | None:
+        """Seconds the pool's next round trip may wait, or ``None`` (now), when only candidates
+        are to be sent or looked after. A new one waits up to :data:`CANDIDATE_DELAY` for
+        company (a release of this gateway's; a closed-loop client's, usually) when it could
+        not start at once anyway (:meth:`_contended`) and its flow has a candidate waiting at
+        the decider from this gateway already (it stays backlogged there: an idle flow's
+        first, seen late, would lose its place in the order); a strict class's, or one with a
+        deadline, never waits. A look for the known ones' grants is needed only when a message that brings
+        grants may have been lost: none heard for :data:`GRANT_POLL` seconds, or the
+        subscription is newer than that (else :data:`GRANT_POLL` later)."""
+        now = self.clock()
+        wait = math.inf
+        pending = list(pending)
+        ahead = {a.flow for a in pending if a.known}
+        for a in pending:
+            if a.inflight:
+                continue
+            if not a.known:
+                p = a.payload
+                if (p.get("strict") or p.get("dl") is not None or now - a.at >= CANDIDATE_DELAY
+                        or a.flow not in ahead or not self._contended(pool, now)):
+                    return None
+                wait = min(wait, a.at + CANDIDATE_DELAY - now)
+            else:  # known: a look for its grant
+                if now - self._heard_at >= GRANT_POLL or now - self._subscribed_at < GRANT_POLL:
+                    return None
+                wait = min(wait, GRANT_POLL)
+        return max(wait, 0.001) if wait < math.inf else None
 
     def _granted(self, r: Request, a: _Attempt, backend: str) -> None:
         p = self.prefix
@@ -1442,7 +1638,7 @@ class RedisState(SharedState):
                 "prefix": self.prefix, "lease_seconds": self.lease,
                 "holding": sum(a.granted for a in self._att.values()),
                 "candidates": sum(not a.granted for a in self._att.values()), "round_trips": self.round_trips,
-                "round_trips_by_script": dict(self.trips_by),
+                "round_trips_by_script": dict(self.trips_by), "offers_by_content": dict(self.offers_by),
                 "candidates_by_pool": {p: len(v) for p, v in self._pending.items()},
                 "decider": self._leading, "decisions": self.decisions}
 
