@@ -225,6 +225,10 @@ def test_an_org_kept_waiting_whole_seconds_is_expected_its_weights_share() -> No
     assert st["jain"] < 0.6
 
 
+#: a class row's time-to-first-token figures when the gateway counted none of its requests
+NO_TTFT = {"attainment": None, "attainment_requests": 0, "ttft_p50": None, "ttft_p99": None}
+
+
 def test_deadline_misses_per_class_in_stats_and_series() -> None:
     """``sfq_deadline_missed_total`` and ``/stats``' classes: a request whose deadline or queue
     age ran out counts once, refused in the queue or failed after it started; a refusal for
@@ -261,15 +265,15 @@ orgs:
     st = m.stats()["pools"]["main"]
     assert st["classes"] == {
         "batch": {"weight": 1.0, "strict": False, "waiting": 0, "in_flight": 0, "deadline_missed": 2,
-                  "deadline_seconds": None, "ttft_objective_seconds": None,
+                  "deadline_seconds": None, "ttft_objective_seconds": None, **NO_TTFT,
                   "requests": {"completed": 0, "failed": 0, "cancelled_before_start": 0,
                                "cancelled_during_execution": 0, "refused": 3, "joined": 0}},
         "interactive": {"weight": 6.0, "strict": False, "waiting": 0, "in_flight": 0, "deadline_missed": 1,
-                        "deadline_seconds": None, "ttft_objective_seconds": None,
+                        "deadline_seconds": None, "ttft_objective_seconds": None, **NO_TTFT,
                         "requests": {"completed": 0, "failed": 1, "cancelled_before_start": 0,
                                      "cancelled_during_execution": 0, "refused": 0, "joined": 0}},
         "system": {"weight": None, "strict": True, "waiting": 0, "in_flight": 0, "deadline_missed": 0,
-                   "deadline_seconds": None, "ttft_objective_seconds": None,
+                   "deadline_seconds": None, "ttft_objective_seconds": None, **NO_TTFT,
                    "requests": {"completed": 1, "failed": 0, "cancelled_before_start": 0,
                                 "cancelled_during_execution": 0, "refused": 0, "joined": 0}}}
     assert st["orgs"]["product"]["classes"] == ["interactive", "system"]
