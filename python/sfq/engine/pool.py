@@ -1297,7 +1297,8 @@ class PolicyQueue:
             _, h, c = done.popleft()
             self._held_sum -= h
             self._cost_sum -= c
-        self._forget_service(now)
+        if done[0][0] <= now - SERVICE_WINDOW:  # (it holds the new one at least: never emptied here)
+            self._forget_service(now)
 
     def _forget_service(self, now: float) -> None:
         done = self._done
