@@ -225,6 +225,10 @@ def test_an_org_kept_waiting_whole_seconds_is_expected_its_weights_share() -> No
     assert st["jain"] < 0.6
 
 
+#: a class row's time-to-first-token figures when the gateway counted none of its requests
+NO_TTFT = {"attainment": None, "attainment_requests": 0, "ttft_p50": None, "ttft_p99": None}
+
+
 def test_deadline_misses_per_class_in_stats_and_series() -> None:
     """``sfq_deadline_missed_total`` and ``/stats``' classes: a request whose deadline or queue
     age ran out counts once, refused in the queue or failed after it started; a refusal for
@@ -261,15 +265,15 @@ orgs:
     st = m.stats()["pools"]["main"]
     assert st["classes"] == {
         "batch": {"weight": 1.0, "strict": False, "waiting": 0, "in_flight": 0, "deadline_missed": 2,
-                  "deadline_seconds": None, "ttft_objective_seconds": None,
+                  "deadline_seconds": None, "ttft_objective_seconds": None, **NO_TTFT,
                   "requests": {"completed": 0, "failed": 0, "cancelled_before_start": 0,
                                "cancelled_during_execution": 0, "refused": 3, "joined": 0}},
         "interactive": {"weight": 6.0, "strict": False, "waiting": 0, "in_flight": 0, "deadline_missed": 1,
-                        "deadline_seconds": None, "ttft_objective_seconds": None,
+                        "deadline_seconds": None, "ttft_objective_seconds": None, **NO_TTFT,
                         "requests": {"completed": 0, "failed": 1, "cancelled_before_start": 0,
                                      "cancelled_during_execution": 0, "refused": 0, "joined": 0}},
         "system": {"weight": None, "strict": True, "waiting": 0, "in_flight": 0, "deadline_missed": 0,
-                   "deadline_seconds": None, "ttft_objective_seconds": None,
+                   "deadline_seconds": None, "ttft_objective_seconds": None, **NO_TTFT,
                    "requests": {"completed": 1, "failed": 0, "cancelled_before_start": 0,
                                 "cancelled_during_execution": 0, "refused": 0, "joined": 0}}}
     assert st["orgs"]["product"]["classes"] == ["interactive", "system"]
@@ -279,6 +283,63 @@ orgs:
     assert missed == {(("class", "batch"), ("org", "analytics"), ("pool", "main")): 2.0,
                       (("class", "interactive"), ("org", "product"), ("pool", "main")): 1.0}
     assert m.snapshot()[batch]["deadline_missed"] == 2
+
+
+def test_objective_attainment_counts_answers_within_the_objective_and_deadline_misses_over_the_window() -> None:
+    """``first_token``: per class and pool, the part of the requests counted in the window whose
+    first token came within the class's ``ttft_objective_seconds``, a request that ended for its
+    deadline without an answer (``None``) a miss; p50/p99 over the answered ones; a class without
+    an objective has none (not 100 %); ``sfq_time_to_first_token_seconds`` has a bucket at the
+    objective, and ``sfq_objective_attainment`` is the window's figure."""
+    clock = Clock()
+    m = PolicyMetrics(clock=clock, window_seconds=10)
+    m.policy = parse_policy("""\
+pools:
+  main: {models: [m], backends: [{url: "http://127.0.0.1:1"}]}
+classes:
+  interactive: {weight: 6, ttft_objective_seconds: 0.3}
+  batch: {weight: 1}
+orgs:
+  product: {keys: [kp], classes: [interactive]}
+  analytics: {keys: [ka], classes: [batch]}
+""")
+    inter, batch = ("product", "interactive", "main"), ("analytics", "batch", "main")
+    for t in (0.1, 0.2, 0.3, 0.5):  # 0.3 is within (<=), 0.5 is not
+        m.first_token(inter, t)
+    m.first_token(inter, None)  # dropped for its deadline: a miss
+    for t in (0.1, 5.0):
+        m.first_token(batch, t)
+    m.ended(inter, "completed")
+    m.ended(batch, "completed")
+    classes = m.stats()["pools"]["main"]["classes"]
+    c = classes["interactive"]
+    assert c["ttft_objective_seconds"] == 0.3
+    assert c["attainment"] == pytest.approx(3 / 5) and c["attainment_requests"] == 5
+    assert 0.1 <= c["ttft_p50"] <= 0.3 and 0.3 < c["ttft_p99"] <= 0.5  # (interpolated in buckets, as wait_p50)
+    b = classes["batch"]
+    assert b["ttft_objective_seconds"] is None and b["attainment"] is None  # no objective: none, not 100 %
+    assert b["attainment_requests"] == 2 and b["ttft_p99"] is not None
+    samples = _samples(m)
+    lab = (("class", "interactive"), ("pool", "main"))
+    assert samples["sfq_time_to_first_token_seconds_bucket", (*lab[:1], ("le", "0.3"), *lab[1:])] == 3.0
+    assert samples["sfq_time_to_first_token_seconds_count", lab] == 4.0  # answered ones (the miss had no token)
+    assert samples["sfq_time_to_first_token_seconds_sum", lab] == pytest.approx(1.1)
+    assert samples["sfq_objective_attainment", lab] == pytest.approx(0.6)
+    assert ("sfq_objective_attainment", (("class", "batch"), ("pool", "main"))) not in samples
+    assert not any(k[0] == "sfq_time_to_first_token_seconds_bucket" and ("le", "0.3") in k[1]
+                   and ("class", "batch") in k[1] for k in samples)  # the default buckets there
+    # the window slides: 11 s later nothing is counted; the histogram keeps counting since the start
+    clock.t += 11
+    m.first_token(inter, 0.2)
+    c = m.stats()["pools"]["main"]["classes"]["interactive"]
+    assert c["attainment"] == 1.0 and c["attainment_requests"] == 1
+    assert m.stats()["pools"]["main"]["classes"]["batch"]["attainment_requests"] == 0
+    assert _samples(m)["sfq_time_to_first_token_seconds_count", lab] == 5.0
+    # only misses in the window: attainment 0, no quantile
+    clock.t += 11
+    m.first_token(inter, None)
+    c = m.stats()["pools"]["main"]["classes"]["interactive"]
+    assert (c["attainment"], c["attainment_requests"], c["ttft_p50"], c["ttft_p99"]) == (0.0, 1, None, None)
 
 
 def test_window_seconds_and_max_org_series_are_checked() -> None:

@@ -427,6 +427,54 @@ def test_a_class_that_does_not_opt_in_is_never_refused(clock: Clock, core) -> No
     assert all(r.state in ("waiting", "running") for r in rs)
 
 
+# ------------------------------------------------------------------ the predicted wait (GET /stats)
+def test_predicted_wait_is_none_before_data_0_with_a_free_slot_then_the_flows_work_at_its_fair_rate(
+        clock: Clock, core) -> None:
+    """``predicted_wait``: the model of ``unmeetable`` for a new request arriving now, in every
+    class (not only those that refuse): ``None`` before 8 attempts ended, 0 while a slot is free,
+    then the flow's requests ahead (those with a deadline nearest first, then the others in queue
+    order) served at its fair part of the measured service, those out of time skipped."""
+    e = PolicyEngine(parse_policy(REFUSE), clock=clock, scheduler=core)
+    a, b, o = Flow("a", "other", "p"), Flow("b", "batch", "p"), Flow("a", "batch", "p")
+    q = e.queues["p"]
+    assert e.predicted_wait("a", "other", "p") is None and q.predicted_wait(a, clock.t) is None  # nothing measured
+    _measure(e, clock, a, n=7)
+    assert e.predicted_wait("a", "other", "p") is None  # 7 attempts: not yet
+    _measure(e, clock, a, n=1)
+    assert e.predicted_wait("a", "other", "p") == 0.0  # measured (cost 2 a second), and a slot is free
+    busy = [e.submit(o, cost=1) for _ in range(2)]
+    assert e.poll() == busy
+    assert e.predicted_wait("a", "other", "p") == 0.0  # no slot free, nothing of its flow ahead: its turn is next
+    waiting = [e.submit(a, cost=1) for _ in range(4)]
+    # a alone in the core: all of the 2 a second; 4 ahead of cost 1: its turn at +2
+    assert e.predicted_wait("a", "other", "p") == pytest.approx(2.0)
+    for _ in range(2):
+        e.submit(b, cost=1)
+    # b competes now (weight 1 each): a gets 1 a second, its turn at +4; b's 2 at 1 a second, +2
+    assert e.predicted_wait("a", "other", "p") == pytest.approx(4.0)
+    assert e.predicted_wait("b", "batch", "p") == pytest.approx(2.0)
+    # a request with a deadline goes before those without; one out of time by its turn frees it
+    e.submit(a, cost=1, deadline=clock.t + 0.5)
+    e.submit(a, cost=1, deadline=clock.t + 0.5)  # its turn would be at +1: out of time, skipped
+    assert e.predicted_wait("a", "other", "p") == pytest.approx(5.0)
+    assert q.predicted_wait(a, clock.t, clock.t + 0.5) == pytest.approx(1.0)  # due with them: behind both
+    assert q.predicted_wait(a, clock.t, clock.t + 0.1) == 0.0  # nearer than all: nothing ahead of it
+    assert e.predicted_wait("a", "nope", "p") is None and e.predicted_wait("a", "other", "nope") is None
+    del busy, waiting
+
+
+def test_predicted_wait_is_none_for_a_strict_class(clock: Clock, core) -> None:
+    e = PolicyEngine(policy(classes="""
+      system: {strict: true, max_in_flight: 1, max_queue_length: 4}
+      batch: {weight: 1}
+    """, orgs="""
+      a: {keys: [ka], classes: [batch, system]}
+    """), clock=clock, scheduler=core)
+    _measure(e, clock, Flow("a", "batch", "p"))
+    assert e.predicted_wait("a", "system", "p") is None
+    assert e.predicted_wait("a", "batch", "p") == 0.0
+
+
 # ------------------------------------------------------------------ how often it is right
 def test_how_often_the_early_refusal_is_right() -> None:
     """A seeded simulation (deadline_sim.py) of a flood beside a flow within its share. The

@@ -71,6 +71,10 @@ class _Children:
         lab = ("org", "class", "pool")
         self.wait = Histogram("sfq_queue_wait_seconds", "Wait before start (seconds), per class and pool",
                               ("class", "pool"), buckets=WAIT_BUCKETS, registry=r)
+        self.ttft = Histogram("sfq_time_to_first_token_seconds", "Time to first token as the gateway saw it: from a "
+                              "request's arrival to the first byte of its answer (the first event of a stream), per "
+                              "class and pool; the buckets include the class's ttft_objective_seconds",
+                              ("class", "pool"), buckets=WAIT_BUCKETS, registry=r)  # (no policy: no objective)
         self.requests = Counter("sfq_requests", "Requests by outcome", (*lab, "outcome"), registry=r)
         self.refusals = Counter("sfq_refusals", "Requests refused or dropped before start, by reason",
                                 (*lab, "reason"), registry=r)
@@ -155,9 +159,14 @@ class _Children:
     def joined(self, k: Any) -> None:
         self.requests.labels(*k, "joined").inc()
 
+    def first_token(self, k: Any, seconds: float | None) -> None:
+        if seconds is not None:
+            self.ttft.labels(*k[1:]).observe(seconds)
+
 
 #: the share window's families (tests/policy/test_metrics_window.py): not prometheus_client children
-_WINDOW = ("sfq_share", "sfq_expected_share", "sfq_oldest_wait_seconds", "sfq_fairness_jain", "sfq_org_weight")
+_WINDOW = ("sfq_share", "sfq_expected_share", "sfq_oldest_wait_seconds", "sfq_fairness_jain", "sfq_org_weight",
+           "sfq_objective_attainment")
 
 
 def _samples(registry: CollectorRegistry) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -198,6 +207,8 @@ def _events(rng: random.Random, flows: list[tuple[str, str, str]], n: int) -> li
             ev.append(("left_queue", (k,), {}))
             ev.append(("timeout", (k,), {}))
             ev.append(("ended", (k, "refused", "queue_timeout"), {}))
+            if k[1]:
+                ev.append(("first_token", (k, None), {}))  # a miss: no time to first token
             continue
         if what < 0.25:
             ev.append(("left_queue", (k,), {}))
@@ -216,6 +227,8 @@ def _events(rng: random.Random, flows: list[tuple[str, str, str]], n: int) -> li
                 ev.append(("queued", (k,), {}))
         end = rng.random()
         if end < 0.7:
+            if k[1]:
+                ev.append(("first_token", (k, rng.choice([0.0, 0.0005, 0.02, 0.3, 4.0, 9000.0])), {}))
             ev.append(("ended", (k, "completed"), {}))
         elif end < 0.85:
             ev.append(("ended", (k, "failed", rng.choice(["deadline", "unavailable"])), {}))
@@ -253,7 +266,7 @@ def test_the_exposition_equals_what_prometheus_children_made() -> None:
     names = {n for n, _ in got}
     for series in ("sfq_failures_total", "sfq_refusals_total", "sfq_retries_total", "sfq_upstream_429_total",
                    "sfq_timeouts_total", "sfq_cancelled_work_tokens_total", "sfq_served_cost_total",
-                   "sfq_queue_wait_seconds_bucket"):
+                   "sfq_queue_wait_seconds_bucket", "sfq_time_to_first_token_seconds_bucket"):
         assert series in names, series
     assert any(dict(labels).get("outcome") == "joined" for n, labels in got if n == "sfq_requests_total")
     assert ("sfq_queue_wait_seconds_bucket", frozenset({*zip(("class", "pool"), K[1:]), ("le", "+Inf")})) in got

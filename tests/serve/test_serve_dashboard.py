@@ -167,6 +167,11 @@ def test_the_page_shows_both_orgs_and_follows_their_shares(tmp_path: Path, fleet
             'section[data-pool="main"] table[data-table="orgs"] tbody tr [data-k="classes"]')].map(
             (td) => td.textContent)""")
         assert on_rows == ["batch \u00d73", "batch \u00d73"], on_rows  # (batch x3)
+        # the class has no time-to-first-token objective: none shown (not 100 %), its p99 shown
+        ttft = shown(browser, """[...document.querySelectorAll(
+            'section[data-pool="main"] table[data-table="classes"] tbody tr')].map((tr) => ["ttft_objective_seconds",
+            "attainment", "attainment_requests", "ttft_p99"].map((k) => tr.querySelector(`[data-k="${k}"]`).textContent))""")
+        assert ttft[0][:2] == ["-", "-"] and int(ttft[0][2]) > 0 and ttft[0][3] != "-", ttft
         # requests waiting and in flight: two series, two colours, a point per poll each; both charts
         # start at the first poll kept (the left edge, x = 14), not at an empty stretch before it
         queue = shown(browser, """[...document.querySelectorAll('svg[data-chart="queue"] path')].map(

@@ -67,12 +67,13 @@ def test_a_frame_puts_each_orgs_share_next_to_its_promise() -> None:
     assert lines.index(next(x for x in lines if x.startswith("acme"))) < lines.index(
         next(x for x in lines if x.startswith("<img"))), "the largest share first"
     assert "[1] llama  [2] mistral" in frame
-    # the classes: weight (strict for a strict class), waiting, in flight, deadline misses, completed,
-    # failed, refused
-    assert "deadline missed" in frame
-    assert _row(frame, "interactive") == ["6", "2", "5", "0", "50", "1", "0"]
-    assert _row(frame, "batch") == ["1", "10", "3", "7", "15", "0", "2"]
-    assert _row(frame, "<b>system</b>") == ["strict", "0", "0", "0", "0", "0", "0"]
+    # the classes: weight (strict for a strict class), waiting, in flight, deadline misses, the
+    # time-to-first-token objective, its attainment over the window, the p99 time to first token,
+    # completed, failed, refused; a class without an objective shows none (not 100 %)
+    assert "deadline missed" in frame and "objective" in frame and "attainment" in frame
+    assert _row(frame, "interactive") == ["6", "2", "5", "0", "2.00", "s", "96.0%", "1.80", "s", "50", "1", "0"]
+    assert _row(frame, "batch") == ["1", "10", "3", "7", "-", "-", "12.0", "s", "15", "0", "2"]
+    assert _row(frame, "<b>system</b>") == ["strict", "0", "0", "0", "-", "-", "-", "0", "0", "0"]
     other = _frame(stats, "mistral")
     assert "pool mistral  Jain -" in other and _row(other, "beta")[:3] == ["1", "100.0%", "0.0%"]
     assert "pool llama" in _frame(stats, "no-such-pool")  # an unknown pool: the first one
@@ -115,7 +116,9 @@ def test_once_prints_the_gateways_figures(loaded: Gateway) -> None:
     # the classes the load used, with their weights, as /stats has them
     assert set(pool["classes"]) == {"batch"} and pool["classes"]["batch"]["weight"] == 1.0
     batch = pool["classes"]["batch"]
-    assert _row(out.stdout, "batch") == ["1", "0", "0", "0", f"{batch['requests']['completed']}", "0", "0"]
+    row = _row(out.stdout, "batch")
+    assert row[:6] + row[-3:] == ["1", "0", "0", "0", "-", "-", f"{batch['requests']['completed']}", "0", "0"]
+    assert batch["attainment"] is None and batch["attainment_requests"] >= batch["requests"]["completed"]
     assert "sk-heavy-secret" not in out.stdout and "sk-light-secret" not in out.stdout
 
 

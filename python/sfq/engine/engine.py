@@ -199,6 +199,7 @@ class PolicyEngine:
         if isinstance(metrics, PolicyMetrics):
             metrics.policy = policy
             metrics.oldest = self.oldest_waiting
+            metrics.predicted = self.predicted_wait
         self.metrics = metrics
         #: ``metrics.began(key, cost)``: a request queued and started at once (0 s waited, its
         #: first attempt), in one call; ``None`` for metrics without it (``queued`` + ``started``)
@@ -1226,6 +1227,24 @@ class PolicyEngine:
                     if t < out.get(k, _INF):
                         out[k] = t
         return out
+
+    def predicted_wait(self, org: str, cls: str, pool: str) -> float | None:
+        """Seconds a new request of ``(org, cls, pool)`` arriving now is predicted to wait
+        before it starts (:meth:`PolicyQueue.predicted_wait`: the model of
+        ``deadline_unmeetable``), with its class's default deadline when it has one; ``None``
+        when the pool has measured nothing yet, for a strict class, under nested shares, and
+        for a pool or class the policy does not have."""
+        q = self.queues.get(pool)
+        spec = self.policy.classes.get(cls)
+        if q is None or spec is None:
+            return None
+        now = self.clock()
+        drop_at = _INF
+        if spec.deadline_seconds is not None:  # (as _class_deadline makes it)
+            age = spec.max_queue_age_seconds
+            deadline = now + spec.deadline_seconds
+            drop_at = deadline if age is None or deadline <= now + age else now + age
+        return q.predicted_wait(Flow(org, cls, pool), now, drop_at)
 
     def stats(self) -> dict[str, Any]:
         """A cheap snapshot: per flow (``"org/class/pool"``) counters, per pool and backend

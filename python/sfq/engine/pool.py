@@ -49,7 +49,7 @@ import heapq
 import itertools
 import math
 from collections import deque
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
 
 import logging
@@ -415,9 +415,8 @@ class PolicyQueue:
         self._unnamed_weights = not self.nested and (policy.org_template is not None or hasattr(policy, "weights"))
         #: the attempts that ended in the last :data:`SERVICE_WINDOW` seconds, ``(end, seconds
         #: it held its slot, its cost)``, with their sums: the pool's measured service
-        #: (``unmeetable``); ``None`` unless a class refuses unmeetable deadlines (else nothing kept)
-        self._done: deque[tuple[float, float, float]] | None = (
-            deque() if any(c.refuse_unmeetable for c in policy.classes.values()) else None)
+        #: (``unmeetable``, ``predicted_wait``)
+        self._done: deque[tuple[float, float, float]] = deque()
         self._held_sum = 0.0
         self._cost_sum = 0.0
 
@@ -1260,8 +1259,7 @@ class PolicyQueue:
                 self._run_n[r.flow] = n
             else:
                 self._run_n.pop(r.flow, None)
-        if self._done is not None:
-            self._served(r.started_at, r.cost)
+        self._served(r.started_at, r.cost)
         r.state = ENDED
         if actual_tokens is not None and self.tpm is not None and math.isfinite(actual_tokens) and actual_tokens >= 0:
             diff = actual_tokens - r.tokens
@@ -1290,7 +1288,6 @@ class PolicyQueue:
     def _served(self, started: float | None, cost: float) -> None:
         """An attempt of ``cost`` that started at ``started`` ended now: a sample of the service."""
         done = self._done
-        assert done is not None
         now = self.clock()
         held = now - started if started is not None and now > started else 0.0
         done.append((now, held, cost))
@@ -1300,11 +1297,11 @@ class PolicyQueue:
             _, h, c = done.popleft()
             self._held_sum -= h
             self._cost_sum -= c
-        self._forget_service(now)
+        if done[0][0] <= now - SERVICE_WINDOW:  # (it holds the new one at least: never emptied here)
+            self._forget_service(now)
 
     def _forget_service(self, now: float) -> None:
         done = self._done
-        assert done is not None
         while done and done[0][0] <= now - SERVICE_WINDOW:
             _, h, c = done.popleft()
             self._held_sum -= h
@@ -1323,8 +1320,6 @@ class PolicyQueue:
         its org's and class's ``max_in_flight``. ``None`` before :data:`SERVICE_MIN_SAMPLES`
         attempts ended in the window, or with no slot."""
         done = self._done
-        if done is None:
-            return None
         self._forget_service(now)
         if len(done) < SERVICE_MIN_SAMPLES or self._held_sum <= 0.0 or self._cost_sum <= 0.0:
             return None
@@ -1361,6 +1356,29 @@ class PolicyQueue:
             total += self.policy.flow_weight(f.org, f.cls)
         return w / total
 
+    def _slot_free(self, flow: Flow, now: float) -> bool:
+        """Whether a slot is free for a new request of ``flow`` now (it may start at the next poll)."""
+        for b in self.backends.values():
+            if b.open(now):
+                return not self.slots.full and self.shared.room(flow)
+        return False
+
+    @staticmethod
+    def _turn(ahead: Iterable[tuple[float, float]], now: float, rate: float) -> float:
+        """When a flow served at ``rate`` (cost units a second) from ``now`` reaches the end of
+        ``ahead`` (``(drop time, cost)`` in the order they go): each starts in turn if it is
+        still in time then, and holds the flow ``cost / rate``; one out of time frees its turn."""
+        t = now
+        for key, c in ahead:
+            if t < key:
+                t += c / rate
+        return t
+
+    def _flow_rate(self, flow: Flow, pool_rate: float, mine: float) -> float:
+        """``flow``'s fair part of the measured service (:meth:`service`'s two figures)."""
+        rate = pool_rate * self._fair_part(flow)
+        return mine if rate > mine else rate
+
     def unmeetable(self, flow: Flow, cost: float, drop_at: float, now: float) -> float | None:
         """For a new request of ``flow`` (a weighted class, not nested), of ``cost``, that must
         start before ``drop_at`` (its deadline, or its queue age if sooner) and has a deadline
@@ -1374,7 +1392,8 @@ class PolicyQueue:
         turn, if it is still in time then, and holds the flow for its cost over that rate; one
         that ran out of time is dropped and frees its turn. This one cannot make it when its
         turn comes at or after ``drop_at``. ``None`` too when nothing is measured yet, under
-        nested shares, or when even the pool's whole service would be enough."""
+        nested shares, or when even the pool's whole service would be enough. The same model
+        as :meth:`predicted_wait`."""
         fq = self.flows.get(flow)
         if fq is None or not fq.edf or self.nested:
             return None
@@ -1382,26 +1401,50 @@ class PolicyQueue:
         if svc is None:
             return None
         pool_rate, mine = svc
-        for b in self.backends.values():
-            if b.open(now):
-                if not self.slots.full and self.shared.room(flow):
-                    return None  # a slot is free (for it): it may start at the next poll
-                break
+        if self._slot_free(flow, now):
+            return None  # a slot is free (for it): it may start at the next poll
         ahead = [(x[0], x[2].cost) for x in fq.edf if now < x[0] <= drop_at and x[2].state == WAITING]
         total = sum(c for _, c in ahead)
         if now + total / (pool_rate if pool_rate < mine else mine) < drop_at:
             return None  # even served at the pool's whole rate, first of all, it has time
-        rate = pool_rate * self._fair_part(flow)
-        if rate > mine:
-            rate = mine
+        rate = self._flow_rate(flow, pool_rate, mine)
         ahead.sort()
-        t = now  # EDF at that rate: each in turn starts if still in time, and holds the flow c / rate
-        for key, c in ahead:
-            if t < key:
-                t += c / rate
+        t = self._turn(ahead, now, rate)  # EDF at that rate
         if t < drop_at:
             return None
         return t - drop_at + cost / rate  # (t - drop_at < the last one's c / rate: see docs/design.md §5d)
+
+    def predicted_wait(self, flow: Flow, now: float, drop_at: float = _INF) -> float | None:
+        """Seconds a new request of ``flow`` arriving ``now`` is predicted to wait before it
+        starts (``drop_at``: its drop time, when it has a deadline; ``inf``: none), by the model
+        of :meth:`unmeetable`: 0 while a slot is free for it; otherwise its flow is served from
+        now on at its fair part of the pool's measured service, and its turn comes once the
+        requests ahead of it have had theirs: its flow's requests with a drop time no later
+        than its own, nearest first, then (when it has no deadline) those without one, in
+        queue order; each starts if still in time then and holds the flow its cost over that
+        rate. ``None`` when nothing is measured yet (:meth:`service`), for a strict class, and
+        under nested shares (not modelled). Time: the flow's waiting requests, and the flows
+        competing in the pool."""
+        if self.nested or flow.cls in self.strict:
+            return None
+        svc = self.service(flow, now)
+        if svc is None:
+            return None
+        if self._slot_free(flow, now):
+            return 0.0
+        fq = self.flows.get(flow)
+        ahead: list[tuple[float, float]] = []
+        if fq is not None:
+            if fq.edf:
+                ahead = [(x[0], x[2].cost) for x in fq.edf if now < x[0] <= drop_at and x[2].state == WAITING]
+                ahead.sort()
+            if drop_at == _INF:  # after those with a deadline: those without, in queue order
+                rest = [r for d in (fq.small, fq.large) for r in d if r.state == WAITING and r.deadline is None]
+                rest.sort(key=_by_id)
+                ahead.extend((r.drop_at, r.cost) for r in rest if now < r.drop_at)
+        if not ahead:
+            return 0.0
+        return self._turn(ahead, now, self._flow_rate(flow, *svc)) - now
 
     # ------------------------------------------------------------ views
     def wake_at(self) -> float | None:

@@ -62,8 +62,8 @@ from prometheus_client.utils import floatToGoString
 if TYPE_CHECKING:
     from .config import Policy
 
-__all__ = ["OUTCOMES", "REASONS", "PolicyMetrics", "FlowCounters", "WAIT_BUCKETS", "OTHER_ORG",
-           "backlogged_mask", "expected_shares", "jain", "wait_quantile"]
+__all__ = ["OUTCOMES", "REASONS", "PolicyMetrics", "FlowCounters", "WAIT_BUCKETS", "OTHER_ORG", "OBJECTIVE_MISSED",
+           "backlogged_mask", "expected_shares", "jain", "wait_quantile", "ttft_bounds"]
 
 OUTCOMES = ("completed", "failed", "cancelled_before_start", "cancelled_during_execution", "refused")
 #: why a request was refused (before start) or why it failed (``failed`` outcomes carry one too)
@@ -99,6 +99,38 @@ _NB = len(WAIT_BUCKETS) + 1
 _ZERO: dict[tuple[str, str], float] = {}
 #: the reasons of a request whose deadline or queue age ran out (``sfq_deadline_missed_total``)
 MISSED = frozenset(("deadline", "queue_timeout"))
+#: the reasons of a request that ended without an answer and counts as a miss of its class's
+#: time-to-first-token objective (:meth:`PolicyMetrics.first_token`): its deadline or queue age
+#: ran out, or it was refused at once because it could not start before its deadline
+OBJECTIVE_MISSED = frozenset(("deadline", "queue_timeout", "deadline_unmeetable"))
+
+
+def ttft_bounds(objective: float | None) -> tuple[float, ...]:
+    """The buckets (seconds) of a class's time-to-first-token histogram: ``WAIT_BUCKETS`` and
+    its objective (so that the share of requests within it is exact)."""
+    if objective is None or objective in WAIT_BUCKETS:
+        return WAIT_BUCKETS
+    return tuple(sorted((*WAIT_BUCKETS, objective)))
+
+
+class _Firsts:
+    """The time to first token of one (class, pool), as the gateway saw it: a histogram since
+    the start (``buckets`` per bound of ``bounds``, not cumulative, the last over the largest;
+    ``total``: their sum; ``created``: ``time.time()`` at the first), and over the share window
+    one record ``[second, counts per bucket, requests within the objective, requests counted]``
+    per second with an event (a request counted is one answered, or one that ended without an
+    answer for ``OBJECTIVE_MISSED``; within: its first token came no later than the class's
+    objective in force then)."""
+
+    __slots__ = ("bounds", "le", "buckets", "total", "created", "recent")
+
+    def __init__(self, objective: float | None) -> None:
+        self.bounds = ttft_bounds(objective)
+        self.le = tuple(_go_float(b) for b in self.bounds) + ("+Inf",)
+        self.buckets = [0] * (len(self.bounds) + 1)
+        self.total = 0.0
+        self.created = time.time()
+        self.recent: list[list[Any]] = []
 
 
 class FlowCounters:
@@ -245,9 +277,9 @@ def jain(values: Iterable[float]) -> float | None:
     return 1.0 if sq == 0 else sum(xs) ** 2 / (len(xs) * sq)
 
 
-def wait_quantile(counts: Sequence[int], q: float) -> float | None:
-    """The ``q`` quantile (0..1) of waits counted per bucket of ``WAIT_BUCKETS`` (``counts``:
-    not cumulative, the last over the largest bound), interpolated within its bucket as
+def wait_quantile(counts: Sequence[int], q: float, bounds: Sequence[float] = WAIT_BUCKETS) -> float | None:
+    """The ``q`` quantile (0..1) of waits counted per bucket of ``bounds`` (``counts``: not
+    cumulative, the last over the largest bound), interpolated within its bucket as
     Prometheus' ``histogram_quantile`` does; ``None`` for no waits. A quantile in the last
     bucket is the largest bound."""
     n = sum(counts)
@@ -257,12 +289,12 @@ def wait_quantile(counts: Sequence[int], q: float) -> float | None:
     acc = 0
     for i, c in enumerate(counts):
         if c and acc + c >= rank:
-            if i >= len(WAIT_BUCKETS):
-                return WAIT_BUCKETS[-1]
-            lo = WAIT_BUCKETS[i - 1] if i else 0.0
-            return lo + (WAIT_BUCKETS[i] - lo) * max(0.0, rank - acc) / c
+            if i >= len(bounds):
+                return bounds[-1]
+            lo = bounds[i - 1] if i else 0.0
+            return lo + (bounds[i] - lo) * max(0.0, rank - acc) / c
         acc += c
-    return WAIT_BUCKETS[-1]
+    return bounds[-1]
 
 
 class _Org:
@@ -367,6 +399,9 @@ class PolicyMetrics:
         self.policy: Policy | None = None
         #: the engine's view of the queues: ``{(pool, org): queued_at of its oldest waiting request}``
         self.oldest: Callable[[], Mapping[tuple[str, str], float]] | None = None
+        #: the engine's prediction of a new request's wait, ``(org, class, pool) -> seconds``
+        #: (``None``: no prediction); ``/stats`` gives it per org
+        self.predicted: Callable[[str, str, str], float | None] | None = None
         self._weights: dict[tuple[str, str], tuple[float, bool]] = {}
         self._weights_of: Policy | None = None
         # the bounded series: which orgs have their own label, and what each series has counted
@@ -379,6 +414,8 @@ class PolicyMetrics:
         self._other_created: dict[tuple[str, str], float] = {}
         #: the wait histogram per (class, pool): [waits per bucket, sum, created]
         self._hist: dict[tuple[str, str], list[Any]] = {}
+        #: the time to first token per (class, pool) (:meth:`first_token`)
+        self._ttft: dict[tuple[str, str], _Firsts] = {}
         for k in flows:
             self._get(k)
         self.collector = _Collector(self)
@@ -525,6 +562,75 @@ class PolicyMetrics:
                 fc.refused_by[reason] = fc.refused_by.get(reason, 0) + 1
                 if fc.since is None:  # (refused while idle: its last activity; else _idle's)
                     fc.last = self.clock()
+
+    def first_token(self, key: Key, seconds: float | None) -> None:
+        """A request of ``key`` got its first byte of answer ``seconds`` after it arrived (its
+        time to first token, as the gateway saw it), or (``None``) ended without an answer for
+        one of ``OBJECTIVE_MISSED``: counted for its class's ``ttft_objective_seconds``
+        (``sfq_time_to_first_token_seconds``, ``sfq_objective_attainment``, ``/stats``)."""
+        cls, pool = key[1], key[2]
+        p = self.policy
+        spec = p.classes.get(cls) if p is not None else None
+        objective = spec.ttft_objective_seconds if spec is not None else None
+        h = self._ttft.get((cls, pool))
+        if h is None:
+            h = self._ttft[cls, pool] = _Firsts(objective)
+        sec = int(self.clock())
+        rec = h.recent
+        if rec and rec[-1][0] == sec:
+            r = rec[-1]
+        else:
+            r = [sec, None, 0, 0]
+            rec.append(r)
+            old = sec - self._w
+            i = 0
+            while rec[i][0] <= old:  # (stops at ``r`` at the latest)
+                i += 1
+            if i:
+                del rec[:i]
+        r[3] += 1
+        if seconds is None:
+            return
+        if seconds < 0.0:
+            seconds = 0.0
+        b = bisect_left(h.bounds, seconds)
+        h.buckets[b] += 1
+        h.total += seconds
+        counts = r[1]
+        if counts is None:
+            counts = r[1] = [0] * len(h.buckets)
+        counts[b] += 1
+        if objective is not None and seconds <= objective:
+            r[2] += 1
+
+    def objectives(self, pool: str | None = None) -> dict[tuple[str, str], dict[str, Any]]:
+        """Per (class, pool) with a request counted by :meth:`first_token` in the share window:
+        ``attainment`` (the part of them whose first token came within the class's objective;
+        ``None`` for a class without one), ``attainment_requests`` (how many were counted), and
+        ``ttft_p50``, ``ttft_p99`` (seconds, over those answered; ``None`` if none)."""
+        p = self.policy
+        lo = int(self.clock()) - self._w + 1
+        out: dict[tuple[str, str], dict[str, Any]] = {}
+        for (cls, fp), h in self._ttft.items():
+            if pool is not None and fp != pool:
+                continue
+            counts: list[int] | None = None
+            met = n = 0
+            for sec, c, m, k in h.recent:
+                if sec < lo:
+                    continue
+                met += m
+                n += k
+                if c is not None:
+                    counts = list(c) if counts is None else [a + b for a, b in zip(counts, c)]
+            if not n:
+                continue
+            spec = p.classes.get(cls) if p is not None else None
+            has = spec is not None and spec.ttft_objective_seconds is not None
+            out[cls, fp] = {"attainment": met / n if has else None, "attainment_requests": n,
+                            "ttft_p50": None if counts is None else wait_quantile(counts, 0.5, h.bounds),
+                            "ttft_p99": None if counts is None else wait_quantile(counts, 0.99, h.bounds)}
+        return out
 
     def joined(self, key: Key) -> None:
         """A request joined a running one with the same ``Idempotency-Key``: counted in
@@ -749,9 +855,13 @@ class PolicyMetrics:
             total = f.served.get(name, 0.0)
             orgs = {}
             waiting = in_flight = 0
+            predict = self.predicted
             for org, o in f.grouped(name).items():
                 waiting += o.waiting
                 in_flight += o.in_flight
+                predicted: dict[str, float | None] | None = None
+                if org != OTHER_ORG:
+                    predicted = {c: None if predict is None else predict(org, c, name) for c in sorted(set(o.classes))}
                 orgs[org] = {
                     "weight": o.weight if org != OTHER_ORG else None,
                     "share": o.served / total if total > 0 else 0.0,
@@ -760,7 +870,8 @@ class PolicyMetrics:
                     "oldest_wait_seconds": None if o.oldest is None else max(0.0, f.now - o.oldest),
                     "wait_p50": None if o.waits is None else wait_quantile(o.waits, 0.5),
                     "wait_p99": None if o.waits is None else wait_quantile(o.waits, 0.99),
-                    "classes": sorted(set(o.classes)), "requests": o.outcomes()}
+                    "classes": sorted(set(o.classes)), "requests": o.outcomes(),
+                    "predicted_wait_seconds": predicted}
             out[name] = {"jain": f.jain(name), "waiting": waiting, "in_flight": in_flight, "served_cost": total,
                          "orgs": orgs, "classes": self._classes(name)}
         return {"time": f.time, "window_seconds": self.window, "pools": out, "classes": self._service_levels()}
@@ -774,18 +885,25 @@ class PolicyMetrics:
         requests by outcome since the start (over every org)."""
         p = self.policy
         out: dict[str, dict[str, Any]] = {}
+        objectives = self.objectives(pool)
+
+        def row(cls: str) -> dict[str, Any]:
+            spec = p.classes.get(cls) if p is not None else None
+            strict = spec is not None and spec.strict
+            got = objectives.get((cls, pool))
+            return {"weight": None if strict else (spec.weight if spec is not None else 1.0),
+                    "strict": strict, "waiting": 0, "in_flight": 0, "deadline_missed": 0,
+                    "deadline_seconds": None if spec is None else spec.deadline_seconds,
+                    "ttft_objective_seconds": None if spec is None else spec.ttft_objective_seconds,
+                    "attainment": None, "attainment_requests": 0, "ttft_p50": None, "ttft_p99": None,
+                    **(got or {}), "requests": dict.fromkeys((*OUTCOMES, "joined"), 0)}
+
         for (org, cls, fp), fc in self.flows.items():
             if fp != pool or not org or not cls:
                 continue
             c = out.get(cls)
             if c is None:
-                spec = p.classes.get(cls) if p is not None else None
-                strict = spec is not None and spec.strict
-                c = out[cls] = {"weight": None if strict else (spec.weight if spec is not None else 1.0),
-                                "strict": strict, "waiting": 0, "in_flight": 0, "deadline_missed": 0,
-                                "deadline_seconds": None if spec is None else spec.deadline_seconds,
-                                "ttft_objective_seconds": None if spec is None else spec.ttft_objective_seconds,
-                                "requests": dict.fromkeys((*OUTCOMES, "joined"), 0)}
+                c = out[cls] = row(cls)
             c["waiting"] += fc.waiting
             c["in_flight"] += fc.in_flight
             c["deadline_missed"] += fc.missed
@@ -793,6 +911,9 @@ class PolicyMetrics:
             for k, n in fc.outcomes.items():
                 req[k] += n
             req["joined"] += fc.joins
+        for cls, fp in objectives:  # (a class whose flows were forgotten: its window still counts)
+            if cls not in out:
+                out[cls] = row(cls)
         return dict(sorted(out.items()))
 
 
@@ -817,6 +938,12 @@ def _add_into(a: dict[tuple[str, str], float], b: Mapping[tuple[str, str], float
 #: (name, help, type, label names); the order the series are exposed in
 _FAMILIES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("sfq_queue_wait_seconds", "Wait before start (seconds), per class and pool", "histogram", ("class", "pool")),
+    ("sfq_time_to_first_token_seconds", "Time to first token as the gateway saw it: from a request's arrival to the "
+     "first byte of its answer (the first event of a stream), per class and pool; the buckets include the class's "
+     "ttft_objective_seconds", "histogram", ("class", "pool")),
+    ("sfq_objective_attainment", "The part of the class's requests over the window whose first token came within its "
+     "ttft_objective_seconds (those that ended for their deadline without an answer count as misses)", "gauge",
+     ("class", "pool")),
     ("sfq_requests", "Requests by outcome", "counter", (*_LABELS, "outcome")),
     ("sfq_refusals", "Requests refused or dropped before start, by reason", "counter", (*_LABELS, "reason")),
     ("sfq_failures", "Requests that failed, by reason", "counter", (*_LABELS, "reason")),
@@ -905,6 +1032,23 @@ class _Collector(Collector):
             wait.append(Sample("sfq_queue_wait_seconds_sum", lab, float(total)))
             if created:
                 wait.append(Sample("sfq_queue_wait_seconds_created", lab, ts))
+        ttft = fam["sfq_time_to_first_token_seconds"].samples
+        for (cls, pool), h in list(m._ttft.items()):
+            if not any(h.buckets):
+                continue  # (only misses so far: no time to first token)
+            lab = {"class": cls, "pool": pool}
+            cum = 0.0
+            for le, n in zip(h.le, h.buckets):
+                cum += n
+                ttft.append(Sample("sfq_time_to_first_token_seconds_bucket", {**lab, "le": le}, cum))
+            ttft.append(Sample("sfq_time_to_first_token_seconds_count", lab, cum))
+            ttft.append(Sample("sfq_time_to_first_token_seconds_sum", lab, float(h.total)))
+            if created:
+                ttft.append(Sample("sfq_time_to_first_token_seconds_created", lab, h.created))
+        attain = fam["sfq_objective_attainment"].samples
+        for (cls, pool), got in m.objectives().items():
+            if got["attainment"] is not None:
+                attain.append(Sample("sfq_objective_attainment", {"class": cls, "pool": pool}, got["attainment"]))
         share, expected, oldest = (fam["sfq_share"].samples, fam["sfq_expected_share"].samples,
                                    fam["sfq_oldest_wait_seconds"].samples)
         weights: dict[str, float] = {}

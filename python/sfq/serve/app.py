@@ -51,8 +51,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, generate_late
 from ..backends.base import JSONBody, JSONEvent
 from ..dispatch.policy_dispatcher import PolicyDispatcher
 from ..engine import Request
-from ..policy.metrics import PolicyMetrics
-from ..errors import BackendError, BackendHTTPError, PolicyError, Refused, SFQError
+from ..policy.metrics import OBJECTIVE_MISSED, PolicyMetrics
+from ..errors import REFUSALS, BackendError, BackendHTTPError, PolicyError, Refused, SFQError
 from ..policy import Flow, Policy, load_policy
 from . import dashboard as _dashboard
 from ..policy.classify import check_user
@@ -73,6 +73,9 @@ QUEUE_WAIT_HEADER = "X-SFQ-Queue-Wait"
 _DONE = b"data: [DONE]\n\n"
 _UNKNOWN = ("", "", "")
 _std_dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+#: what ends a request as a miss of its class's time-to-first-token objective, as the engine's
+#: reasons and as the codes of the gateway's answers
+_OBJECTIVE_MISSED = OBJECTIVE_MISSED | {REFUSALS[r][2] for r in OBJECTIVE_MISSED}
 
 #: seconds a refusal of a body still coming goes on reading (and dropping) it before closing
 LINGER_SECONDS = 2.0
@@ -123,7 +126,7 @@ class _Entry:
     """What the access-log line of one request says, and what the gateway has recorded of it."""
 
     __slots__ = ("t0", "path", "rid", "model", "stream", "flow", "r", "status", "outcome", "reason", "usage",
-                 "events", "counted", "writing", "stalled", "timer", "error_status", "joining", "waited")
+                 "events", "counted", "writing", "stalled", "timer", "error_status", "joining", "waited", "first")
 
     def __init__(self, t0: float, path: str, rid: str) -> None:
         self.t0 = t0
@@ -145,6 +148,7 @@ class _Entry:
         self.error_status: int | None = None
         self.joining = False  # it joins a running request of the same Idempotency-Key
         self.waited: float | None = None  # seconds in the queue, as its answer's X-SFQ-Queue-Wait said
+        self.first: float | None = None  # loop time its answer's first body byte was sent (200s only)
 
     def admitted(self, r: Request) -> None:
         self.r = r
@@ -415,6 +419,7 @@ class Gateway:
         finally:
             if e.timer is not None:
                 e.timer.cancel()
+            self._first_token(e)
             self._log(e, loop.time())
 
     def _count(self, e: _Entry, key: tuple[str, str, str], outcome: str, reason: str | None = None) -> None:
@@ -533,7 +538,9 @@ class Gateway:
             self._joined(e)
         e.usage = reply.get("usage") if isinstance(reply, dict) else None
         e.status = 200
-        return _json(200, reply, {**self._headers(e.rid), **self._waited(e)})
+        resp = _json(200, reply, {**self._headers(e.rid), **self._waited(e)})
+        e.first = asyncio.get_running_loop().time()  # (its body goes out as the handler returns)
+        return resp
 
     async def _read(self, request: web.Request, payload: Any, unread: bool, e: _Entry) -> bytes:
         """The body, at most the read cap, within the body deadline (``_TooLarge``,
@@ -684,6 +691,8 @@ class Gateway:
                         if data is None:
                             data = _dumps(ev)
                         e.writing = True
+                        if e.first is None:
+                            e.first = loop.time()
                         try:
                             await write(b"data: %b\n\n" % data)
                         finally:
@@ -693,6 +702,8 @@ class Gateway:
                         ev = await agen.__anext__()
                     except StopAsyncIteration:
                         ev = None
+                if e.first is None:  # (a stream without an event: its answer's first byte)
+                    e.first = loop.time()
                 await self._send(e, resp, _DONE)
             except SFQError as exc:  # after the stream started: an error event ends it, never a silent cut
                 err = http_error_of(exc)
@@ -798,6 +809,23 @@ class Gateway:
         if extra:
             h.update(extra)
         return self._error(err, e.rid, h)
+
+    def _first_token(self, e: _Entry) -> None:
+        """Count the request for its class's time-to-first-token objective: the seconds from
+        its arrival to the first byte of a 200's body, or a miss when it ended without an
+        answer because its deadline or queue age ran out (or it could not start before its
+        deadline); any other end is not counted (``PolicyMetrics.first_token``)."""
+        r = e.r
+        key = r.flow[:3] if r is not None else e.flow
+        if key is None or not key[1] or not key[2]:
+            return
+        m = self.pd.engine.metrics
+        if not isinstance(m, PolicyMetrics):
+            return
+        if e.first is not None:
+            m.first_token(key, e.first - e.t0)
+        elif (r is not None and r.reason in _OBJECTIVE_MISSED) or e.reason in _OBJECTIVE_MISSED:
+            m.first_token(key, None)
 
     def _log(self, e: _Entry, now: float) -> None:
         if not access.isEnabledFor(logging.INFO):

@@ -5,7 +5,9 @@ served cost against the share their weights promise, requests waiting and in fli
 oldest wait and the p99 wait, over the gateway's window (``metrics.window_seconds``); above
 them the pool's Jain index and queue; below them its classes, with their weight (a flow's
 weight is its org's times its class's), requests waiting and in flight, deadline misses
-(``sfq_deadline_missed_total``) and requests by outcome. Keys: ``1``-``9`` pick a pool, Tab (or ``n``) the next
+(``sfq_deadline_missed_total``), its time-to-first-token objective (``ttft_objective_seconds``)
+with its attainment over the window (``-`` for a class without one), the p99 time to first
+token over the window, and requests by outcome. Keys: ``1``-``9`` pick a pool, Tab (or ``n``) the next
 one, ``q`` quits. ``--once`` prints one frame and exits (scripts, tests).
 
 A gateway that cannot be reached, or answers anything but ``/stats``' JSON, is an error
@@ -144,7 +146,8 @@ def render(stats: Mapping[str, Any], pool: str | None = None, *, url: str = "", 
     classes: Mapping[str, Any] = p.get("classes") or {}
     if classes:
         ct = Table(expand=False, pad_edge=False, box=None, header_style="bold")
-        for col in ("class", "weight", "waiting", "in flight", "deadline missed", "completed", "failed", "refused"):
+        for col in ("class", "weight", "waiting", "in flight", "deadline missed", "objective", "attainment",
+                    "p99 TTFT", "completed", "failed", "refused"):
             ct.add_column(col, justify="left" if col == "class" else "right", no_wrap=True, overflow="ellipsis",
                           max_width=32 if col == "class" else None)
         for name in sorted(classes):
@@ -152,10 +155,13 @@ def render(stats: Mapping[str, Any], pool: str | None = None, *, url: str = "", 
             r = c.get("requests") or {}
             w = _num(c.get("weight"))
             missed = _num(c.get("deadline_missed"))
+            objective = _num(c.get("ttft_objective_seconds"))
+            attained = _pct(c.get("attainment")) if objective is not None else "-"
             ct.add_row(Text(name), "strict" if c.get("strict") else "-" if w is None else f"{w:g}",
                        _int(c.get("waiting")), _int(c.get("in_flight")),
-                       Text(_int(missed), style="red" if missed else ""), _int(r.get("completed")),
-                       _int(r.get("failed")), _int(r.get("refused")))
+                       Text(_int(missed), style="red" if missed else ""), _secs(objective), attained,
+                       _secs(c.get("ttft_p99")), _int(r.get("completed")), _int(r.get("failed")),
+                       _int(r.get("refused")))
         parts.append(Text(""))
         parts.append(ct)
     keys = Text("pools: ", style="dim")
