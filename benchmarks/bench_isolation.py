@@ -32,13 +32,18 @@ Per configuration one gateway on the same engine: first the quiet tenant alone f
   idle while the flood holds its part.
 
 Reported per configuration: the quiet tenant's TTFT p50 and p99 alone and under the flood
-(seconds) and their ratios; the objective attainment (TTFT within ``--objective`` s); the
-output tokens the engine completed per second in the measured window, and that throughput
-over FIFO's.
+(seconds); the flood figures over the alone figure of the run set (the median of every
+configuration's alone runs: the quiet tenant alone does not depend on the policy, and one
+row's alone p99 of 40 requests is noisy); the objective attainment (TTFT within
+``--objective`` s); the output tokens the engine completed per second in the measured window,
+and that throughput over the same run's FIFO figure. With ``--runs N`` every configuration
+runs N times, interleaved (run ``i`` goes through all of them, from the ``i``-th on, with seed
+``--seed + 100 i``), and each figure is the median of the runs with their min and max.
 
 Run from the repository root::
 
     python benchmarks/bench_isolation.py                 # ~5 minutes: 6 configurations
+    python benchmarks/bench_isolation.py --runs 3 --configs fifo,sfq,sfq-deadlines,headroom-2
     python benchmarks/bench_isolation.py --quick         # a smoke run (numbers not for quoting)
 
 Results go to ``benchmarks/results/isolation.json`` (not with ``--quick``) and a markdown table
@@ -211,32 +216,88 @@ def run_config(config: str, *, slots: int, unit: float, clients: int, interval: 
     }
 
 
-def run(configs: tuple[str, ...] = CONFIGS, **kw: Any) -> dict[str, Any]:
-    rows = [run_config(c, **kw) for c in configs]
-    base = next((r["tokens_per_s"] for r in rows if r["config"] == "fifo"), None)
-    for r in rows:
-        r["throughput_vs_fifo"] = r["tokens_per_s"] / base if base else None
-    return {"rows": rows}
+def _spread(xs: list[float | None]) -> dict[str, float | None]:
+    """Median, min and max of the runs' figures (``None`` where a run had none)."""
+    v = [x for x in xs if x is not None]
+    if not v:
+        return {"median": None, "min": None, "max": None}
+    return {"median": statistics.median(v), "min": min(v), "max": max(v)}
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    def f(x: Any, d: int = 3) -> str:
-        return "-" if x is None else f"{x:.{d}f}"
+def run(configs: tuple[str, ...] = CONFIGS, runs: int = 1, **kw: Any) -> dict[str, Any]:
+    """``runs`` runs of every configuration, interleaved (run ``i`` goes through them all, from
+    the ``i``-th on, before run ``i + 1``), run ``i`` with seed ``seed + 100 i`` for all its
+    configurations. Per configuration: the runs (``runs``) and the medians with min and max.
+    The alone figure is the median of every alone p50 (p99) of the run set, all configurations
+    together (the quiet tenant alone on the same engine; one row's alone p99 of 40 requests is
+    a noisy figure); each row's flood p50 (p99) is divided by it. Throughput is divided by the
+    same run's FIFO figure."""
+    seed = kw.pop("seed", 0)
+    per: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+    for i in range(runs):
+        order = configs[i % len(configs):] + configs[:i % len(configs)]
+        for c in order:
+            r = run_config(c, seed=seed + 100 * i, **kw)
+            r["run"] = i
+            per[c].append(r)
+            print(f"run {i + 1}/{runs} {c}: alone p99 {r['quiet_alone']['p99']}, flood p50 / p99 "
+                  f"{r['quiet_flood']['p50']} / {r['quiet_flood']['p99']}, {r['tokens_per_s']:.0f} tokens/s",
+                  file=sys.stderr, flush=True)
+    for i in range(runs):
+        base = next((r["tokens_per_s"] for r in per.get("fifo", []) if r["run"] == i), None)
+        for c in configs:
+            for r in per[c]:
+                if r["run"] == i:
+                    r["throughput_vs_fifo"] = r["tokens_per_s"] / base if base else None
+    every = [r for c in configs for r in per[c]]
+    alone = {q: _spread([r["quiet_alone"][q] for r in every])["median"] for q in ("p50", "p99")}
+    rows = []
+    for c in configs:
+        rs = per[c]
+        row: dict[str, Any] = {"config": c, "runs": len(rs)}
+        row["quiet_alone"] = {q: _spread([r["quiet_alone"][q] for r in rs]) for q in ("p50", "p99")}
+        row["quiet_flood"] = {q: _spread([r["quiet_flood"][q] for r in rs]) for q in ("p50", "p99")}
+        for q in ("p50", "p99"):
+            row[f"{q}_ratio"] = _spread([r["quiet_flood"][q] / alone[q] if alone[q] and r["quiet_flood"][q]
+                                         is not None else None for r in rs])
+        row["attainment"] = _spread([r["attainment"] for r in rs])
+        row["tokens_per_s"] = _spread([r["tokens_per_s"] for r in rs])
+        row["throughput_vs_fifo"] = _spread([r.get("throughput_vs_fifo") for r in rs])
+        row["errors"] = sum(r["errors"] for r in rs)
+        row["error_sample"] = [e for r in rs for e in r["error_sample"]][:3]
+        rows.append(row)
+    return {"alone": alone, "rows": rows, "runs": every}
 
-    out = ["| configuration | quiet TTFT alone p50 / p99 (s) | under the flood p50 / p99 (s) | p50 / p99 "
-           "vs alone | within objective | tokens/s | vs FIFO |", "|---|---|---|---|---|---|---|"]
+
+def table(rows: list[dict[str, Any]], alone: dict[str, float | None]) -> str:
+    """Medians, [min-max] over the runs when there were several."""
+    def f(s: dict[str, Any], d: int = 3, scale: float = 1.0, unit: str = "") -> str:
+        if s["median"] is None:
+            return "-"
+        m = f"{scale * s['median']:.{d}f}{unit}"
+        if s["min"] == s["max"]:
+            return m
+        return f"{m} [{scale * s['min']:.{d}f}-{scale * s['max']:.{d}f}]"
+
+    def g(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    out = [f"alone (the median of every row's runs): p50 {g(alone['p50'])} s, p99 {g(alone['p99'])} s", "",
+           "| configuration | runs | its alone p50 / p99 (s) | under the flood p50 / p99 (s) | p50 vs alone | "
+           "p99 vs alone | within objective | tokens/s | vs FIFO |", "|---|---:|---|---|---|---|---|---|---|"]
     for r in rows:
         a, b = r["quiet_alone"], r["quiet_flood"]
-        out.append(f"| {r['config']} | {f(a['p50'])} / {f(a['p99'])} | {f(b['p50'])} / {f(b['p99'])} | "
-                   f"{f(r['p50_ratio'], 1)}x / {f(r['p99_ratio'], 1)}x | "
-                   f"{'-' if r['attainment'] is None else format(r['attainment'], '.1%')} | "
-                   f"{r['tokens_per_s']:.0f} | {f(r['throughput_vs_fifo'] and 100 * r['throughput_vs_fifo'], 1)} % |")
+        out.append(f"| {r['config']} | {r['runs']} | {f(a['p50'])} / {f(a['p99'])} | {f(b['p50'])} / {f(b['p99'])} | "
+                   f"{f(r['p50_ratio'], 2, unit='x')} | {f(r['p99_ratio'], 2, unit='x')} | "
+                   f"{f(r['attainment'], 1, 100, ' %')} | {f(r['tokens_per_s'], 0)} | "
+                   f"{f(r['throughput_vs_fifo'], 1, 100, ' %')} |")
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--runs", type=int, default=1, help="runs of every configuration, interleaved")
     ap.add_argument("--slots", type=int, default=32)
     ap.add_argument("--unit", type=float, default=0.005, help="seconds a prompt token, half an output token")
     ap.add_argument("--clients", type=int, default=40, help="closed-loop clients of each flooding tenant")
@@ -252,19 +313,21 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.quick:
         a.clients, a.alone, a.warmup, a.seconds = 8, 2.0, 1.0, 3.0
+    if a.runs < 1:
+        ap.error("--runs must be >= 1")
     kw = dict(slots=a.slots, unit=a.unit, clients=a.clients, interval=a.interval, alone=a.alone, warmup=a.warmup,
               seconds=a.seconds, objective=a.objective, deadline=a.deadline, seed=a.seed)
     load_before = os.getloadavg()
     t0 = time.monotonic()
-    res = run(tuple(a.configs.split(",")), **kw)
+    res = run(tuple(a.configs.split(",")), runs=a.runs, **kw)
     doc = {"benchmark": "bench_isolation", "python": platform.python_version(), "cpus": os.cpu_count(),
            "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "wall_s": round(time.monotonic() - t0, 1),
-           "params": {**kw, "flood_tokens": FLOOD, "quiet_tokens": QUIET_TOKENS}, **res}
+           "params": {**kw, "runs": a.runs, "flood_tokens": FLOOD, "quiet_tokens": QUIET_TOKENS}, **res}
     if not a.quick:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(doc, indent=2) + "\n")
     print(f"\nload average before {load_before[0]:.2f}, after {doc['loadavg_after'][0]:.2f}; wall {doc['wall_s']} s\n")
-    print(table(res["rows"]))
+    print(table(res["rows"], res["alone"]))
     return 0
 
 
@@ -274,12 +337,18 @@ def test_bench_isolation_smoke() -> None:
     import pytest
 
     pytest.importorskip("openai")
-    res = run(("fifo", "sfq-deadlines", "headroom-1"), slots=4, unit=0.001, clients=2, interval=0.1, alone=0.5, warmup=0.2,
-              seconds=1.0, objective=0.5, deadline=2.0, seed=0)
+    res = run(("fifo", "sfq-deadlines", "headroom-1"), runs=2, slots=4, unit=0.001, clients=2, interval=0.1,
+              alone=0.5, warmup=0.2, seconds=1.0, objective=0.5, deadline=2.0, seed=0)
     assert [r["config"] for r in res["rows"]] == ["fifo", "sfq-deadlines", "headroom-1"]
-    for r in res["rows"]:
+    assert [(r["run"], r["config"]) for r in res["runs"]] == [
+        (0, "fifo"), (1, "fifo"), (0, "sfq-deadlines"), (1, "sfq-deadlines"), (0, "headroom-1"), (1, "headroom-1")]
+    for r in res["runs"]:
         assert r["quiet_alone"]["n"] > 0 and r["quiet_flood"]["n"] > 0 and r["tokens_per_s"] > 0
         assert r["errors"] == 0, r["error_sample"]
+    for r in res["rows"]:
+        assert r["runs"] == 2 and r["tokens_per_s"]["min"] <= r["tokens_per_s"]["median"] <= r["tokens_per_s"]["max"]
+    assert res["rows"][0]["throughput_vs_fifo"] == {"median": 1.0, "min": 1.0, "max": 1.0}
+    print(table(res["rows"], res["alone"]))
 
 
 if __name__ == "__main__":

@@ -81,8 +81,9 @@ SCENARIOS: dict[str, str] = {
     "deadlines": (
         "An interactive class (TTFT objective 1 s, deadlines of 1 s or 3 s) beside two batch "
         "tenants flooding one 32-slot engine: per class the objective attainment and the batch "
-        "service against FIFO's, for fifo, prio, sfq and sfq-edf (the engine with deadlines: "
-        "EDF inside a flow)."
+        "service against FIFO's, for fifo, prio, sfq, sfq-edf (the engine with deadlines: "
+        "EDF inside a flow) and sfq-edf-headroom-K (sfq-edf with the pool's limits.headroom: K, "
+        "--headroom K[,K], default 3,5: the last K free slots kept for flows below their part)."
     ),
 }
 

@@ -63,6 +63,13 @@ def _weight(text: str) -> tuple[str, float]:
     return name, _positive_float(w)
 
 
+def _headroom(text: str) -> tuple[int, ...]:
+    ks = tuple(_positive_int(k.strip()) for k in text.split(",") if k.strip())
+    if not ks:
+        raise argparse.ArgumentTypeError(f"expected K[,K] (slots kept, ints >= 1), got {text!r}")
+    return ks
+
+
 def _policies(values: list[str] | None) -> list[str] | None:
     if not values:
         return None
@@ -115,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "cost at completion), served (prompt at dispatch, output as generated; the default)")
     sim.add_argument("--prior", type=_positive_float, default=0.5,
                      help="estimator's output/max_tokens ratio before any completion (0.5)")
+    sim.add_argument("--headroom", type=_headroom, metavar="K[,K]",
+                     help="deadlines: the pool's limits.headroom of each sfq-edf-headroom-K row (default 3,5)")
     sim.add_argument("--trace", metavar="FILE", help="JSONL trace for the trace scenario")
     sim.add_argument("--weight", type=_weight, action="append", metavar="FLOW=W", help="trace: a flow's weight")
     sim.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
@@ -215,6 +224,8 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("the trace scenario needs --trace FILE.jsonl")
     if args.trace and args.scenario != "trace":
         parser.error("--trace goes with the trace scenario: sfq simulate trace --trace FILE.jsonl")
+    if args.headroom and args.scenario != "deadlines":
+        parser.error("--headroom applies to the deadlines scenario (sfq simulate deadlines --headroom K[,K])")
     if args.weight and not args.trace:
         parser.error("--weight applies to trace replay (sfq simulate trace --trace FILE --weight FLOW=W)")
     opts = Options(
@@ -231,6 +242,7 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         trace=args.trace,
         weights=dict(args.weight or []),
         charge=args.charge,
+        headroom=args.headroom,
     )
     names = [args.scenario] if args.scenario else list(HEADLINE)
 

@@ -1,5 +1,6 @@
 """``sfq simulate deadlines``: an interactive class with a TTFT objective and deadlines beside a
-batch flood, under fifo, strict priority, sfq and sfq with deadlines (EDF inside the flow).
+batch flood, under fifo, strict priority, sfq, sfq with deadlines (EDF inside the flow) and sfq
+with deadlines and the pool's ``limits.headroom`` (the engine's own, K slots kept).
 
 The assertions are on the seeded numbers (simulated steps, not wall time), with margins: the
 ordering the mechanisms imply, not the values of one seed."""
@@ -25,13 +26,24 @@ def runs() -> list[ScenarioResult]:
 
 def test_the_scenario_runs_every_policy_and_reports_each_class(runs: list[ScenarioResult]) -> None:
     rows = _rows(runs[0])
-    assert list(rows) == ["fifo", "prio", "sfq", "sfq-edf"]
+    assert list(rows) == ["fifo", "prio", "sfq", "sfq-edf", "sfq-edf-headroom-3", "sfq-edf-headroom-5"]
+    assert runs[0].params["headroom"] == [3, 5]
+    assert rows["sfq-edf-headroom-3"]["headroom"] == 3 and rows["sfq-edf"]["headroom"] == 0
     for r in rows.values():
         for cls in ("interactive", "batch"):
             c = r["classes"][cls]
             assert c["requests"] > 0 and 0.0 <= c["attainment"] <= 1.0 and 0.0 <= c["in_time"] <= 1.0
     assert rows["fifo"]["batch_vs_fifo"] == 1.0
     assert rows["sfq"]["dropped"] == 0 and rows["sfq-edf"]["dropped"] > 0  # only the deadlines drop
+
+
+def test_the_headroom_rows_follow_the_option_and_the_policy_list() -> None:
+    res = run_scenario("deadlines", Options(seed=0, steps=1500, headroom=(2,)), policies=["sfq"])
+    assert [r["policy"] for r in res.results] == ["fifo", "sfq", "sfq-edf", "sfq-edf-headroom-2"]
+    with pytest.raises(ValueError, match="headroom"):
+        run_scenario("deadlines", Options(seed=0, steps=100, headroom=(32,)))
+    with pytest.raises(ValueError, match="headroom"):
+        Options(headroom=(0,))
 
 
 def test_the_scenario_is_deterministic_from_its_seed(runs: list[ScenarioResult]) -> None:
@@ -57,3 +69,14 @@ def test_the_order_of_the_results_is_the_one_the_mechanisms_imply(runs: list[Sce
         # the batch class keeps (nearly) all of FIFO's service: every policy is work conserving
         for p in ("prio", "sfq", "sfq-edf"):
             assert rows[p]["batch_vs_fifo"] >= 0.95
+        # headroom K: a burst finds K slots at once. The interactive class's attainment rises
+        # above sfq-edf's (no lower with K = 3; with K = 5 at least 3 points higher and 97 %) and its p99
+        # falls; the batch class pays about the K slots kept idle (K / 32 of the engine, less
+        # what the interactive class runs in them), never more
+        h3, h5 = inter["sfq-edf-headroom-3"], inter["sfq-edf-headroom-5"]
+        assert h3["attainment"] >= inter["sfq-edf"]["attainment"]
+        assert h5["attainment"] >= inter["sfq-edf"]["attainment"] + 0.03 and h5["attainment"] >= 0.97
+        assert h5["ttft_p99"] < inter["sfq-edf"]["ttft_p99"] and h5["in_time"] >= 0.99
+        for k in (3, 5):
+            b = rows[f"sfq-edf-headroom-{k}"]["batch_vs_fifo"]
+            assert 1 - k / 32 - 0.02 <= b <= 1 - k / 32 + 0.05, (k, b)

@@ -18,7 +18,12 @@ Policies: ``fifo`` (one queue), ``prio`` (strict priority: the interactive class
 classes, no deadlines) and ``sfq-edf`` (the same engine and policy with the interactive
 class's ``deadline_seconds`` and the requests' own deadlines: earliest deadline first inside
 a flow, docs/design.md §5d, after Liu and Layland 1973; SFQ between flows after Goyal, Vin
-and Cheng 1996; a request whose deadline passed is dropped, not started).
+and Cheng 1996; a request whose deadline passed is dropped, not started), always run, and
+``sfq-edf-headroom-K`` for each K of ``headroom`` (default :data:`DEFAULT_HEADROOM`), always
+run: ``sfq-edf`` with the pool's ``limits.headroom: K`` and ``max_in_flight`` the fleet's
+slots (the engine counts the slots kept against the pool's, the simulated fleet still places):
+while no more than K slots are free, only a flow with nothing running or below its part of the
+others may take one, so a burst finds K slots at once instead of waiting for slots to free.
 
 Per class: the objective attainment (the share of the class's requests that arrived in the
 run whose first token came within the objective; a request dropped or never started counts
@@ -40,9 +45,14 @@ from .estimate import make_estimator
 from .model import FlowSpec, Workload
 from .workloads import Bursts, FlowLoad, Poisson, Sizes, build_workload
 
-__all__ = ["DEADLINE_POLICIES", "deadlines_workload", "run_deadlines"]
+__all__ = ["DEADLINE_POLICIES", "DEFAULT_HEADROOM", "deadlines_workload", "run_deadlines"]
 
 DEADLINE_POLICIES = ("fifo", "prio", "sfq", "sfq-edf")
+#: the pool's ``limits.headroom`` of the ``sfq-edf-headroom-K`` rows (always run): 3, the most
+#: slots of 32 kept whose cost stays within the batch class's 90 % of FIFO's service (3 / 32 <
+#: 10 %), and 5, the fewest that bring the interactive class's attainment to 99 % (median of
+#: seeds 0-9; docs/policy.md "Deadlines and service levels")
+DEFAULT_HEADROOM = (3, 5)
 APP_SIZES = Sizes(prompt=(50, 300), output=(10, 60), max_tokens=64)
 BATCH_SIZES = Sizes(prompt=(100, 600), output=(50, 350), max_tokens=384)
 BATCH_OBJECTIVE = 60.0  # seconds
@@ -73,15 +83,18 @@ def _merge_flows(wl: Workload, to: dict[int, int]) -> Workload:
     return Workload.from_arrays(flows, wl.arrival, mapped, wl.prompt, wl.output, wl.max_tokens, meta=wl.meta)
 
 
-def _policy(objective: float, deadline: float | None) -> Any:
+def _policy(objective: float, deadline: float | None, headroom: int = 0, slots: int | None = None) -> Any:
     from ..policy.config import policy_from_mapping
     from .adapter import _POOL
 
+    pool: dict[str, Any] = {"models": [SIM_MODEL], "backends": [{"url": "http://simulated.invalid"}]}
+    if headroom:  # the engine counts the fleet's slots through the pool's max_in_flight
+        pool["limits"] = {"max_in_flight": slots, "headroom": headroom}
     interactive: dict[str, Any] = {"small_cost": None, "ttft_objective_seconds": objective}
     if deadline is not None:
         interactive["deadline_seconds"] = deadline
     return policy_from_mapping({
-        "pools": {_POOL: {"models": [SIM_MODEL], "backends": [{"url": "http://simulated.invalid"}]}},
+        "pools": {_POOL: pool},
         "classes": {"interactive": interactive,
                     "batch": {"small_cost": None, "ttft_objective_seconds": BATCH_OBJECTIVE}},
         "orgs": {"app": {"classes": ["interactive"]}, "batch-1": {"classes": ["batch"]},
@@ -90,15 +103,17 @@ def _policy(objective: float, deadline: float | None) -> Any:
     }, source="<deadlines scenario>")
 
 
-def _discipline(wl: Workload, name: str, objective: float, own: dict[int, float], core: Any) -> Any:
+def _discipline(wl: Workload, name: str, objective: float, own: dict[int, float], core: Any,
+                headroom: int = 0, slots: int | None = None) -> Any:
     from ..policy.classify import Flow
     from .adapter import _POOL
     from .policies import make_policy
 
     if name in ("fifo", "prio"):
         return make_policy(name)
-    edf = name == "sfq-edf"
-    policy = _policy(objective, 3.0 * objective if edf else None)
+    edf = name in ("sfq-edf", "sfq-edf-headroom")
+    policy = _policy(objective, 3.0 * objective if edf else None,
+                     headroom if name == "sfq-edf-headroom" else 0, slots)
     flows = [Flow(f.name.split("/")[0], f.klass, _POOL) for f in wl.flows]
     return EngineDiscipline(policy, flows, scheduler=core, label=name, run_estimator=True,
                             deadlines=own if edf else None)
@@ -143,19 +158,25 @@ def run_deadlines(opts: Any, policies: Sequence[str] | None = None, progress: An
     progress = progress or Progress()
     steps = opts.steps or 12_000
     fleet = _fleet(opts, 1, 1 << 22, 32)
+    slots = fleet.servers * fleet.max_batch if fleet.max_batch is not None else None
+    headroom = tuple(getattr(opts, "headroom", None) or DEFAULT_HEADROOM)
+    if slots is None or any(k >= slots for k in headroom):
+        raise ValueError(f"deadlines: headroom {headroom} must be below the fleet's slots ({slots})")
     wl = deadlines_workload(opts.seed, steps, burst=burst)
     wanted = [n for n in (policies or DEADLINE_POLICIES) if n in DEADLINE_POLICIES]
     names = [n for n in DEADLINE_POLICIES if n in wanted or n in ("fifo", "sfq-edf")]  # fifo: the baseline
+    runs_of = [(n, 0) for n in names] + [(f"sfq-edf-headroom-{k}", k) for k in headroom]  # (always)
     own = _own_deadlines(wl, opts.seed, objective)
     default_deadline = 3.0 * objective
     params = {**_common_params(opts), "steps": steps, **_fleet_params(fleet), "requests": len(wl),
               "objective_s": {"interactive": objective, "batch": BATCH_OBJECTIVE},
               "deadline_seconds": default_deadline, "own_deadlines": len(own), "burst": burst,
-              "steps_per_second": STEPS_PER_SECOND, "policies": names}
+              "headroom": list(headroom), "steps_per_second": STEPS_PER_SECOND,
+              "policies": [n for n, _ in runs_of]}
     runs, rows = [], []
     batch_service: dict[str, float] = {}
-    for n in names:
-        disc = _discipline(wl, n, objective, own, opts.core)
+    for n, k in runs_of:
+        disc = _discipline(wl, "sfq-edf-headroom" if k else n, objective, own, opts.core, k, slots)
         cb = progress.begin(n, steps)
         try:
             res = Simulation(wl, disc, fleet, w_p=opts.w_p, w_q=opts.w_q, horizon=steps,
@@ -166,12 +187,11 @@ def run_deadlines(opts: Any, policies: Sequence[str] | None = None, progress: An
         runs.append((n, res))
         final = res.final_service()
         batch_service[n] = float(final[1] + final[2])
-        edf = n == "sfq-edf"
         classes = {
             "interactive": _class_row(res, [0], objective, own, default_deadline),
             "batch": _class_row(res, [1, 2], BATCH_OBJECTIVE, None, None),
         }
-        rows.append(_row("deadlines", res, classes=classes,
+        rows.append(_row("deadlines", res, classes=classes, headroom=k,
                          dropped=sum(getattr(disc, "dropped", {}).values())))
     for r in rows:
         base = batch_service.get("fifo")

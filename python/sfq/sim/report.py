@@ -180,7 +180,8 @@ def table_rows(res: ScenarioResult) -> tuple[str, list[str], list[list[str]], st
         caption = ("attainment: requests whose first token came within the class's objective (dropped or never "
                    "started: missed); in time: started before their own deadline; sfq-edf: the engine with "
                    f"deadlines (half the interactive requests {obj['interactive']:g} s, the rest the class's "
-                   f"{p['deadline_seconds']:g} s), EDF inside the flow")
+                   f"{p['deadline_seconds']:g} s), EDF inside the flow; sfq-edf-headroom-K: sfq-edf with the "
+                   "pool's limits.headroom: K (the last K free slots kept for flows below their part)")
     elif s == "many":
         headers = ["policy", "events", "last step", "weighted\ntokens/step", "Jain\nindex"]
         for r in res.results:

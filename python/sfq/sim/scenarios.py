@@ -33,7 +33,8 @@ themselves for the plots. Units: steps, tokens, weighted tokens (``w_p``, ``w_q`
                (``teams`` + ``users: equal``: each team 1/2, each t1 user 1/20).
 ``deadlines``  an interactive class with a TTFT objective and deadlines beside a batch flood on
                one 32-slot engine: per class the objective attainment, and the batch
-               service against FIFO's, for fifo, prio, sfq and sfq-edf (:mod:`sfq.sim.deadlines`).
+               service against FIFO's, for fifo, prio, sfq, sfq-edf and sfq-edf with the pool's
+               ``limits.headroom`` (:mod:`sfq.sim.deadlines`).
 
 Every row's ``max_drift`` is the largest gap ``|W_f(a,b)/w_f - W_g(a,b)/w_g|`` between two
 flows over an interval in which both have a request waiting at the balancer in every step
@@ -86,7 +87,7 @@ DEFAULT_POLICIES: dict[str, tuple[str, ...]] = {
     "many": ALL_FAIR,
     "trace": ALL_FAIR,
     "nested": ("fifo", "sfq"),  # (and sfq-nested, always)
-    "deadlines": ("fifo", "prio", "sfq"),  # (and sfq-edf, always)
+    "deadlines": ("fifo", "prio", "sfq"),  # (and sfq-edf and sfq-edf-headroom-K, always)
 }
 KV_SWEEP = (2048, 4096, 8192, 16384, 32768)
 RPM_SWEEP = (5, 20, 40, 80, None)
@@ -103,7 +104,9 @@ class Options:
     tokens), ``prior`` (the estimator's output/max_tokens ratio before any completion),
     ``rpm_window`` (steps per "minute"), ``trace``/``weights`` (trace replay), ``core``
     (the scheduler class behind ``sfq``; default ``sfq.Scheduler``), ``charge`` (the
-    ``sfq`` policy's charge mode, ``seed``/``settle``/``served``; default the library's).
+    ``sfq`` policy's charge mode, ``seed``/``settle``/``served``; default the library's),
+    ``headroom`` (deadlines: the pool's ``limits.headroom`` of each ``sfq-edf-headroom-K``
+    row; default :data:`sfq.sim.deadlines.DEFAULT_HEADROOM`).
     """
 
     seed: int = 0
@@ -121,10 +124,15 @@ class Options:
     weights: dict[str, float] = field(default_factory=dict)
     core: Any = None
     charge: str | None = None
+    headroom: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.charge is not None and self.charge not in CHARGE_MODES:
             raise ValueError(f"unknown charge mode {self.charge!r}; choose from {', '.join(CHARGE_MODES)}")
+        if self.headroom is not None:
+            if any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in self.headroom):
+                raise ValueError(f"headroom must be ints >= 1 (slots), got {self.headroom!r}")
+            self.headroom = tuple(self.headroom)
 
 
 class Progress:
