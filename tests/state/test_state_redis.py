@@ -825,3 +825,30 @@ async def test_the_deciders_own_requests_ride_its_round_trips_and_one_that_leave
     finally:
         await a.close()
         await b.close()
+
+
+async def test_slots_kept_back_hold_over_the_fleet(redis_server: RedisServer, prefix: str):
+    """``limits.headroom``: the last free slot is kept for a flow below its part, over every
+    gateway: an org running its part already waits even when nothing else does (no start at
+    once past the decider), and the slot goes to another org's request when one comes."""
+    pol = _policy(redis_server.url, prefix, limits="max_in_flight: 3, headroom: 1")
+    a, b = RedisState(pol.state, pol), RedisState(pol.state, pol)
+    await a.start()
+    await b.start()
+    try:
+        held = [_req(A), _req(A)]
+        for r in held:
+            await asyncio.wait_for(b.acquire(r, BACKENDS, None), LIMIT)
+        third = asyncio.create_task(b.acquire(_req(A), BACKENDS, None))
+        await asyncio.sleep(0.8)
+        assert not third.done(), "org a took the slot kept back"
+        rb = _req(B)
+        assert await asyncio.wait_for(a.acquire(rb, BACKENDS, None), LIMIT) == BACKENDS[0][0]
+        assert not third.done()
+        a.attempt_over(rb, None)
+        b.attempt_over(held[0], None)
+        await asyncio.wait_for(third, LIMIT)
+        third.cancel()
+    finally:
+        await a.close()
+        await b.close()

@@ -829,8 +829,9 @@ class RedisState(SharedState):
         lim = self.policy.pools[pool].limits
         return {"gw": self.gateway_id, "lease": self.lease, "ttl": self._ttl, "pool": pool,
                 "pool_lim": -1 if lim.max_in_flight is None else lim.max_in_flight,
-                # an uncontended candidate starts at once unless a token bucket (the decider's) applies
-                "fast": not lim.requests_per_minute and not lim.tokens_per_minute}
+                # an uncontended candidate starts at once unless a token bucket (the decider's) applies,
+                # or slots are kept back (limits.headroom: whether a flow may take one is the decider's)
+                "fast": not lim.requests_per_minute and not lim.tokens_per_minute and not lim.headroom}
 
     def _seen_keys_of(self, policy: Policy) -> None:
         """The lease keys of each pool and its backends (what a round trip asks the counts of),
