@@ -852,3 +852,41 @@ async def test_slots_kept_back_hold_over_the_fleet(redis_server: RedisServer, pr
     finally:
         await a.close()
         await b.close()
+
+
+async def test_the_predicted_wait_is_the_deciders_in_a_fleet(redis_server: RedisServer, prefix: str):
+    """Each gateway's engine sees only its own requests: in a fleet the predicted wait of a new
+    request is the fleet's decider's (its queues hold every gateway's), and a gateway that does
+    not decide predicts nothing (``None``) rather than something only its own requests say."""
+    up = Upstream(delay=0.02).start()
+    try:
+        pol = _policy(redis_server.url, prefix, limits="max_in_flight: 2", backend=up.url)
+        pds = [PolicyDispatcher(pol), PolicyDispatcher(pol)]
+        for pd in pds:
+            await pd.start()
+        try:
+            body = {"model": "m", "prompt": "x", "max_tokens": 1}
+            await asyncio.wait_for(asyncio.gather(*(pds[i % 2].submit("ka", body) for i in range(24))), LIMIT)
+            lead = [pd for pd in pds if pd.state.decider("p") is not None]
+            assert len(lead) == 1
+            other = next(pd for pd in pds if pd is not lead[0])
+            assert other.engine.predicted_wait("a", "batch", "p") is None
+            assert lead[0].engine.predicted_wait("a", "batch", "p") == 0.0  # (idle: a slot is free)
+            # the decider's queue holds the other gateway's waiting requests too
+            flood = [asyncio.create_task(other.submit("ka", body)) for _ in range(12)]
+            q = lead[0].state.decider("p")
+            assert q is not None
+            for _ in range(500):  # (until some of them wait at the decider: at the other gateway)
+                if q.n_waiting:
+                    break
+                await asyncio.sleep(0.002)
+            assert q.n_waiting
+            wa = lead[0].engine.predicted_wait("a", "batch", "p")
+            assert wa is not None and wa > 0.0, "a's requests wait at the other gateway: a new one of a's waits"
+            assert other.engine.predicted_wait("a", "batch", "p") is None
+            await asyncio.wait_for(asyncio.gather(*flood), LIMIT)
+        finally:
+            for pd in pds:
+                await pd.close()
+    finally:
+        up.stop()

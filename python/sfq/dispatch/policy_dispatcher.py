@@ -297,6 +297,7 @@ class PolicyDispatcher:
             self.engine.on_end = state.ended
             self.engine.retry.local_budget = False  # the shared state applies it over every gateway
             self.engine.defer_start = True  # a request starts when the shared state grants it
+            self.engine.decider = state.decider  # the fleet's queues (predicted waits), where this one decides
             for q in self.engine.queues.values():  # the engine's charges reach the shared meters
                 q.on_charge = state.charged
                 q.refund_floors = False  # the shared ledger applies them, in its global order

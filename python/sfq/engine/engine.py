@@ -229,6 +229,10 @@ class PolicyEngine:
         #: a start the engine decides is only a candidate until the shared state grants it
         #: (:meth:`granted`); until then the request counts as waiting
         self.defer_start = False
+        #: several gateways sharing a ledger: ``decider(pool)`` is the fleet's decider's queue
+        #: of ``pool`` when this gateway decides (it holds every gateway's waiting requests),
+        #: else ``None`` (this engine sees only its own: no prediction here)
+        self.decider: Callable[[str], PolicyQueue | None] | None = None
         #: seconds a refusal for a pool with no backend in rotation tells the client to wait
         self.unavailable_retry_after = 1.0
         #: some class has a default deadline or refuses unmeetable ones (``_class_deadline``)
@@ -1164,6 +1168,7 @@ class PolicyEngine:
         new.retry = self.retry
         new.on_attempt_over, new.on_end = self.on_attempt_over, self.on_end
         new.defer_start = self.defer_start
+        new.decider = self.decider
         new.retry.spec = policy.retry
         new.submitted = self.submitted
         for org, b in self.org_rate.items():
@@ -1232,9 +1237,10 @@ class PolicyEngine:
         """Seconds a new request of ``(org, cls, pool)`` arriving now is predicted to wait
         before it starts (:meth:`PolicyQueue.predicted_wait`: the model of
         ``deadline_unmeetable``), with its class's default deadline when it has one; ``None``
-        when the pool has measured nothing yet, for a strict class, under nested shares, and
-        for a pool or class the policy does not have."""
-        q = self.queues.get(pool)
+        when the pool has measured nothing yet, for a strict class, under nested shares, for a
+        pool or class the policy does not have, and at a gateway of a fleet that is not the
+        fleet's decider (:attr:`decider`: the decider's queue holds every gateway's requests)."""
+        q = self.queues.get(pool) if self.decider is None else self.decider(pool)
         spec = self.policy.classes.get(cls)
         if q is None or spec is None:
             return None
