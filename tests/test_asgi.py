@@ -263,6 +263,8 @@ async def test_every_sfq_error_is_the_openai_answer(exc: sfq.SFQError, status: i
     await app(SCOPE, client.receive, client.send)
     assert client.status == status == exc.http_status
     assert client.headers.get("retry-after") == retry_after
+    # to the millisecond where the wait is known that closely (an org's rate), as sfq serve says it
+    assert client.headers.get("retry-after-ms") == ("200" if getattr(exc, "reason", "") == "rate_limited" else None)
     assert client.headers["content-type"] == "application/json"
     assert json.loads(client.body) == exc.to_openai()
     direct = sfq_asgi.error_response(exc)

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import orjson
 
 from ._optional import MissingExtra
-from .errors import SFQError, whole_seconds
+from .errors import SFQError, retry_after_ms, whole_seconds
 
 try:
     from starlette.background import BackgroundTask
@@ -93,10 +93,14 @@ class ClientDisconnected(SFQError):
 def error_response(exc: SFQError) -> Response:
     """The OpenAI-shaped answer to ``exc``: ``exc.to_openai()`` as JSON, status
     ``exc.http_status``, ``Retry-After`` (whole seconds, rounded up, at least 1) when
-    ``exc.retry_after`` is set."""
+    ``exc.retry_after`` is set, and ``retry-after-ms`` when the wait is known to the
+    millisecond (an org's rate), as ``sfq serve`` answers."""
     headers = {}
     if exc.retry_after is not None and math.isfinite(exc.retry_after):
         headers["Retry-After"] = str(whole_seconds(exc.retry_after))
+    ms = retry_after_ms(exc)
+    if ms is not None:
+        headers["retry-after-ms"] = str(ms)
     return JSONResponse(exc.to_openai(), status_code=exc.http_status, headers=headers)
 
 

@@ -80,6 +80,18 @@ def whole_seconds(s: float | None) -> int:
     return max(1, math.ceil(s - 1e-9))
 
 
+def retry_after_ms(exc: BaseException) -> int | None:
+    """``retry-after-ms`` (whole milliseconds, rounded up, at least 1) where the wait is known
+    that closely: an org's rate (``rate_limited``: the refill); ``None`` otherwise. The
+    official OpenAI clients read it before ``Retry-After``. The one rule of the gateway and
+    ``sfq.asgi``."""
+    after = getattr(exc, "retry_after", None)
+    if getattr(exc, "reason", None) != "rate_limited" or not isinstance(after, (int, float)) or not math.isfinite(
+            after):
+        return None
+    return max(1, math.ceil(after * 1000.0 - 1e-6))
+
+
 class SFQError(Exception):
     """Base class of every error sfq raises, and what a gateway answers for it.
 

@@ -19,7 +19,6 @@ request's id; the client gets a fixed message naming what failed, and the same i
 from __future__ import annotations
 
 import json
-import math
 from typing import Any, NamedTuple
 
 from .. import errors as _errors
@@ -93,9 +92,7 @@ def http_error_of(exc: BaseException) -> HTTPError:
         ra = whole_seconds(exc.retry_after) if status == 429 or exc.retry_after is not None else None
         # a deadline or queue age that ran out: the same request would wait as long again
         # (a spent budget: no retry helps before the period ends, hours or days away)
-        ms = None
-        if exc.reason == "rate_limited" and exc.retry_after is not None and math.isfinite(exc.retry_after):
-            ms = max(1, math.ceil(exc.retry_after * 1000.0 - 1e-6))  # (the refill, to the millisecond)
+        ms = _errors.retry_after_ms(exc)  # (an org's rate: the refill, to the millisecond)
         return HTTPError(status, typ, code, _REFUSAL_TEXT.get(exc.reason) or str(exc), ra,
                          False if status == 504 or exc.reason == "budget_exhausted" else None, None, ms)
     if isinstance(exc, DeadlineExceeded):
