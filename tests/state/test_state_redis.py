@@ -174,6 +174,17 @@ async def test_org_rates_and_queue_lengths_are_global(redis_server: RedisServer,
         await b.close()
 
 
+async def _caller(st: RedisState, flow: Flow, got: list[str], n: int, runs: float = 0.002) -> None:
+    """A closed-loop caller of ``flow`` at gateway ``st``: acquire, "run" ``runs`` seconds,
+    release, until ``got`` (the orgs started, in order) holds ``n``."""
+    while len(got) < n:
+        r = _req(flow)
+        await st.acquire(r, BACKENDS, None)
+        got.append(flow.org)
+        await asyncio.sleep(runs)
+        st.attempt_over(r, None)
+
+
 async def test_the_next_slot_goes_to_the_smallest_meter_whichever_gateway_holds_it(
         redis_server: RedisServer, prefix: str):
     pol = _policy(redis_server.url, prefix, limits="max_in_flight: 1")
@@ -182,17 +193,8 @@ async def test_the_next_slot_goes_to_the_smallest_meter_whichever_gateway_holds_
     await b.start()
     got: list[str] = []
     n = 48
-
-    async def gateway(st: RedisState, flow: Flow) -> None:
-        while len(got) < n:
-            r = _req(flow)
-            await st.acquire(r, BACKENDS, None)
-            got.append(flow.org)
-            await asyncio.sleep(0.002)  # "running"
-            st.attempt_over(r, None)
-
     try:
-        tasks = [asyncio.create_task(gateway(a, A)), asyncio.create_task(gateway(b, B))]
+        tasks = [asyncio.create_task(_caller(a, A, got, n)), asyncio.create_task(_caller(b, B, got, n))]
         await asyncio.wait_for(asyncio.gather(*tasks), LIMIT)
     finally:
         await a.close()
@@ -786,15 +788,6 @@ async def test_the_deciders_own_requests_ride_its_round_trips_and_one_that_leave
     await b.start()
     got: list[str] = []
     n = 40
-
-    async def gateway(st: RedisState, flow: Flow) -> None:
-        while len(got) < n:
-            r = _req(flow)
-            await st.acquire(r, BACKENDS, None)
-            got.append(flow.org)
-            await asyncio.sleep(0.005)  # "running"
-            st.attempt_over(r, None)
-
     try:
         r0 = _req(A)
         await a.acquire(r0, BACKENDS, None)
@@ -802,7 +795,7 @@ async def test_the_deciders_own_requests_ride_its_round_trips_and_one_that_leave
         a.attempt_over(r0, None)
         offers0 = a.trips_by.get("OFFER", 0)
         # two callers per gateway: something always waits
-        tasks = [asyncio.create_task(gateway(g, f)) for g, f in ((a, A), (a, A), (b, B), (b, B))]
+        tasks = [asyncio.create_task(_caller(g, f, got, n, 0.005)) for g, f in ((a, A), (a, A), (b, B), (b, B))]
         await asyncio.wait_for(asyncio.gather(*tasks), LIMIT)
         mine = got.count("a")
         assert abs(mine - 0.75 * len(got)) <= 4, got  # weights 3:1 (a on the decider's gateway)

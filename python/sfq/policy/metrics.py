@@ -226,6 +226,23 @@ def backlogged_mask(spans: Iterable[Sequence[float]], since: float | None, now: 
     return mask
 
 
+def _second(rec: list[Any], sec: int, window: int, blank: tuple[Any, ...]) -> list[Any]:
+    """The record of second ``sec`` in ``rec`` (``[sec, ...]``, oldest first): the last one, or
+    a new one made of ``blank``, the records ``window`` seconds older than it dropped."""
+    if rec and rec[-1][0] == sec:
+        r: list[Any] = rec[-1]
+        return r
+    r = [sec, *blank]
+    rec.append(r)
+    old = sec - window
+    i = 0
+    while rec[i][0] <= old:  # (stops at ``r`` at the latest)
+        i += 1
+    if i:
+        del rec[:i]
+    return r
+
+
 def _bits(mask: int) -> Iterator[int]:
     i = 0
     while mask:
@@ -441,19 +458,7 @@ class PolicyMetrics:
 
     # ------------------------------------------------------------ events
     def _record(self, fc: FlowCounters, now: float) -> list[Any]:
-        sec = int(now)
-        rec = fc.recent
-        if rec and rec[-1][0] == sec:
-            return rec[-1]
-        r = [sec, 0.0, None]
-        rec.append(r)
-        old = sec - self._w
-        i = 0
-        while rec[i][0] <= old:  # (stops at ``r`` at the latest)
-            i += 1
-        if i:
-            del rec[:i]
-        return r
+        return _second(fc.recent, int(now), self._w, (0.0, None))
 
     def _unqueued(self, fc: FlowCounters) -> None:
         """The flow has nothing waiting any more: close its span of waiting, kept only when it
@@ -575,19 +580,7 @@ class PolicyMetrics:
         h = self._ttft.get((cls, pool))
         if h is None:
             h = self._ttft[cls, pool] = _Firsts(objective)
-        sec = int(self.clock())
-        rec = h.recent
-        if rec and rec[-1][0] == sec:
-            r = rec[-1]
-        else:
-            r = [sec, None, 0, 0]
-            rec.append(r)
-            old = sec - self._w
-            i = 0
-            while rec[i][0] <= old:  # (stops at ``r`` at the latest)
-                i += 1
-            if i:
-                del rec[:i]
+        r = _second(h.recent, int(self.clock()), self._w, (None, 0, 0))
         r[3] += 1
         if seconds is None:
             return

@@ -71,6 +71,31 @@ local function level(key, cap, rate)
   if NOW > t then l = math.min(cap, l + (NOW - t) * rate) end
   return l
 end
+-- (OFFER, and DECIDE for the decider's own gateway) a gateway's items as records: a release
+-- (its leases freed, no longer running), a withdrawal and a new price of a waiting candidate
+-- (false: Redis does not have it), a new candidate queued (its order of arrival, its expiry)
+local function release(r)
+  for _, k in ipairs(r.keys) do redis.call('ZREM', k, r.m) end
+  redis.call('HDEL', P .. 'run', r.m)
+end
+local function withdraw(cand, m)
+  if redis.call('HDEL', cand, m) ~= 1 then return false end
+  redis.call('ZREM', P .. 'cexp', m)
+  return true
+end
+local function reprice(cand, x)
+  local cj = redis.call('HGET', cand, x[1])
+  if not cj then return false end
+  local c = cjson.decode(cj)
+  c.cost, c.guess = x[2], x[3]
+  redis.call('HSET', cand, x[1], cjson.encode(c))
+  return true
+end
+local function queue(cand, c)
+  c.seq = redis.call('INCR', P .. 'seq')
+  redis.call('HSET', cand, c.m, cjson.encode(c))
+  redis.call('ZADD', P .. 'cexp', NOW + A.lease, c.m)
+end
 local function bset(key, l, cap, rate)
   if l >= cap then
     redis.call('DEL', key)
@@ -172,7 +197,7 @@ return {1, evict, fmt(wait)}
 #:     keys], ...] (the grants), lost: [members priced that Redis no longer knew], seen: [counts],
 #:     wc: the candidates waiting in the pool now}
 OFFER = _COMMON + r"""
-local cand, cexp, ev = P .. 'cand:' .. A.pool, P .. 'cexp', P .. 'ev'
+local cand, ev = P .. 'cand:' .. A.pool, P .. 'ev'
 local function has(x) return x ~= nil and x ~= cjson.null end
 local evs = {}
 local function push(e)
@@ -183,15 +208,11 @@ local function push(e)
 end
 for _, x in ipairs(A.a or {}) do push({t = 'a', m = x[1], d = x[2]}) end
 for _, r in ipairs(A.rel or {}) do
-  for _, k in ipairs(r.keys) do redis.call('ZREM', k, r.m) end
-  redis.call('HDEL', P .. 'run', r.m)
+  release(r)
   push({t = 'r', m = r.m, tok = r.tok})
 end
 for _, m in ipairs(A.w or {}) do
-  if redis.call('HDEL', cand, m) == 1 then
-    redis.call('ZREM', cexp, m)
-    push({t = 'w', m = m})
-  end
+  if withdraw(cand, m) then push({t = 'w', m = m}) end
 end
 local g = {}
 local plk = P .. 'lease:pool:' .. A.pool
@@ -227,20 +248,14 @@ for _, c in ipairs(A.c or {}) do
     push(c)
     g[#g + 1] = {c.m, b, keys}
   else
-    c.seq = redis.call('INCR', P .. 'seq')
-    redis.call('HSET', cand, c.m, cjson.encode(c))
-    redis.call('ZADD', cexp, NOW + A.lease, c.m)
+    queue(cand, c)
     c.t = 'c'
     push(c)
   end
 end
 local lost = {}
 for _, x in ipairs(A.p or {}) do
-  local cj = redis.call('HGET', cand, x[1])
-  if cj then
-    local c = cjson.decode(cj)
-    c.cost, c.guess = x[2], x[3]
-    redis.call('HSET', cand, x[1], cjson.encode(c))
+  if reprice(cand, x) then
     push({t = 'p', m = x[1], cost = x[2], guess = x[3]})
   else
     lost[#lost + 1] = x[1]
@@ -323,26 +338,12 @@ if has(A.own) then
   for pool, o in pairs(A.own) do
     local cand = P .. 'cand:' .. pool
     for _, r in ipairs(o.rel or {}) do
-      for _, k in ipairs(r.keys) do redis.call('ZREM', k, r.m) end
-      redis.call('HDEL', run, r.m)
+      release(r)
       freed = true
     end
-    for _, m in ipairs(o.w or {}) do
-      if redis.call('HDEL', cand, m) == 1 then redis.call('ZREM', cexp, m) end
-    end
-    for _, c in ipairs(o.c or {}) do
-      c.seq = redis.call('INCR', P .. 'seq')
-      redis.call('HSET', cand, c.m, cjson.encode(c))
-      redis.call('ZADD', cexp, exp, c.m)
-    end
-    for _, x in ipairs(o.p or {}) do
-      local cj = redis.call('HGET', cand, x[1])
-      if cj then
-        local c = cjson.decode(cj)
-        c.cost, c.guess = x[2], x[3]
-        redis.call('HSET', cand, x[1], cjson.encode(c))
-      end
-    end
+    for _, m in ipairs(o.w or {}) do withdraw(cand, m) end
+    for _, c in ipairs(o.c or {}) do queue(cand, c) end
+    for _, x in ipairs(o.p or {}) do reprice(cand, x) end
   end
 end
 -- whether a start on backend b fits every limit the leases count (the decider's view is behind
