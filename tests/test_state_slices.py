@@ -5,7 +5,7 @@ smaller of the parts the two give it, never take more than the limit together.""
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from sfq.state._local import SPREAD, Slices, allocate, shares_table
@@ -17,6 +17,7 @@ lives = st.lists(st.sampled_from(IDS), min_size=1, max_size=5, unique=True)
 
 @settings(max_examples=300, deadline=None)
 @given(demands, lives, st.integers(0, 300))
+@example({"a": 5e-324}, ["a", "b"], 0)  # (a demand so small that SPREAD times it was 0)
 def test_a_tables_split_adds_up_to_the_limit(demand: dict[str, float], live: list[str], limit: int) -> None:
     t = shares_table(demand, live)
     assert set(t) == set(live) and abs(sum(t.values()) - 1.0) < 1e-9

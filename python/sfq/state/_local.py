@@ -100,9 +100,8 @@ def shares_table(demand: Mapping[str, float], live: Sequence[str]) -> dict[str, 
     total = sum(max(0.0, demand.get(g, 0.0)) for g in ids)
     if total <= 0:
         return {g: 1.0 / len(ids) for g in ids}
-    even = SPREAD * total / len(ids)
-    whole = total * (1 + SPREAD)
-    return {g: (max(0.0, demand.get(g, 0.0)) + even) / whole for g in ids}
+    even = SPREAD / len(ids)  # (each demand over the total first: no product to underflow)
+    return {g: (max(0.0, demand.get(g, 0.0)) / total + even) / (1 + SPREAD) for g in ids}
 
 
 def allocate(limit: int, table: Mapping[str, float]) -> dict[str, int]:

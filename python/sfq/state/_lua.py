@@ -96,6 +96,14 @@ local function queue(cand, c)
   redis.call('HSET', cand, c.m, cjson.encode(c))
   redis.call('ZADD', P .. 'cexp', NOW + A.lease, c.m)
 end
+-- (GATEWAYS, RENEW) this gateway is alive: the live ones and the decider's table of their shares
+local function alive()
+  local k = P .. 'gw'
+  redis.call('ZREMRANGEBYSCORE', k, '-inf', NOW)
+  redis.call('ZADD', k, NOW + A.lease, A.gw)
+  redis.call('PEXPIRE', k, math.ceil(A.lease * 3000))
+  return cjson.encode({ids = redis.call('ZRANGE', k, 0, -1), table = redis.call('GET', P .. 'slices') or ''})
+end
 local function bset(key, l, cap, rate)
   if l >= cap then
     redis.call('DEL', key)
@@ -466,15 +474,17 @@ return {1}
 """
 
 #: every lease, candidate and waiting place this gateway holds, renewed, and the policy's
-#: hash: {lease, hash, add, items: [[key, m], ...], runs: [[m, run JSON], ...]}
-#: -> {1, missing indexes...} | {0, the hash in force}. Without ``add`` only what Redis still has is renewed and the missing ones are
-#: named; with ``add`` they are put back (Redis restarted empty: they are real).
+#: hash; with ``gw``, also what ``GATEWAYS`` does (this gateway alive; the live ones and the
+#: decider's table, JSON, else ''): {lease, hash, add, gw | null, items: [[key, m], ...],
+#: runs: [[m, run JSON], ...]} -> {1, the live gateways' JSON or '', missing indexes...} | {0,
+#: the hash in force}. Without ``add`` only what Redis still has is renewed and the missing
+#: ones are named; with ``add`` they are put back (Redis restarted empty: they are real).
 RENEW = _COMMON + r"""
 local cur = redis.call('GET', P .. 'policy')
 if cur and cur ~= A.hash then return {0, cur} end
 redis.call('SET', P .. 'policy', A.hash, 'PX', math.ceil(A.lease * 3000))
 local exp = NOW + A.lease
-local out = {1}
+local out = {1, (A.gw ~= nil and A.gw ~= cjson.null) and alive() or ''}
 for i, it in ipairs(A.items) do
   local k = it[1]
   if A.add or redis.call('ZSCORE', k, it[2]) then
@@ -510,11 +520,7 @@ return {1}
 #: sorted; table: the decider's last table of their shares while Redis would be lost (``P
 #: slices``, JSON), or ''}
 GATEWAYS = _COMMON + r"""
-local k = P .. 'gw'
-redis.call('ZREMRANGEBYSCORE', k, '-inf', NOW)
-redis.call('ZADD', k, NOW + A.lease, A.gw)
-redis.call('PEXPIRE', k, math.ceil(A.lease * 3000))
-return cjson.encode({ids = redis.call('ZRANGE', k, 0, -1), table = redis.call('GET', P .. 'slices') or ''})
+return alive()
 """
 
 #: a reservation in one or more budgets (an org's, its team's), all or none, atomic over every

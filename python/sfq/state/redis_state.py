@@ -82,7 +82,7 @@ LIVE_EVERY = 1.0
 #: seconds between probes while Redis cannot be reached
 PROBE = 0.25
 #: seconds a correction of a meter (a stream's delivered tokens) waits for a round trip to ride on
-ADJUST_DELAY = 0.2
+ADJUST_DELAY = 0.5
 #: seconds a release waits for company (the next candidate of the same client, usually) before
 #: its own round trip
 RELEASE_DELAY = 0.002
@@ -423,7 +423,10 @@ class RedisState(SharedState):
     async def _alive(self) -> list[str]:
         """This gateway is alive: the live ones, as Redis names them (sorted ids); and the
         decider's table of their shares, kept with the one before it (:meth:`_slices`)."""
-        res = await self._call_json("GATEWAYS", {"gw": self.gateway_id, "lease": self.lease})
+        return self._gateways_of(await self._call_json("GATEWAYS", {"gw": self.gateway_id, "lease": self.lease}))
+
+    def _gateways_of(self, res: dict[str, Any]) -> list[str]:
+        """``GATEWAYS``' answer (also ``RENEW``'s): the live ids, sorted; the table kept."""
         table = res.get("table") or ""
         if table:
             try:
@@ -594,10 +597,9 @@ class RedisState(SharedState):
         while self._unsettled:  # settlements that failed while Redis was away
             await self._call("SPEND_SETTLE", self._unsettled[0])
             self._unsettled.pop(0)
-        if alive:
-            self._gateways = await self._alive()
         items = self._held()
         res = await self._call("RENEW", {"lease": self.lease, "hash": self.hash, "add": add, "items": items,
+                                         "gw": self.gateway_id if alive else None,
                                          "runs": self._runs() if add else []})
         if res[0] != 1:
             if self._fatal is None:
@@ -607,7 +609,12 @@ class RedisState(SharedState):
         if self._fatal is not None:  # the others were reloaded to this gateway's policy
             log.info("the gateways of prefix %r run the same policy again", self.prefix)
             self._fatal = None
-        missing = res[1:]
+        if alive and res[1]:
+            try:
+                self._gateways = self._gateways_of(json.loads(res[1]))
+            except ValueError:
+                pass
+        missing = res[2:]
         if missing and not add:  # Redis lost them (a restart): put back those still held
             held = {(k, m) for k, m in self._held()}
             cexp = f"{self.prefix}cexp"
