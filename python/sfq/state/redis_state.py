@@ -259,7 +259,6 @@ class RedisState(SharedState):
         #: candidates per flow registered in Redis at once (the rest wait here, in order)
         self._cap = {name: pool.limits.max_in_flight or 8 for name, pool in policy.pools.items()}
         self._seen_keys_of(policy)
-        self._plim = {n: -1 if p.limits.max_in_flight is None else p.limits.max_in_flight for n, p in policy.pools.items()}
         #: lease key -> the slots held over every gateway as this gateway last saw them (its
         #: round trips): what was left of each limit when Redis was lost
         self._seen: dict[str, tuple[float, int]] = {}  # lease key -> (when, count)
@@ -445,7 +444,6 @@ class RedisState(SharedState):
         self.hash = policy_hash(policy)
         self._cap = {name: pool.limits.max_in_flight or 8 for name, pool in policy.pools.items()}
         self._seen_keys_of(policy)
-        self._plim = {n: -1 if p.limits.max_in_flight is None else p.limits.max_in_flight for n, p in policy.pools.items()}
         self._lose_lead()  # the decider starts again, on the new policy, from what Redis holds
         self._fatal = None
         self._spawn(self._hello_forced())
@@ -842,11 +840,14 @@ class RedisState(SharedState):
 
     def _seen_keys_of(self, policy: Policy) -> None:
         """The lease keys of each pool and its backends (what a round trip asks the counts of),
-        made once per policy: ``_lease_keys`` per pool, ``_lease_keys_all`` for every pool."""
+        made once per policy: ``_lease_keys`` per pool, ``_lease_keys_all`` for every pool; and
+        ``_plim``, each pool's ``max_in_flight``."""
         p = self.prefix
         self._lease_keys = {name: [f"{p}lease:pool:{name}", *(f"{p}lease:backend:{b.name}" for b in pool.backends)]
                             for name, pool in policy.pools.items()}
         self._lease_keys_all = [k for keys in self._lease_keys.values() for k in keys]
+        #: each pool's max_in_flight (-1: none), for DECIDE's look at what the leases count
+        self._plim = {n: -1 if p.limits.max_in_flight is None else p.limits.max_in_flight for n, p in policy.pools.items()}
 
     def _candidate(self, r: Request, a: _Attempt, backends: Sequence[tuple[str, int]]) -> dict[str, Any]:
         pol = self.policy
