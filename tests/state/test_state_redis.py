@@ -883,3 +883,48 @@ async def test_the_predicted_wait_is_the_deciders_in_a_fleet(redis_server: Redis
                 await pd.close()
     finally:
         up.stop()
+
+
+async def test_a_new_decider_keeps_the_meters_the_last_one_left(redis_server: RedisServer, prefix: str):
+    """The decider's role moving (its gateway killed) does not forgive a flow the service it took
+    ahead of the others: the next decider starts each flow's meter as far ahead of its virtual
+    time as the last one left it (written with the shares table, at most ``lease / 2`` old)."""
+    pol = _policy(redis_server.url, prefix, limits="max_in_flight: 1", lease=5.0)
+    a, b = RedisState(pol.state, pol), RedisState(pol.state, pol)
+    await a.start()
+    await b.start()
+    try:
+        r0 = _req(A)
+        await a.acquire(r0, BACKENDS, None)  # (a becomes the decider: its queues from what Redis holds)
+        assert await _decider_of(a, b) is a
+        a.attempt_over(r0, None)
+        r1 = _req(A)
+        await a.acquire(r1, BACKENDS, None)  # started at once, charged by the decider
+        r2 = _req(B)
+        waiting = asyncio.create_task(b.acquire(r2, BACKENDS, None))  # b's org waits: a busy period
+        a.charged(r1, 300.0)  # a's running request delivered far more than it was charged
+        q = a.decider("p")
+        assert q is not None
+        for _ in range(200):  # (the correction rides on a round trip within ADJUST_DELAY)
+            if q.meter(A) - q.sched.virtual_time > 50:
+                break
+            await asyncio.sleep(0.02)
+        ahead = q.meter(A) - q.sched.virtual_time
+        assert ahead > 50, ahead
+        assert a._client is not None
+        for _ in range(300):  # (written with the next shares table: every max(lease / 2, 1 s))
+            if b'[["a"' in (await a._client.get(f"{prefix}leads") or b""):
+                break
+            await asyncio.sleep(0.02)
+        await a.abandon()  # the decider dies: its role expires (1.5 s), r1's leases later (5 s)
+        qb = (await _decider_of(b)).decider("p")  # b's next look takes the role; r1 still holds the slot
+        assert qb is not None and not waiting.done()
+        got = qb.meter(A) - qb.sched.virtual_time
+        assert abs(got - ahead) < 0.05 * ahead, (got, ahead)
+        for k in (f"{prefix}lease:pool:p", f"{prefix}lease:backend:{BACKENDS[0][0]}"):  # (r1: its gateway died)
+            await a._client.zrem(k, f"{a.gateway_id}:{r1.id}:1")
+        assert await asyncio.wait_for(waiting, LIMIT) == BACKENDS[0][0]
+        b.attempt_over(r2, None)
+    finally:
+        await b.close()
+        await a.close()

@@ -293,6 +293,39 @@ class Alone:
         """The stand-ins waiting in ``pool``."""
         return self.queues[pool].n_waiting
 
+    def leads(self) -> dict[str, list[list[Any]]]:
+        """Per pool, each flow's meter ahead of the pool's virtual time (meter units), for the
+        flows with work here or a queue: what a new decider puts back (:meth:`restore`), so
+        that the role moving does not forgive a flow the service it took ahead of the others.
+        Nested shares (a tree of cores): none (their meters start level)."""
+        out: dict[str, list[list[Any]]] = {}
+        for name, q in self.queues.items():
+            if q.nested:
+                continue
+            v = q.sched.virtual_time
+            flows = {r.flow for r in self._in.values() if r.flow.pool == name}
+            flows.update(q.flows)
+            rows = [[list(f), lead] for f in flows if (lead := q.meter(f) - v) > 1e-9]
+            if rows:
+                out[name] = rows
+        return out
+
+    def restore(self, leads: Mapping[str, Any]) -> None:
+        """Put back :meth:`leads` taken by an earlier decider: each flow's meter that far ahead
+        of this one's virtual time (a bad row, or one past the core's bounds, is skipped)."""
+        for name, rows in leads.items():
+            q = self.queues.get(name)
+            if q is None or q.nested or not isinstance(rows, list):
+                continue
+            for row in rows:
+                try:
+                    flow, lead = Flow(*row[0]), float(row[1])
+                    if flow.pool != name or not (0.0 < lead < math.inf):
+                        continue
+                    q.sched.adjust(flow, lead * q.sched.weight(flow))
+                except (TypeError, ValueError, IndexError, OverflowError):
+                    continue
+
     def wake_at(self, pool: str) -> float | None:
         return self.queues[pool].wake_at()
 

@@ -39,6 +39,9 @@ that must outlive any one gateway. Keys (``P`` = the prefix):
   renewal): how many share each limit, and each one's rank, for the slices a gateway keeps
   while Redis cannot be reached. ``P slices``: the decider's table of their shares by demand
   (JSON ``{v, s: {gateway: share}}``), read with each renewal.
+* ``P leads``: the decider's meters ahead of its virtual time, per pool and flow (JSON, written
+  with the table): where the next decider starts them, so that the role moving forgives no
+  flow the service it took ahead.
 * ``P policy``: the hash of the policy in force (expires unless a gateway renews it).
 * ``P spend:<account>:<period>`` hash ``s``: what the account (an org, or ``<org><TAB><team>``)
   spent in the period (currency, settled requests); ``... :res`` sorted set: its running
@@ -324,10 +327,11 @@ return cjson.encode({lead = lead, became = became, g = g, lost = lost, seen = se
 #: (``full``).
 #: {gw, lease, ttl, init, live, upto, pools: [names], g: [[m, backend, pool], ...], seen: [lease keys],
 #:  own: {pool: {c: [candidate], p: [[m, cost, guess]], w: [m], rel: [{m, keys, tok}]}}, plim: {pool: n},
-#:  slices: the gateways' shares table (JSON) to keep in ``P slices`` | null}
+#:  slices: the gateways' shares table (JSON) to keep in ``P slices`` | null, leads: the decider's
+#:  meters' leads (JSON, ``Alone.leads``) to keep in ``P leads`` for the next decider | null}
 #: -> JSON {ok: false, lead} | {ok: true, gone: [m], full: [candidate JSON], mine: [[m, backend, keys]]
 #:          (its own gateway's grants), ev: [event JSON], cand: [candidate JSON], run: [[m, run JSON]],
-#:          lc: [live candidates], lr: [live running], q, gw: [live gateways]}
+#:          lc: [live candidates], lr: [live running], q, gw: [live gateways], leads (with init)}
 DECIDE = _COMMON + r"""
 local lk = P .. 'lead'
 local lead = redis.call('GET', lk)
@@ -412,6 +416,7 @@ if (freed or next(owners) ~= nil) and #(A.seen or {}) > 0 then  -- the slots hel
 end
 local out = {ok = true, gone = gone, full = full, mine = mine, ev = {}, cand = {}, run = {}, lc = {}, lr = {}, q = 0, gw = {}}
 if has(A.slices) then redis.call('SET', P .. 'slices', A.slices, 'PX', math.ceil(A.lease * 3000)) end
+if has(A.leads) then redis.call('SET', P .. 'leads', A.leads, 'PX', math.ceil(A.lease * 3000)) end
 if A.init or A.live then
   out.gw = redis.call('ZRANGEBYSCORE', P .. 'gw', '(' .. fmt(NOW), '+inf')
   -- candidates whose gateway stopped renewing them leave; so do attempts whose leases expired
@@ -439,6 +444,8 @@ if A.init or A.live then
 end
 if A.init then  -- the events so far are in the candidates and attempts taken now
   out.q = tonumber(redis.call('GET', P .. 'evq') or '0')
+  out.leads = redis.call('GET', P .. 'leads') or ''
+
   redis.call('ZREMRANGEBYSCORE', P .. 'ev', '-inf', out.q)
   for _, p in ipairs(A.pools) do
     for _, c in ipairs(redis.call('HVALS', P .. 'cand:' .. p)) do out.cand[#out.cand + 1] = c end

@@ -215,6 +215,7 @@ class RedisState(SharedState):
         self._tables: list[tuple[Any, dict[str, float]]] = []
         self._table_at = -math.inf  # when this gateway, deciding, last made one
         self._table_out: str | None = None  # made, to go with its next round trip
+        self._leads_out: str | None = None  # its queues' meters' leads (Alone.leads), with the table
         self.decisions = 0  # grants this gateway decided as the decider
         self._ttl = min(LEAD_TTL, self.lease)  # (a dead decider is replaced no later than its leases expire)
         #: the delivered-service modes: a flow's running work keeps its meter (a flow lease)
@@ -1162,12 +1163,13 @@ class RedisState(SharedState):
                                                    "init": init, "live": live, "pools": list(self.policy.pools),
                                                    "upto": mark, "g": [list(x) for x in grants],
                                                    "seen": self._lease_keys_all if grants or own else [],
-                                                   "own": own, "plim": self._plim, "slices": self._table_out})
+                                                   "own": own, "plim": self._plim, "slices": self._table_out,
+                                                   "leads": self._leads_out})
         except BaseException:
             self._own, self._own_att, self._own_adj = own, batch, own_adj  # (sent again, by OFFER)
             self._lose_lead()
             raise
-        self._table_out = None
+        self._table_out = self._leads_out = None
         # events a message brought while the call was out are newer than what it saw alive
         live = live and self._applied_q == mark and not self._decided
         if not res.get("ok"):
@@ -1193,6 +1195,12 @@ class RedisState(SharedState):
                     lead.adopt(str(m), Flow(*x["flow"]), str(x["b"]))
             for c in sorted((json.loads(c) for c in _list(res.get("cand"))), key=lambda c: c.get("seq", 0)):
                 self._stand_in(lead, c)
+            try:  # the meters' leads the last decider left (at most lease/2 old): not forgiven
+                leads = json.loads(res.get("leads") or "{}")
+            except ValueError:
+                leads = {}
+            if isinstance(leads, dict):
+                lead.restore(leads)
         else:
             for m in _list(res.get("gone")):
                 lead.undo(str(m))
@@ -1214,6 +1222,7 @@ class RedisState(SharedState):
                 self._table_at = now
                 table = shares_table(lead.demand(self.policy), [str(g) for g in _list(res.get("gw"))])
                 self._table_out = json.dumps({"v": f"{self.gateway_id}:{now:.6f}", "s": table})
+                self._leads_out = json.dumps(lead.leads(), separators=(",", ":"))
         self._decide_now(lead)
         if init:
             self._lead_evt.set()  # (its own gateway's items: with the next)
