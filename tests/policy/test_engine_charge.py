@@ -255,3 +255,24 @@ def test_the_longest_pause_is_the_policy_files(clock: Clock) -> None:
     assert pd.engine.backend_paused("p", "http://127.0.0.1:9", 3600) == 5.0
     with pytest.raises(Exception, match="retry.max_pause_seconds"):
         policy(orgs=ORGS, extra="retry: {max_pause_seconds: -1}\n")
+
+
+def test_a_flows_lead_is_read_and_put_back_the_same_on_both_twins(clock: Clock, core) -> None:
+    """``PolicyQueue.lead``/``set_lead`` (a fleet's next decider putting back the meters the
+    last one left): a flow charged ahead of the others reads its lead over the virtual time,
+    and another queue given that lead holds the flow that far ahead."""
+    e = make("seed", clock, core, slots=1)
+    q = e.queues["p"]
+    ra = submit(e, A, 100)
+    for _ in range(2):
+        submit(e, B, 10)
+    e.poll()  # a runs (charged its estimate), b waits: a is ahead of v by a's charge
+    assert ra.state == RUNNING
+    ahead = q.lead(A)
+    assert ahead > 0 and q.lead(B) == 0.0
+    other = make("seed", clock, core, slots=1).queues["p"]
+    other.set_lead(A, ahead)
+    assert other.lead(A) == pytest.approx(ahead)
+    other.set_lead(B, 0.0)  # (nothing: no lead to put back)
+    assert other.lead(B) == 0.0
+    e.complete(ra, None)

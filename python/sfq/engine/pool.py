@@ -1486,3 +1486,21 @@ class PolicyQueue:
 
     def meter(self, flow: Hashable) -> float:
         return float(self.sched.meter(flow))
+
+    def lead(self, flow: Hashable) -> float:
+        """How far ``flow``'s meter is ahead of the pool's virtual time (meter units; 0 when it
+        is not): the service it took ahead of the others, which a fleet's next decider puts
+        back (:meth:`set_lead`, ``sfq.state``). 0 under nested shares (a tree of cores)."""
+        if self.nested:
+            return 0.0
+        x = float(self.sched.meter(flow)) - float(self.sched.virtual_time)
+        return x if x > 0.0 else 0.0
+
+    def set_lead(self, flow: Hashable, lead: float) -> None:
+        """Move ``flow``'s meter ``lead`` meter units ahead of where it stands (a flow new to
+        this queue: of the virtual time), as a correction of ``lead`` times its weight would:
+        a fleet's new decider putting back what the last one left (:meth:`lead`). Nothing under
+        nested shares; ``OverflowError`` past the core's bound on a lead."""
+        if self.nested or not (0.0 < lead < _INF):
+            return
+        self.sched.adjust(flow, lead * float(self.sched.weight(flow)))

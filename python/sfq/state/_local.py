@@ -302,10 +302,9 @@ class Alone:
         for name, q in self.queues.items():
             if q.nested:
                 continue
-            v = q.sched.virtual_time
             flows = {r.flow for r in self._in.values() if r.flow.pool == name}
             flows.update(q.flows)
-            rows = [[list(f), lead] for f in flows if (lead := q.meter(f) - v) > 1e-9]
+            rows = [[list(f), lead] for f in flows if (lead := q.lead(f)) > 1e-9]
             if rows:
                 out[name] = rows
         return out
@@ -322,7 +321,7 @@ class Alone:
                     flow, lead = Flow(*row[0]), float(row[1])
                     if flow.pool != name or not (0.0 < lead < math.inf):
                         continue
-                    q.sched.adjust(flow, lead * q.sched.weight(flow))
+                    q.set_lead(flow, lead)
                 except (TypeError, ValueError, IndexError, OverflowError):
                     continue
 
