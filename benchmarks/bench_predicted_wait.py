@@ -27,11 +27,11 @@ Results: benchmarks/README.md ("Predicted wait"), benchmarks/results/predicted_w
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import math
 import platform
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +39,9 @@ from typing import Any
 
 from sfq.engine import PolicyEngine, Request
 from sfq.policy import Flow, parse_policy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "policy"))
+from deadline_sim import BULK, FLOOD, STEADY, arrivals_of, drive  # noqa: E402  (the simulation's events)
 
 POLICY = """
 pools:
@@ -53,7 +56,6 @@ orgs:
   steady: {keys: [ks], classes: [interactive]}
   bulk: {keys: [kb], classes: [batch]}
 """
-FLOOD, STEADY, BULK = Flow("flood", "interactive", "p"), Flow("steady", "interactive", "p"), Flow("bulk", "batch", "p")
 #: the loads: (the flood's requests a second, the steady flow's, whether each has a deadline)
 LOADS: dict[str, tuple[float, float, bool]] = {"deadlines": (12.0, 2.0, True), "no-deadlines": (4.0, 1.5, False)}
 #: seconds: the relative error is taken over the requests that waited at least this long
@@ -79,51 +81,23 @@ def simulate(*, seed: int, load: str, n: int = 1500, spread: float = 0.5) -> Run
     clock = [0.0]
     e = PolicyEngine(parse_policy(POLICY), clock=lambda: clock[0])
     q = e.queues["p"]
-    arrivals: list[tuple[float, int, Flow, float, float]] = []  # (time, number, flow, held, deadline in)
-    horizon = n / (flood_rate + steady_rate)
-    for f, rate in ((FLOOD, flood_rate), (STEADY, steady_rate)):
-        t = rng.expovariate(rate)
-        while t < horizon:
-            arrivals.append((t, len(arrivals), f, rng.lognormvariate(0.0, spread),
-                             rng.uniform(2.0, 20.0) if deadlines else math.inf))
-            t += rng.expovariate(rate)
-    arrivals.sort()
+    arrivals, horizon = arrivals_of(rng, ((FLOOD, flood_rate), (STEADY, steady_rate)), n, spread, deadlines)
     run = Run(seed, load)
     pred: dict[int, float] = {}
-    held: dict[int, float] = {}
     tracked: list[Request] = []
-    running: list[tuple[float, int, Request]] = []
-    for _ in range(40):
-        r = e.submit(BULK, cost=1)
-        held[r.id] = rng.lognormvariate(0.0, spread)
-    i = 0
-    while i < len(arrivals) or running or e.has_waiting():
-        nxt = [x for x in (arrivals[i][0] if i < len(arrivals) else None, running[0][0] if running else None,
-                           e.wake_at()) if x is not None]
-        if not nxt:
-            break
-        now = clock[0] = max(clock[0], min(nxt))
-        while running and running[0][0] <= now:
-            _, _, r = heapq.heappop(running)
-            e.complete(r)
-            if r.flow == BULK and now < horizon:
-                b = e.submit(BULK, cost=1)
-                held[b.id] = rng.lognormvariate(0.0, spread)
-        while i < len(arrivals) and arrivals[i][0] <= now:
-            _, _, f, h, dl = arrivals[i]
-            i += 1
-            run.sent += 1
-            p = q.predicted_wait(f, now, now + dl)  # (the engine's own: as /stats gives it, for this request)
-            r = e.submit(f, cost=1, deadline=now + dl if deadlines else None)
-            held[r.id] = h
-            if p is None:
-                run.unpredicted += 1
-            else:
-                pred[r.id] = p
-                tracked.append(r)
-        for r in e.poll():
-            assert r.started_at is not None
-            heapq.heappush(running, (now + held[r.id], r.id, r))
+
+    def arrive(now: float, f: Flow, dl: float) -> Request:
+        run.sent += 1
+        p = q.predicted_wait(f, now, now + dl)  # (the engine's own: as /stats gives it, for this request)
+        r = e.submit(f, cost=1, deadline=now + dl if deadlines else None)
+        if p is None:
+            run.unpredicted += 1
+        else:
+            pred[r.id] = p
+            tracked.append(r)
+        return r
+
+    drive(e, clock, rng, arrivals, horizon, spread, arrive)
     for r in tracked:
         if r.started_at is None:
             assert r.reason == "deadline", r

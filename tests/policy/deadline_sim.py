@@ -22,6 +22,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sfq.engine import PolicyEngine, Request
@@ -71,27 +72,32 @@ class Result:
         return self.defects / self.predicted_unmeetable if self.predicted_unmeetable else 0.0
 
 
-def simulate(*, seed: int, n: int = 2000, refuse: bool, spread: float = 0.5, flood_rate: float = 12.0,
-             steady_rate: float = 2.0) -> Result:
-    """``n`` interactive arrivals (flood and steady) and a batch backlog; see the module."""
-    rng = random.Random(seed)
-    clock = [0.0]
-    e = PolicyEngine(parse_policy(POLICY.format(refuse="true" if refuse else "false")), clock=lambda: clock[0])
-    q = e.queues["p"]
-    arrivals: list[tuple[float, int, Flow, float, float]] = []  # (time, number, flow, held, deadline in)
-    horizon = n / (flood_rate + steady_rate)  # about n arrivals in all
-    for f, rate in ((FLOOD, flood_rate), (STEADY, steady_rate)):
+def arrivals_of(rng: random.Random, rates: tuple[tuple[Flow, float], ...], n: int, spread: float,
+                deadlines: bool = True) -> tuple[list[tuple[float, int, Flow, float, float]], float]:
+    """About ``n`` Poisson arrivals of the flows at their ``rates`` (a second), sorted: ``(time,
+    number, flow, seconds it holds a slot, seconds to its deadline or inf)``; and the horizon."""
+    arrivals: list[tuple[float, int, Flow, float, float]] = []
+    horizon = n / sum(rate for _, rate in rates)
+    for f, rate in rates:
         t = rng.expovariate(rate)
         while t < horizon:
-            arrivals.append((t, len(arrivals), f, rng.lognormvariate(0.0, spread), rng.uniform(2.0, 20.0)))
+            arrivals.append((t, len(arrivals), f, rng.lognormvariate(0.0, spread),
+                             rng.uniform(2.0, 20.0) if deadlines else math.inf))
             t += rng.expovariate(rate)
     arrivals.sort()
-    res = Result(seed, refuse)
-    pred: dict[int, bool] = {}
+    return arrivals, horizon
+
+
+def drive(e: PolicyEngine, clock: list[float], rng: random.Random, arrivals: list[tuple[float, int, Flow, float, float]],
+          horizon: float, spread: float, arrive: Callable[[float, Flow, float], Request | None],
+          started: Callable[[Request], None] | None = None) -> None:
+    """The discrete events both simulations run: a batch backlog (40, one more each time one
+    ends, until ``horizon``), the ``arrivals`` (``arrive(now, flow, seconds to its deadline)``
+    submits one, or returns ``None``: refused), each started request holding its slot for its
+    drawn time (``started(r)`` told), the engine's own timers; until nothing is left."""
     held: dict[int, float] = {}
-    tracked: list[Request] = []
     running: list[tuple[float, int, Request]] = []
-    for _ in range(40):  # the batch backlog, and more each time one completes (below)
+    for _ in range(40):
         r = e.submit(BULK, cost=1)
         held[r.id] = rng.lognormvariate(0.0, spread)
     i = 0
@@ -110,24 +116,47 @@ def simulate(*, seed: int, n: int = 2000, refuse: bool, spread: float = 0.5, flo
         while i < len(arrivals) and arrivals[i][0] <= now:
             _, _, f, h, dl = arrivals[i]
             i += 1
-            res.submitted += 1
-            if not refuse:
-                p = q.unmeetable(f, 1.0, now + dl, now) is not None
-            try:
-                r = e.submit(f, cost=1, deadline=now + dl)
-            except Refused as exc:
-                assert exc.reason == "deadline_unmeetable" and refuse
-                res.refused += 1
-                res.refused_by[f.org] = res.refused_by.get(f.org, 0) + 1
-                continue
-            held[r.id] = h
-            tracked.append(r)
-            if not refuse:
-                pred[r.id] = p
+            got = arrive(now, f, dl)
+            if got is not None:
+                held[got.id] = h
         for r in e.poll():
             assert r.started_at is not None
             heapq.heappush(running, (now + held[r.id], r.id, r))
-            res.served_cost[r.flow.org] = res.served_cost.get(r.flow.org, 0.0) + r.cost
+            if started is not None:
+                started(r)
+
+
+def simulate(*, seed: int, n: int = 2000, refuse: bool, spread: float = 0.5, flood_rate: float = 12.0,
+             steady_rate: float = 2.0) -> Result:
+    """``n`` interactive arrivals (flood and steady) and a batch backlog; see the module."""
+    rng = random.Random(seed)
+    clock = [0.0]
+    e = PolicyEngine(parse_policy(POLICY.format(refuse="true" if refuse else "false")), clock=lambda: clock[0])
+    q = e.queues["p"]
+    arrivals, horizon = arrivals_of(rng, ((FLOOD, flood_rate), (STEADY, steady_rate)), n, spread)
+    res = Result(seed, refuse)
+    pred: dict[int, bool] = {}
+    tracked: list[Request] = []
+
+    def arrive(now: float, f: Flow, dl: float) -> Request | None:
+        res.submitted += 1
+        p = not refuse and q.unmeetable(f, 1.0, now + dl, now) is not None
+        try:
+            r = e.submit(f, cost=1, deadline=now + dl)
+        except Refused as exc:
+            assert exc.reason == "deadline_unmeetable" and refuse
+            res.refused += 1
+            res.refused_by[f.org] = res.refused_by.get(f.org, 0) + 1
+            return None
+        tracked.append(r)
+        if not refuse:
+            pred[r.id] = p
+        return r
+
+    def started(r: Request) -> None:
+        res.served_cost[r.flow.org] = res.served_cost.get(r.flow.org, 0.0) + r.cost
+
+    drive(e, clock, rng, arrivals, horizon, spread, arrive, started)
     for r in tracked:
         made = r.started_at is not None
         res.in_time += made
