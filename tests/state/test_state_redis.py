@@ -237,15 +237,25 @@ orgs: {a: {keys: [ka], classes: [batch]}}
     assert isinstance(state_for(_policy(redis_server.url, prefix)), RedisState)
 
 
+@contextlib.asynccontextmanager
+async def _dispatchers(pol: Any, n: int = 2) -> AsyncIterator[list[PolicyDispatcher]]:
+    """``n`` embedders' dispatchers of ``pol`` sharing its state, started, closed after."""
+    pds = [PolicyDispatcher(pol) for _ in range(n)]
+    try:
+        for pd in pds:
+            await pd.start()
+        yield pds
+    finally:
+        for pd in pds:
+            await pd.close()
+
+
 async def test_an_embedders_dispatchers_share_the_limits_and_refuse_without_redis(
         redis_server: RedisServer, prefix: str):
     up = Upstream(delay=0.03).start()
     try:
         pol = _policy(redis_server.url, prefix, limits="max_in_flight: 3", backend=up.url)
-        pds = [PolicyDispatcher(pol), PolicyDispatcher(pol)]
-        for pd in pds:
-            await pd.start()
-        try:
+        async with _dispatchers(pol) as pds:
             body = {"model": "m", "prompt": "x", "max_tokens": 1}
             replies = await asyncio.wait_for(asyncio.gather(*(
                 pds[i % 2].submit("ka" if i % 3 else "kb", body) for i in range(24))), LIMIT)
@@ -257,9 +267,6 @@ async def test_an_embedders_dispatchers_share_the_limits_and_refuse_without_redi
             assert sum(f["attempts"] for f in flows) == 24 and sum(f["completed"] for f in flows) == 24
             assert all(f["waiting"] == 0 and f["in_flight"] == 0 for f in flows)
             assert max(f["mean_wait"] or 0.0 for f in flows) > 0.01  # 24 requests, 3 at a time, 30 ms each
-        finally:
-            for pd in pds:
-                await pd.close()
         # no pool limit: the backend's own max_in_flight holds for both dispatchers together
         up.peak = 0
         pol = _policy(redis_server.url, prefix + "b:", limits="", backend=up.url, backend_limit=2)
@@ -854,10 +861,7 @@ async def test_the_predicted_wait_is_the_deciders_in_a_fleet(redis_server: Redis
     up = Upstream(delay=0.02).start()
     try:
         pol = _policy(redis_server.url, prefix, limits="max_in_flight: 2", backend=up.url)
-        pds = [PolicyDispatcher(pol), PolicyDispatcher(pol)]
-        for pd in pds:
-            await pd.start()
-        try:
+        async with _dispatchers(pol) as pds:
             body = {"model": "m", "prompt": "x", "max_tokens": 1}
             await asyncio.wait_for(asyncio.gather(*(pds[i % 2].submit("ka", body) for i in range(24))), LIMIT)
             lead = [pd for pd in pds if pd.state.decider("p") is not None]
@@ -878,9 +882,6 @@ async def test_the_predicted_wait_is_the_deciders_in_a_fleet(redis_server: Redis
             assert wa is not None and wa > 0.0, "a's requests wait at the other gateway: a new one of a's waits"
             assert other.engine.predicted_wait("a", "batch", "p") is None
             await asyncio.wait_for(asyncio.gather(*flood), LIMIT)
-        finally:
-            for pd in pds:
-                await pd.close()
     finally:
         up.stop()
 

@@ -208,6 +208,7 @@ class RedisState(SharedState):
         #: (event order, when) of a grant Redis found no room for: the decider grants nothing
         #: more until it applied a newer event, or :data:`LEAD_POLL` later
         self._hold: tuple[int, float] | None = None
+        self._wake_timer: asyncio.TimerHandle | None = None  # the decider's look at a bucket's refill
         self._lead_evt: asyncio.Event | None = None
         self._live_at = -math.inf
         self._applied_q = 0  # the order number of the last event the decider applied
@@ -1264,8 +1265,14 @@ class RedisState(SharedState):
         assert self._lead_evt is not None
         if len(self._decided) > n:
             self._lead_evt.set()
-        elif wake < math.inf:  # a bucket refills: look again then
-            asyncio.get_running_loop().call_later(max(wake - self.clock(), 0.001), self._lead_evt.set)
+        elif wake < math.inf:  # a bucket refills: look again then (one timer, the soonest)
+            loop = asyncio.get_running_loop()
+            at = loop.time() + max(wake - self.clock(), 0.001)
+            h = self._wake_timer
+            if h is None or h.cancelled() or h.when() > at or h.when() < loop.time():
+                if h is not None:
+                    h.cancel()
+                self._wake_timer = loop.call_later(at - loop.time(), self._lead_evt.set)
 
     def _stand_in(self, lead: Alone, c: dict[str, Any]) -> None:
         if c.get("pool") not in self.policy.pools:
