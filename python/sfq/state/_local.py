@@ -29,8 +29,9 @@ over *stand-ins* of the gateway's candidates (a stand-in is a :class:`~sfq.engin
 with the charge the gateway's engine gave the candidate), so the order is the engine's (strict
 classes first, then the weighted flows by start tag, look before you pop), and so are the
 slots, buckets and busy period. The attempts that Redis granted before it was lost are adopted
-as running. The meters start level when Redis is lost and are dropped when it answers again: the
-fleet's meters are Redis's, and a gateway alone for a few seconds only orders its own requests.
+as running. The meters start where the fleet's decider last had them (:meth:`Alone.restore` of
+its :meth:`Alone.leads`, which each renewal brings when newer) and are dropped when Redis answers
+again: the fleet's meters are the decider's, and a gateway alone only orders its own requests.
 """
 
 from __future__ import annotations

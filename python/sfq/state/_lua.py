@@ -40,8 +40,9 @@ that must outlive any one gateway. Keys (``P`` = the prefix):
   while Redis cannot be reached. ``P slices``: the decider's table of their shares by demand
   (JSON ``{v, s: {gateway: share}}``), read with each renewal.
 * ``P leads``: the decider's meters ahead of its virtual time, per pool and flow (JSON, written
-  with the table): where the next decider starts them, so that the role moving forgives no
-  flow the service it took ahead.
+  with the table; ``P leadsv``: when, Redis time): where the next decider starts them, so that
+  the role moving forgives no flow the service it took ahead, and where a gateway left alone
+  starts them (each renewal brings them when newer than those it has).
 * ``P policy``: the hash of the policy in force (expires unless a gateway renews it).
 * ``P spend:<account>:<period>`` hash ``s``: what the account (an org, or ``<org><TAB><team>``)
   spent in the period (currency, settled requests); ``... :res`` sorted set: its running
@@ -105,7 +106,13 @@ local function alive()
   redis.call('ZREMRANGEBYSCORE', k, '-inf', NOW)
   redis.call('ZADD', k, NOW + A.lease, A.gw)
   redis.call('PEXPIRE', k, math.ceil(A.lease * 3000))
-  return cjson.encode({ids = redis.call('ZRANGE', k, 0, -1), table = redis.call('GET', P .. 'slices') or ''})
+  local out = {ids = redis.call('ZRANGE', k, 0, -1), table = redis.call('GET', P .. 'slices') or ''}
+  local lv = redis.call('GET', P .. 'leadsv')  -- the decider's meters, when newer than the caller's
+  if lv and lv ~= A.lv then
+    out.lv = lv
+    out.leads = redis.call('GET', P .. 'leads') or ''
+  end
+  return cjson.encode(out)
 end
 local function bset(key, l, cap, rate)
   if l >= cap then
@@ -416,7 +423,10 @@ if (freed or next(owners) ~= nil) and #(A.seen or {}) > 0 then  -- the slots hel
 end
 local out = {ok = true, gone = gone, full = full, mine = mine, ev = {}, cand = {}, run = {}, lc = {}, lr = {}, q = 0, gw = {}}
 if has(A.slices) then redis.call('SET', P .. 'slices', A.slices, 'PX', math.ceil(A.lease * 3000)) end
-if has(A.leads) then redis.call('SET', P .. 'leads', A.leads, 'PX', math.ceil(A.lease * 3000)) end
+if has(A.leads) then
+  redis.call('SET', P .. 'leads', A.leads, 'PX', math.ceil(A.lease * 3000))
+  redis.call('SET', P .. 'leadsv', fmt(NOW), 'PX', math.ceil(A.lease * 3000))
+end
 if A.init or A.live then
   out.gw = redis.call('ZRANGEBYSCORE', P .. 'gw', '(' .. fmt(NOW), '+inf')
   -- candidates whose gateway stopped renewing them leave; so do attempts whose leases expired
@@ -482,7 +492,7 @@ return {1}
 
 #: every lease, candidate and waiting place this gateway holds, renewed, and the policy's
 #: hash; with ``gw``, also what ``GATEWAYS`` does (this gateway alive; the live ones and the
-#: decider's table, JSON, else ''): {lease, hash, add, gw | null, items: [[key, m], ...],
+#: decider's table and leads, JSON, else ''): {lease, hash, add, gw | null, lv, items: [[key, m], ...],
 #: runs: [[m, run JSON], ...]} -> {1, the live gateways' JSON or '', missing indexes...} | {0,
 #: the hash in force}. Without ``add`` only what Redis still has is renewed and the missing
 #: ones are named; with ``add`` they are put back (Redis restarted empty: they are real).
@@ -523,9 +533,10 @@ redis.call('SET', P .. 'policy', A.hash, 'PX', math.ceil(A.lease * 3000))
 return {1}
 """
 
-#: a gateway is alive (it joined or renewed): {gw, lease} -> JSON {ids: the live gateways' ids,
-#: sorted; table: the decider's last table of their shares while Redis would be lost (``P
-#: slices``, JSON), or ''}
+#: a gateway is alive (it joined or renewed): {gw, lease, lv} -> JSON {ids: the live gateways'
+#: ids, sorted; table: the decider's last table of their shares while Redis would be lost (``P
+#: slices``, JSON), or ''; lv, leads: when the decider last wrote its meters' leads and they
+#: (``P leadsv``, ``P leads``), only when ``lv`` (the caller's) is not that}
 GATEWAYS = _COMMON + r"""
 return alive()
 """

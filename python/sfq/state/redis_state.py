@@ -217,6 +217,10 @@ class RedisState(SharedState):
         self._table_at = -math.inf  # when this gateway, deciding, last made one
         self._table_out: str | None = None  # made, to go with its next round trip
         self._leads_out: str | None = None  # its queues' meters' leads (Alone.leads), with the table
+        #: the decider's leads as this gateway last had them (``P leads``, with a renewal; its own
+        #: queues' when it decided): where its meters start should Redis be lost; and their version
+        self._leads_in: dict[str, Any] = {}
+        self._leads_v = ""
         self.decisions = 0  # grants this gateway decided as the decider
         self._ttl = min(LEAD_TTL, self.lease)  # (a dead decider is replaced no later than its leases expire)
         #: the delivered-service modes: a flow's running work keeps its meter (a flow lease)
@@ -424,10 +428,12 @@ class RedisState(SharedState):
     async def _alive(self) -> list[str]:
         """This gateway is alive: the live ones, as Redis names them (sorted ids); and the
         decider's table of their shares, kept with the one before it (:meth:`_slices`)."""
-        return self._gateways_of(await self._call_json("GATEWAYS", {"gw": self.gateway_id, "lease": self.lease}))
+        return self._gateways_of(await self._call_json("GATEWAYS", {"gw": self.gateway_id, "lease": self.lease,
+                                                                   "lv": self._leads_v}))
 
     def _gateways_of(self, res: dict[str, Any]) -> list[str]:
-        """``GATEWAYS``' answer (also ``RENEW``'s): the live ids, sorted; the table kept."""
+        """``GATEWAYS``' answer (also ``RENEW``'s): the live ids, sorted; the table kept, and the
+        decider's leads when newer than those kept."""
         table = res.get("table") or ""
         if table:
             try:
@@ -437,6 +443,13 @@ class RedisState(SharedState):
                 v, shares = None, {}
             if v is not None and (not self._tables or self._tables[-1][0] != v):
                 self._tables = (self._tables + [(v, shares)])[-2:]
+        lv = res.get("lv")
+        if isinstance(lv, str) and lv != self._leads_v:
+            try:
+                leads = json.loads(res.get("leads") or "{}")
+            except ValueError:
+                leads = {}
+            self._leads_v, self._leads_in = lv, leads if isinstance(leads, dict) else {}
         return sorted(str(g) for g in _list(res.get("ids")))
 
     def reloaded(self, policy: Policy) -> None:
@@ -466,6 +479,8 @@ class RedisState(SharedState):
         self._available = False
         self._reason = reason
         self._leading = False  # (another gateway may decide meanwhile: this one starts again, if at all)
+        if self._lead is not None:  # it decided: its own queues' meters are the freshest
+            self._leads_in = self._lead.leads()
         self._lose_lead()
         for pending in self._pending.values():  # Redis may come back empty: each is sent whole again
             for a in pending.values():
@@ -599,7 +614,7 @@ class RedisState(SharedState):
             self._unsettled.pop(0)
         items = self._held()
         res = await self._call("RENEW", {"lease": self.lease, "hash": self.hash, "add": add, "items": items,
-                                         "gw": self.gateway_id if alive else None,
+                                         "gw": self.gateway_id if alive else None, "lv": self._leads_v,
                                          "runs": self._runs() if add else []})
         if res[0] != 1:
             if self._fatal is None:
@@ -1367,7 +1382,12 @@ class RedisState(SharedState):
             left = limit - n if since - at <= SEEN_FRESH else 0
             return min(mine, self._held_at_loss.get(key, 0) + sl.count(max(0, left)))
 
+        # the meters: where the last alone left them, else the fleet's as last seen (at most a
+        # table's period and a renewal's old), not level: a quiet org does not queue behind the
+        # flows that ran ahead of it the moment Redis is lost
+        leads = self._alone.leads() if self._alone is not None else self._leads_in
         alone = self._alone = Alone(self.policy, part, sl, clock=self.clock, estimator=self.estimator)
+        alone.restore(leads)
         self._alone_first = first
         for a in self._att.values():
             if a.granted and a.request is not None and a.request.backend is not None:
