@@ -24,6 +24,8 @@ def test_a_tables_split_adds_up_to_the_limit(demand: dict[str, float], live: lis
     assert min(t.values()) > 0  # every live gateway keeps a part of the rates (SPREAD)
     parts = allocate(limit, t)
     assert sum(parts.values()) == limit and min(parts.values()) >= 0
+    if limit >= len(live):  # every live gateway starts something alone, whatever its demand was
+        assert min(parts.values()) >= 1
 
 
 @settings(max_examples=300, deadline=None)
@@ -46,3 +48,12 @@ def test_the_busier_gateway_gets_the_larger_slice() -> None:
     assert abs(t["a"] - (2 + SPREAD * 4 / 3) / (4 * (1 + SPREAD))) < 1e-12
     assert abs(Slices(0, 3, "a", [t, t]).rate(60.0) - 60.0 * t["a"]) < 1e-9
     assert Slices(0, 3, "a", []).count(8) == 3  # without two tables: equal parts by rank
+
+
+def test_a_gateway_idle_when_the_table_was_made_still_gets_a_slot() -> None:
+    """The decider's first table comes before the others' load (4.5 % of the demand here): by the
+    shares alone that is none of 4 slots, and its requests would wait for Redis to come back."""
+    t = shares_table({"a": 3.0}, ["a", "b"])
+    assert t["b"] < 0.05
+    assert allocate(4, t) == {"a": 3, "b": 1}
+    assert allocate(1, t) == {"a": 1, "b": 0}  # (fewer slots than gateways: by the shares)

@@ -106,15 +106,22 @@ def shares_table(demand: Mapping[str, float], live: Sequence[str]) -> dict[str, 
 
 
 def allocate(limit: int, table: Mapping[str, float]) -> dict[str, int]:
-    """A count ``limit`` split by ``table``'s shares: each its floor, then one more to the largest
-    remainders (ties by id), so that the parts add up to ``limit`` exactly; every gateway
-    computes the same split from the same table."""
+    """A count ``limit`` split by ``table``'s shares: one each first when the limit has one for
+    every gateway (a gateway whose demand was small when the table was made still starts its
+    requests alone: a share of 4 % of 4 slots is none), then the rest by the shares: each its
+    floor, then one more to the largest remainders (ties by id), so that the parts add up to
+    ``limit`` exactly; every gateway computes the same split from the same table."""
     ids = sorted(table)
-    exact = {g: limit * table[g] for g in ids}
+    base = 1 if ids and limit >= len(ids) else 0
+    rest = limit - base * len(ids)
+    exact = {g: rest * table[g] for g in ids}
     out = {g: int(math.floor(exact[g])) for g in ids}
-    left = limit - sum(out.values())
+    left = rest - sum(out.values())
     for g in sorted(ids, key=lambda g: (-(exact[g] - out[g]), g))[:max(0, left)]:
         out[g] += 1
+    if base:
+        for g in ids:
+            out[g] += base
     return out
 
 
