@@ -96,6 +96,8 @@ FULL_FRESH = 0.5
 #: seconds a gateway back from going on alone waits, granting nothing, for the others it shared
 #: the slices with to be back too (each puts back what it holds before it says so)
 REJOIN_WAIT = 2.0
+#: seconds between its looks meanwhile (Redis answers: a look is cheap, and every gateway waits)
+REJOIN_POLL = 0.05
 #: seconds for which the slots held over every gateway, as a round trip saw them, say what is
 #: left of a limit should Redis be lost (older: nothing is taken to be left)
 SEEN_FRESH = 2.0
@@ -519,7 +521,7 @@ class RedisState(SharedState):
     async def _probe_loop(self) -> None:
         back_at: float | None = None
         while not self._closed and not self._available and self._fatal is None:
-            await asyncio.sleep(PROBE)
+            await asyncio.sleep(PROBE if back_at is None else REJOIN_POLL)
             try:
                 await self._hello(up=False)
                 if self._fatal is not None:
