@@ -2,20 +2,20 @@
 flood, divided by the same tenant's TTFT alone on the same fleet, with the fleet's throughput
 beside FIFO's (work conservation).
 
-Real ``python -m sfq serve`` processes, the official ``openai`` client, one loopback engine
-(``tests/support/workload.py``'s ``FakeEngine``) of ``--slots`` slots (32) whose service time
-grows with the tokens (``--unit`` seconds a token of prompt, twice that a token of output: 10 ms
-an output token by default, so a flood answer of 50-350 tokens holds its slot 0.5-3.5 s). The
-tenants:
+Real ``python -m sfq serve`` processes, the official ``openai`` client, ``--engines`` loopback
+engines (``tests/support/workload.py``'s ``FakeEngine``; one by default) of ``--slots`` slots
+(32) each, all backends of the gateway's one pool, whose service time grows with the tokens
+(``--unit`` seconds a token of prompt, twice that a token of output: 10 ms an output token by
+default, so a flood answer of 50-350 tokens holds its slot 0.5-3.5 s). The tenants:
 
-* ``flood-a``, ``flood-b``: ``--clients`` closed-loop clients each (plain completions,
-  ``max_tokens`` 350, answers of U[50, 350] tokens, seeded), together always more than the
-  engine's slots: both are backlogged throughout;
+* ``flood-a``, ``flood-b``: ``--clients`` closed-loop clients each (default 40 per engine;
+  plain completions, ``max_tokens`` 350, answers of U[50, 350] tokens, seeded), together always
+  more than the pool's slots: both are backlogged throughout (the flood grows with the pool);
 * ``quiet``: streamed chat completions of 20 tokens, Poisson arrivals every ``--interval`` s on
-  average (seeded), far below its share. Its TTFT is the time from the request to the first
+  average (seeded), far below its share, whatever the pool's size (a quiet tenant stays quiet). Its TTFT is the time from the request to the first
   chunk with content (the engine's role chunk comes before its prefill and is not counted).
 
-Per configuration one gateway on the same engine: first the quiet tenant alone for
+Per configuration one gateway on the same engines: first the quiet tenant alone for
 ``--alone`` s (its TTFT alone), then the flood and the quiet tenant together for
 ``--warmup`` + ``--seconds`` s (measured after the warm-up). The configurations:
 
@@ -45,6 +45,7 @@ Run from the repository root::
     python benchmarks/bench_isolation.py                 # ~5 minutes: 6 configurations
     python benchmarks/bench_isolation.py --runs 3 --configs fifo,sfq,sfq-deadlines,headroom-2
     python benchmarks/bench_isolation.py --quick         # a smoke run (numbers not for quoting)
+    python benchmarks/bench_isolation.py --engines 2 --configs fifo,sfq-deadlines,headroom-2
 
 Results go to ``benchmarks/results/isolation.json`` (not with ``--quick``) and a markdown table
 on stdout. Under pytest ``test_bench_isolation_smoke`` runs a tiny version; nothing is timed.
@@ -83,15 +84,16 @@ FLOOD = (50, 350)  # answer tokens, uniform
 QUIET_TOKENS = 20
 
 
-def policy(config: str, url: str, slots: int, objective: float, deadline: float) -> str:
-    """The gateway's policy for one configuration (one pool over the engine)."""
+def policy(config: str, urls: list[str], slots: int, objective: float, deadline: float) -> str:
+    """The gateway's policy for one configuration (one pool over the engines at ``urls``, each
+    of ``slots`` slots)."""
     headroom = f"\n    limits: {{headroom: {int(config.split('-')[1])}}}" if config.startswith("headroom-") else ""
+    backends = "".join(f"\n      - {{url: \"{u}\", max_in_flight: {slots}}}" for u in urls)
     head = f"""\
 pools:
   main:
     models: [m]
-    backends:
-      - {{url: "{url}", max_in_flight: {slots}}}{headroom}
+    backends:{backends}{headroom}
 cost: {{input_weight: 1, output_weight: 2, charge: served}}
 """
     if config == "fifo":
@@ -101,7 +103,7 @@ classes:
 orgs:
   everyone: {{keys: [{", ".join(KEYS.values())}], classes: [all]}}
 """
-    quiet = {"priority": "{strict: true, max_in_flight: %d, max_queue_age_seconds: 3600}" % slots,
+    quiet = {"priority": "{strict: true, max_in_flight: %d, max_queue_age_seconds: 3600}" % (slots * len(urls)),
              "sfq": "{weight: 1, small_cost: null}",
              "sfq-deadlines": "{weight: 1, small_cost: null, deadline_seconds: %g, ttft_objective_seconds: %g}"
                               % (deadline, objective)}[
@@ -178,13 +180,14 @@ def _q(xs: list[float], p: float) -> float | None:
 
 
 def run_config(config: str, *, slots: int, unit: float, clients: int, interval: float, alone: float,
-               warmup: float, seconds: float, objective: float, deadline: float, seed: int) -> dict[str, Any]:
-    fleet = Fleet([1.0], slots=slots, unit=unit).start()
+               warmup: float, seconds: float, objective: float, deadline: float, seed: int,
+               engines: int = 1) -> dict[str, Any]:
+    fleet = Fleet([1.0] * engines, slots=slots, unit=unit).start()
     gw = None
     try:
         with tempfile.TemporaryDirectory() as tmp:
             cfg = Path(tmp) / "policy.yaml"
-            cfg.write_text(policy(config, fleet.engines[0].url, slots, objective, deadline))
+            cfg.write_text(policy(config, [e.url for e in fleet.engines], slots, objective, deadline))
             gw = Gateway(cfg)
             errors: list[str] = []
             alone_ttft: list[tuple[float, float]] = []
@@ -211,6 +214,9 @@ def run_config(config: str, *, slots: int, unit: float, clients: int, interval: 
         "p99_ratio": b99 / a99 if a99 and b99 is not None else None,
         "attainment": sum(x <= objective for x in b) / len(b) if b else None,
         "tokens_per_s": tokens / seconds,
+        # per engine: requests served to their end, and the most it held at once (<= slots)
+        "engines_served": [e.served for e in fleet.engines],
+        "engines_max_holding": [e.max_holding for e in fleet.engines],
         "errors": len(errors),
         "error_sample": errors[:3],
     }
@@ -298,9 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--runs", type=int, default=1, help="runs of every configuration, interleaved")
-    ap.add_argument("--slots", type=int, default=32)
+    ap.add_argument("--engines", type=int, default=1, help="loopback engines in the pool (default 1)")
+    ap.add_argument("--slots", type=int, default=32, help="slots of each engine")
     ap.add_argument("--unit", type=float, default=0.005, help="seconds a prompt token, half an output token")
-    ap.add_argument("--clients", type=int, default=40, help="closed-loop clients of each flooding tenant")
+    ap.add_argument("--clients", type=int, default=None,
+                    help="closed-loop clients of each flooding tenant (default 40 per engine)")
     ap.add_argument("--interval", type=float, default=0.25, help="the quiet tenant's mean gap (s)")
     ap.add_argument("--alone", type=float, default=10.0)
     ap.add_argument("--warmup", type=float, default=5.0)
@@ -311,11 +319,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=str(HERE / "results" / "isolation.json"))
     a = ap.parse_args(argv)
+    if a.engines < 1:
+        ap.error("--engines must be >= 1")
+    if a.clients is None:
+        a.clients = 40 * a.engines
     if a.quick:
-        a.clients, a.alone, a.warmup, a.seconds = 8, 2.0, 1.0, 3.0
+        a.clients, a.alone, a.warmup, a.seconds = 8 * a.engines, 2.0, 1.0, 3.0
     if a.runs < 1:
         ap.error("--runs must be >= 1")
-    kw = dict(slots=a.slots, unit=a.unit, clients=a.clients, interval=a.interval, alone=a.alone, warmup=a.warmup,
+    kw = dict(engines=a.engines, slots=a.slots, unit=a.unit, clients=a.clients, interval=a.interval, alone=a.alone, warmup=a.warmup,
               seconds=a.seconds, objective=a.objective, deadline=a.deadline, seed=a.seed)
     load_before = os.getloadavg()
     t0 = time.monotonic()
@@ -326,7 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     if not a.quick:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"\nload average before {load_before[0]:.2f}, after {doc['loadavg_after'][0]:.2f}; wall {doc['wall_s']} s\n")
+    print(f"\n{a.engines} engine{'s' if a.engines > 1 else ''} of {a.slots} slots, {a.clients} closed-loop clients "
+          f"per flooding tenant; load average before {load_before[0]:.2f}, after {doc['loadavg_after'][0]:.2f}; "
+          f"wall {doc['wall_s']} s\n")
     print(table(res["rows"], res["alone"]))
     return 0
 
@@ -349,6 +363,15 @@ def test_bench_isolation_smoke() -> None:
         assert r["runs"] == 2 and r["tokens_per_s"]["min"] <= r["tokens_per_s"]["median"] <= r["tokens_per_s"]["max"]
     assert res["rows"][0]["throughput_vs_fifo"] == {"median": 1.0, "min": 1.0, "max": 1.0}
     print(table(res["rows"], res["alone"]))
+    # --engines 2: one pool over both engines, each used and never sent more than its slots
+    cfg = policy("headroom-1", ["http://a.invalid", "http://b.invalid"], 4, 0.5, 2.0)
+    assert cfg.count("max_in_flight: 4}") == 2 and "headroom: 1" in cfg
+    two = run(("fifo", "headroom-1"), runs=1, engines=2, slots=2, unit=0.001, clients=4, interval=0.1,
+              alone=0.5, warmup=0.2, seconds=1.0, objective=0.5, deadline=2.0, seed=0)
+    for r in two["runs"]:
+        assert r["errors"] == 0, r["error_sample"]
+        assert r["quiet_flood"]["n"] > 0 and len(r["engines_served"]) == 2 and min(r["engines_served"]) > 0
+        assert max(r["engines_max_holding"]) <= 2
 
 
 if __name__ == "__main__":

@@ -80,3 +80,19 @@ def test_the_order_of_the_results_is_the_one_the_mechanisms_imply(runs: list[Sce
         for k in (3, 5):
             b = rows[f"sfq-edf-headroom-{k}"]["batch_vs_fifo"]
             assert 1 - k / 32 - 0.02 <= b <= 1 - k / 32 + 0.05, (k, b)
+
+
+def test_on_more_engines_the_flood_grows_and_the_interactive_tenant_does_not() -> None:
+    one = _rows(run_scenario("deadlines", Options(seed=0, steps=3000, headroom=(2,)), policies=["sfq"]))
+    res = run_scenario("deadlines", Options(seed=0, steps=3000, servers=2, headroom=(2,)), policies=["sfq"])
+    assert res.params["servers"] == 2 and res.params["batch_rate"] == 0.30
+    two = _rows(res)
+    for p in ("fifo", "sfq-edf-headroom-2"):
+        # the same interactive arrivals (the quiet tenant stays quiet), twice the batch arrivals
+        assert two[p]["classes"]["interactive"]["requests"] == one[p]["classes"]["interactive"]["requests"]
+        b1, b2 = one[p]["classes"]["batch"]["requests"], two[p]["classes"]["batch"]["requests"]
+        assert 1.8 * b1 <= b2 <= 2.2 * b1, (b1, b2)
+    # still a flood (twice the fleet's capacity): FIFO starves the interactive class, and K slots
+    # kept of 64 cost about K / 64 of the batch class's service
+    assert two["fifo"]["classes"]["interactive"]["attainment"] < 0.5
+    assert 1 - 2 / 64 - 0.02 <= two["sfq-edf-headroom-2"]["batch_vs_fifo"] <= 1 - 2 / 64 + 0.02

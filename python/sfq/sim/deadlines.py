@@ -1,7 +1,8 @@
 """The ``deadlines`` scenario of ``sfq simulate``: service levels inside fair shares.
 
-One engine of 32 slots (KV large enough that the slots bind), three tenants for
-``steps`` steps (default 12,000, six simulated minutes at 2,000 steps a minute):
+One engine of 32 slots by default (KV large enough that the slots bind; ``--servers N`` makes
+it N such engines in one pool, ``--slots`` their slots), three tenants for ``steps`` steps
+(default 12,000, six simulated minutes at 2,000 steps a minute):
 
 * ``app``: the interactive class, weight 1. Poisson arrivals at 0.01 per step (one every
   3 s) and a burst of ``burst`` requests every 1,500 steps or so (a page that fans out);
@@ -10,8 +11,15 @@ One engine of 32 slots (KV large enough that the slots bind), three tenants for
   the objective (a user waiting on a chat), the others the class's ``deadline_seconds``
   (default 3 x the objective: tool calls that can wait a little).
 * ``batch-1``, ``batch-2``: the batch class, weight 1 each, flooding (Poisson at 0.15 per
-  step each, about twice the engine's capacity together); prompts U[100, 600], answers
-  U[50, 350] tokens; objective 60 s, no deadline.
+  step each on one engine of 32 slots, about twice its capacity together: 32 slots turn over
+  at 32 / 200 = 0.16 requests a step); prompts U[100, 600], answers U[50, 350] tokens;
+  objective 60 s, no deadline.
+
+On a larger fleet the flood grows with it and the quiet tenant does not: each batch tenant's
+rate is 0.15 x (the fleet's slots / 32) (0.30 a step on two engines of 32, 0.60 on four), so
+the batch class still offers about twice the fleet's capacity, while the interactive tenant's
+arrivals and bursts stay as on one engine (a quiet tenant stays quiet). On one engine of 32
+slots the workload is exactly the one-engine scenario's.
 
 Policies: ``fifo`` (one queue), ``prio`` (strict priority: the interactive class first),
 ``sfq`` (the engine that ``sfq serve`` runs, under a policy of the three orgs and the two
@@ -53,14 +61,23 @@ DEADLINE_POLICIES = ("fifo", "prio", "sfq", "sfq-edf")
 #: 10 %), and 5, the fewest that bring the interactive class's attainment to 99 % (median of
 #: seeds 0-9; docs/policy.md "Deadlines and service levels")
 DEFAULT_HEADROOM = (3, 5)
+#: the interactive tenant's Poisson arrivals a step (besides its bursts), whatever the fleet
+APP_RATE = 0.01
+#: a batch tenant's arrivals a step per 32 slots of the fleet (:data:`ENGINE_SLOTS`)
+BATCH_RATE = 0.15
+#: the slots of the scenario's engine (the fleet's slots over this scale the flood)
+ENGINE_SLOTS = 32
 APP_SIZES = Sizes(prompt=(50, 300), output=(10, 60), max_tokens=64)
 BATCH_SIZES = Sizes(prompt=(100, 600), output=(50, 350), max_tokens=384)
 BATCH_OBJECTIVE = 60.0  # seconds
 
 
-def deadlines_workload(seed: int, steps: int, burst: int = 8, app_rate: float = 0.01,
-                       batch_rate: float = 0.15) -> Workload:
-    """The scenario's arrivals: ``app/interactive`` (flow 0), ``batch-1/batch``, ``batch-2/batch``."""
+def deadlines_workload(seed: int, steps: int, burst: int = 8, app_rate: float = APP_RATE,
+                       batch_rate: float = BATCH_RATE, flood_tenants: int = 2) -> Workload:
+    """The scenario's arrivals: ``app/interactive`` (flow 0), ``batch-1/batch``, ``batch-2/batch``.
+    ``flood_tenants=1``: the same arrivals, both batch tenants' requests in ``batch-1``'s flow."""
+    if flood_tenants not in (1, 2):
+        raise ValueError(f"flood_tenants must be 1 or 2, got {flood_tenants!r}")
     app = [FlowLoad(FlowSpec("app/interactive", 1.0, "interactive", 0), Poisson(app_rate, 0, steps), APP_SIZES)]
     if burst > 0:
         app.append(FlowLoad(FlowSpec("app/burst", 1.0, "interactive", 0),
@@ -70,6 +87,8 @@ def deadlines_workload(seed: int, steps: int, burst: int = 8, app_rate: float = 
     wl = build_workload(seed, loads)
     if burst > 0:  # the burst's requests are the app's own: one flow
         wl = _merge_flows(wl, {1: 0, 2: 1, 3: 2})
+    if flood_tenants == 1:
+        wl = _merge_flows(wl, {2: 1})
     return wl
 
 
@@ -152,17 +171,23 @@ def _class_row(res: RunResult, flows: Sequence[int], objective: float, own: dict
 
 
 def run_deadlines(opts: Any, policies: Sequence[str] | None = None, progress: Any = None,
-                  objective: float = 1.0, burst: int = 8) -> Any:
+                  objective: float = 1.0, burst: int = 8, flood_tenants: int = 2) -> Any:
+    """The scenario under ``opts`` (``seed``, ``steps``, ``servers``, ``slots``, ``headroom``);
+    ``objective`` (s) and ``burst`` as in the module docstring; ``flood_tenants=1`` puts both
+    batch tenants' requests in one flow (the same arrivals: ``benchmarks/bench_headroom_sim.py``
+    checks what the flood's split does to the slots kept)."""
     from .scenarios import Progress, ScenarioResult, _common_params, _fleet, _fleet_params, _row
 
     progress = progress or Progress()
     steps = opts.steps or 12_000
-    fleet = _fleet(opts, 1, 1 << 22, 32)
+    fleet = _fleet(opts, 1, 1 << 22, ENGINE_SLOTS)
     slots = fleet.servers * fleet.max_batch if fleet.max_batch is not None else None
     headroom = tuple(getattr(opts, "headroom", None) or DEFAULT_HEADROOM)
     if slots is None or any(k >= slots for k in headroom):
         raise ValueError(f"deadlines: headroom {headroom} must be below the fleet's slots ({slots})")
-    wl = deadlines_workload(opts.seed, steps, burst=burst)
+    # the flood grows with the fleet (twice its capacity), the interactive tenant does not
+    batch_rate = BATCH_RATE * (slots / ENGINE_SLOTS)
+    wl = deadlines_workload(opts.seed, steps, burst=burst, batch_rate=batch_rate, flood_tenants=flood_tenants)
     wanted = [n for n in (policies or DEADLINE_POLICIES) if n in DEADLINE_POLICIES]
     names = [n for n in DEADLINE_POLICIES if n in wanted or n in ("fifo", "sfq-edf")]  # fifo: the baseline
     runs_of = [(n, 0) for n in names] + [(f"sfq-edf-headroom-{k}", k) for k in headroom]  # (always)
@@ -171,6 +196,7 @@ def run_deadlines(opts: Any, policies: Sequence[str] | None = None, progress: An
     params = {**_common_params(opts), "steps": steps, **_fleet_params(fleet), "requests": len(wl),
               "objective_s": {"interactive": objective, "batch": BATCH_OBJECTIVE},
               "deadline_seconds": default_deadline, "own_deadlines": len(own), "burst": burst,
+              "batch_rate": batch_rate, "flood_tenants": flood_tenants,
               "headroom": list(headroom), "steps_per_second": STEPS_PER_SECOND,
               "policies": [n for n, _ in runs_of]}
     runs, rows = [], []
@@ -186,7 +212,7 @@ def run_deadlines(opts: Any, policies: Sequence[str] | None = None, progress: An
         res.policy = n
         runs.append((n, res))
         final = res.final_service()
-        batch_service[n] = float(final[1] + final[2])
+        batch_service[n] = float(final[1:].sum())
         classes = {
             "interactive": _class_row(res, [0], objective, own, default_deadline),
             "batch": _class_row(res, [1, 2], BATCH_OBJECTIVE, None, None),

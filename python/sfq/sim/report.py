@@ -176,7 +176,9 @@ def table_rows(res: ScenarioResult) -> tuple[str, list[str], list[list[str]], st
                          _pct(r["batch_vs_fifo"])])
         obj = p["objective_s"]
         title = (f"deadlines: an interactive class (TTFT objective {obj['interactive']:g} s) beside a batch flood, "
-                 f"one engine of {p['slots']} slots, {p['steps']:,} steps")
+                 + (f"one engine of {p['slots']} slots" if p["servers"] == 1 else
+                    f"{p['servers']} engines of {p['slots']} slots")
+                 + f", {p['steps']:,} steps")
         caption = ("attainment: requests whose first token came within the class's objective (dropped or never "
                    "started: missed); in time: started before their own deadline; sfq-edf: the engine with "
                    f"deadlines (half the interactive requests {obj['interactive']:g} s, the rest the class's "

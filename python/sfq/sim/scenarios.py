@@ -32,7 +32,8 @@ themselves for the plots. Units: steps, tokens, weighted tokens (``w_p``, ``w_q`
                share under flat per-user SFQ (t1 gets 10/11) and under nested shares
                (``teams`` + ``users: equal``: each team 1/2, each t1 user 1/20).
 ``deadlines``  an interactive class with a TTFT objective and deadlines beside a batch flood on
-               one 32-slot engine: per class the objective attainment, and the batch
+               one 32-slot engine (``--servers N``: N of them, the flood N times as large, the
+               interactive class as it is): per class the objective attainment, and the batch
                service against FIFO's, for fifo, prio, sfq, sfq-edf and sfq-edf with the pool's
                ``limits.headroom`` (:mod:`sfq.sim.deadlines`).
 
