@@ -401,12 +401,11 @@ async def test_on_loss_refuse_waiting_requests_wait_through_an_outage_and_within
 
 
 
-async def test_a_gateway_left_alone_keeps_the_fleets_meters(prefix: str):
-    """Redis lost: a gateway alone starts each flow's meter where the fleet's decider last had it
-    (``P leads``, which its renewals bring when newer), not level: an org far ahead of the other
-    while Redis answered still waits behind it when its own request came first."""
-    r = RedisServer(free_port()).start()
-    pol = _policy(r.url, prefix, limits="max_in_flight: 4", lease=1.0)
+@contextlib.asynccontextmanager
+async def _decider_and_other(pol: Any) -> AsyncIterator[tuple[RedisState, RedisState, Request]]:
+    """Two gateways of ``pol``: ``a`` the fleet's decider, with a request of org a running that
+    its queues charged (the first, which made it the decider, is adopted uncharged: ended), and
+    ``b``; closed at the end."""
     a, b = RedisState(pol.state, pol), RedisState(pol.state, pol)
     await a.start()
     await b.start()
@@ -415,36 +414,48 @@ async def test_a_gateway_left_alone_keeps_the_fleets_meters(prefix: str):
         await a.acquire(r0, BACKENDS, None)  # (a becomes the decider: its queues adopt r0, uncharged)
         assert await _decider_of(a, b) is a
         a.attempt_over(r0, None)
-        r0 = _req(A)
-        await a.acquire(r0, BACKENDS, None)  # started at once, charged by the decider
-        await a.acquire(_req(A), BACKENDS, None)
-        held = [_req(A), _req(A)]
-        for x in held:  # b holds the other two slots: its slice alone
-            await b.acquire(x, BACKENDS, None)
-        busy = asyncio.create_task(b.acquire(_req(B), BACKENDS, None))  # b's org waits: a busy period
-        a.charged(r0, 300.0)  # a's org took far more than it was charged: 100 ahead (weight 3)
-        await _until(lambda: any(row[0][0] == "a" and row[1] > 50 for row in b._leads_in.get("p", [])),
-                     "b to have the decider's leads (a table every second, a renewal every 0.25 s)")
-        await _until(lambda: len(b._tables) == 2 and min(t.get(b.gateway_id, 0) for _, t in b._tables) > 0.3,
-                     "b's slices by demand (both tables since b's org waits there)")
-        busy.cancel()  # (its own order from here)
-        await asyncio.sleep(0.05)
-        r.stop()
-        await _until(lambda: b.degraded, "b to go on alone")
-        first = asyncio.create_task(b.acquire(_req(A), BACKENDS, None))  # a's comes first
-        await asyncio.sleep(0.05)
-        second = asyncio.create_task(b.acquire(_req(B), BACKENDS, None))
-        await asyncio.sleep(0.05)
-        assert not first.done() and not second.done()
-        b.attempt_over(held[0], None)  # one of b's slots frees: b's org first, a's is 100 ahead
-        done, _ = await asyncio.wait({first, second}, timeout=LIMIT, return_when=asyncio.FIRST_COMPLETED)
-        await asyncio.sleep(0.05)
-        assert done == {second} and not first.done(), "the fleet's meters forgiven: a's (first) went first"
-        first.cancel()
+        r1 = _req(A)
+        await a.acquire(r1, BACKENDS, None)  # started at once, charged by the decider
+        yield a, b, r1
     finally:
         await b.close()
         await a.close()
+
+
+async def test_a_gateway_left_alone_keeps_the_fleets_meters(prefix: str):
+    """Redis lost: a gateway alone starts each flow's meter where the fleet's decider last had it
+    (``P leads``, which its renewals bring when newer), not level: an org far ahead of the other
+    while Redis answered still waits behind it when its own request came first."""
+    r = RedisServer(free_port()).start()
+    try:
+        async with _decider_and_other(_policy(r.url, prefix, limits="max_in_flight: 4", lease=1.0)) as (a, b, r1):
+            await a.acquire(_req(A), BACKENDS, None)
+            held = [_req(A), _req(A)]
+            for x in held:  # b holds the other two slots: its slice alone
+                await b.acquire(x, BACKENDS, None)
+            busy = asyncio.create_task(b.acquire(_req(B), BACKENDS, None))  # b's org waits: a busy period
+            a.charged(r1, 300.0)  # a's org took far more than it was charged: 100 ahead (weight 3)
+            await _until(lambda: any(row[0][0] == "a" and row[1] > 50 for row in b._leads_in.get("p", [])),
+                         "b to have the decider's leads (a table every second, a renewal every 0.25 s)")
+            await _until(lambda: len(b._tables) == 2 and min(t.get(b.gateway_id, 0) for _, t in b._tables) > 0.3,
+                         "b's slices by demand (both tables since b's org waits there)")
+            busy.cancel()  # (its own order from here)
+            await asyncio.sleep(0.05)
+            r.stop()
+            await _until(lambda: b.degraded, "b to go on alone")
+            first = asyncio.create_task(b.acquire(_req(A), BACKENDS, None))  # a's comes first
+            await asyncio.sleep(0.05)
+            second = asyncio.create_task(b.acquire(_req(B), BACKENDS, None))
+            await asyncio.sleep(0.05)
+            assert not first.done() and not second.done()
+            b.attempt_over(held[0], None)  # one of b's slots frees: b's org first, a's is 100 ahead
+            done, _ = await asyncio.wait({first, second}, timeout=LIMIT, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.sleep(0.05)
+            assert done == {second} and not first.done(), "the fleet's meters forgiven: a's (first) went first"
+            first.cancel()
+    finally:
         r.stop()
+
 
 # ---------------------------------------------------------------- Redis lost: alone, within a slice
 def test_the_live_gateways_slices_add_up_to_each_limit():
@@ -937,16 +948,7 @@ async def test_a_new_decider_keeps_the_meters_the_last_one_left(redis_server: Re
     ahead of the others: the next decider starts each flow's meter as far ahead of its virtual
     time as the last one left it (written with the shares table, at most ``lease / 2`` old)."""
     pol = _policy(redis_server.url, prefix, limits="max_in_flight: 1", lease=5.0)
-    a, b = RedisState(pol.state, pol), RedisState(pol.state, pol)
-    await a.start()
-    await b.start()
-    try:
-        r0 = _req(A)
-        await a.acquire(r0, BACKENDS, None)  # (a becomes the decider: its queues from what Redis holds)
-        assert await _decider_of(a, b) is a
-        a.attempt_over(r0, None)
-        r1 = _req(A)
-        await a.acquire(r1, BACKENDS, None)  # started at once, charged by the decider
+    async with _decider_and_other(pol) as (a, b, r1):
         r2 = _req(B)
         waiting = asyncio.create_task(b.acquire(r2, BACKENDS, None))  # b's org waits: a busy period
         a.charged(r1, 300.0)  # a's running request delivered far more than it was charged
@@ -972,6 +974,3 @@ async def test_a_new_decider_keeps_the_meters_the_last_one_left(redis_server: Re
             await a._client.zrem(k, f"{a.gateway_id}:{r1.id}:1")
         assert await asyncio.wait_for(waiting, LIMIT) == BACKENDS[0][0]
         b.attempt_over(r2, None)
-    finally:
-        await b.close()
-        await a.close()
