@@ -276,3 +276,26 @@ def test_a_flows_lead_is_read_and_put_back_the_same_on_both_twins(clock: Clock, 
     other.set_lead(B, 0.0)  # (nothing: no lead to put back)
     assert other.lead(B) == 0.0
     e.complete(ra, None)
+
+
+def test_an_adopted_request_is_charged_its_corrections_and_refunded_no_more(clock: Clock, core) -> None:
+    """``PolicyQueue.correct`` of a request adopted as running (a fleet's new decider adopting the
+    attempts that run, ``sfq.state``): its flow's meter moves by a charge as for any request, and
+    a refund takes back no more than was charged here, on both twins."""
+    from sfq.engine import Request
+
+    e = make("seed", clock, core, slots=2)
+    q = e.queues["p"]
+    ra = submit(e, A, 10)
+    e.poll()
+    assert ra.state == RUNNING and ra.backend is not None
+    r = Request(A, 1e-9, 0.0, clock())
+    r.state, r.backend = RUNNING, ra.backend
+    q.adopt_running(r)
+    before = q.meter(A)
+    q.correct(r, 40.0)  # a stream delivered 40 more cost units than it was charged where it started
+    assert q.meter(A) == pytest.approx(before + 40.0 / q.sched.weight(A))
+    q.correct(r, -100.0)  # its refund: only the 40 charged here come back
+    assert q.meter(A) == pytest.approx(before)
+    q.finish(r, None)
+    e.complete(ra, None)

@@ -1064,11 +1064,17 @@ class PolicyQueue:
         computed for the same request (a gateway's own engine, for the queue of stand-ins that
         decides for several gateways, or for one alone while their shared state cannot be
         reached: ``sfq.state``). ``floor``: a refund (``delta < 0``) stops at the flow's refund
-        floor, as :meth:`settle`'s does (the other engine left the floors to this queue)."""
+        floor, as :meth:`settle`'s does (the other engine left the floors to this queue).
+        A request adopted as running (:meth:`adopt_running`: started by another queue, as a
+        fleet's new decider or a gateway alone adopts what was running): a charge moves its
+        flow's meter all the same, and a refund takes back no more than it was charged here
+        (the rest was charged where it started)."""
         if r.in_core:
             if floor and delta < 0 and self._floors:
                 delta = self._floors.refund(r, delta, self.sched)
             self._adjust(r, delta)
+        elif r.state == RUNNING and r.flow.pool == self.name and not self.nested:
+            self._adjust(r, max(delta, -r.charged))
 
     def delivered(self, r: Request, tokens: object) -> float:
         """The running request ``r`` passed ``tokens`` more output tokens to its client; in

@@ -1,6 +1,6 @@
 """``sfq serve``: the fair OpenAI-compatible gateway.
 
-A thin HTTP layer (:class:`Gateway`, on aiohttp) over :class:`sfq.policy.PolicyDispatcher`:
+A thin HTTP layer (:class:`Gateway`, on aiohttp) over :class:`sfq.dispatch.PolicyDispatcher`:
 bearer key -> org, ``X-SFQ-Class`` -> class (checked), model -> pool; the policy file decides
 the rest. Routes, headers, status codes and metric names: docs/gateway.md; run it
 with ``sfq serve --config FILE``.

@@ -1,4 +1,4 @@
-"""The gateway: OpenAI-compatible HTTP in front of a :class:`~sfq.policy.PolicyDispatcher`.
+"""The gateway: OpenAI-compatible HTTP in front of a :class:`~sfq.dispatch.PolicyDispatcher`.
 
 The gateway is thin: it parses HTTP, takes the bearer key and the ``X-SFQ-*`` headers, and
 turns what the policy layer answers into status codes. Every rule (who the flow is, limits,

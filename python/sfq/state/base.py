@@ -1,6 +1,6 @@
 """The interface of a policy's state as the asyncio dispatcher sees it, and the in-memory one.
 
-A :class:`~sfq.policy.PolicyDispatcher` keeps every meter, counter and bucket of its policy
+A :class:`~sfq.dispatch.PolicyDispatcher` keeps every meter, counter and bucket of its policy
 in memory (``sfq.policy.PolicyEngine``). That is the whole state of one gateway, and what
 :class:`InMemoryState` stands for: it adds nothing, and the dispatcher skips every call to it
 (``shared`` is false), so a gateway without a ``state:`` section pays nothing.
@@ -69,7 +69,7 @@ class Ticket:
 
 
 class SharedState:
-    """What a :class:`~sfq.policy.PolicyDispatcher` asks of a policy state it shares with
+    """What a :class:`~sfq.dispatch.PolicyDispatcher` asks of a policy state it shares with
     other gateways. Subclasses override everything; ``shared`` false means "in memory:
     skip every call"."""
 

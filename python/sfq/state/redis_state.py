@@ -1,6 +1,6 @@
 """Several gateways, one fair queue: the policy's shared state in Redis.
 
-Every ``sfq serve`` (or embedder's :class:`~sfq.policy.PolicyDispatcher`) started with the
+Every ``sfq serve`` (or embedder's :class:`~sfq.dispatch.PolicyDispatcher`) started with the
 same policy and the same Redis behaves as one gateway (``docs/API.md``, "Several gateways,
 one queue"). Each keeps its own waiting requests and its engine orders them; a start the
 engine decides becomes a *candidate*, and **one gateway, the fleet's decider, runs the
