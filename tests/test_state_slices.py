@@ -57,3 +57,27 @@ def test_a_gateway_idle_when_the_table_was_made_still_gets_a_slot() -> None:
     assert t["b"] < 0.05
     assert allocate(4, t) == {"a": 3, "b": 1}
     assert allocate(1, t) == {"a": 1, "b": 0}  # (fewer slots than gateways: by the shares)
+
+
+def test_leads_that_are_not_what_a_decider_writes_are_skipped_not_raised() -> None:
+    """``P leads`` is read back from Redis: garbage there (not JSON, not an object, bad rows, a
+    lead past the core's bounds) starts those flows level and leaves the others' leads."""
+    from sfq.policy import Flow, parse_policy
+    from sfq.state._local import Alone
+    from sfq.state.redis_state import _leads_of
+
+    assert _leads_of("not json") == {} and _leads_of("[1, 2]") == {} and _leads_of(None) == {}
+    pol = parse_policy("""
+pools:
+  p: {models: [m], backends: [{url: "http://127.0.0.1:9", max_in_flight: 2}]}
+classes: {batch: {weight: 1}}
+orgs:
+  a: {keys: [ka], classes: [batch]}
+  b: {keys: [kb], classes: [batch]}
+""")
+    alone = Alone.fleet(pol, clock=lambda: 0.0, estimator=None)
+    a, b = Flow("a", "batch", "p"), Flow("b", "batch", "p")
+    alone.restore({"p": [[list(a), 5.0], [["b"], 1.0], [list(b), "x"], [list(b), float("inf")], [list(b), 1e300],
+                         "row"], "q": [[list(a), 1.0]], "p2": "rows"})
+    q = alone.queues["p"]
+    assert q.lead(a) == 5.0 and q.lead(b) == 0.0

@@ -100,7 +100,8 @@ local function queue(cand, c)
   redis.call('HSET', cand, c.m, cjson.encode(c))
   redis.call('ZADD', P .. 'cexp', NOW + A.lease, c.m)
 end
--- (GATEWAYS, RENEW) this gateway is alive: the live ones and the decider's table of their shares
+-- (GATEWAYS, RENEW) this gateway is alive: the live ones, the decider's table of their shares,
+-- and its meters' leads when newer than the caller's
 local function alive()
   local k = P .. 'gw'
   redis.call('ZREMRANGEBYSCORE', k, '-inf', NOW)
@@ -338,7 +339,8 @@ return cjson.encode({lead = lead, became = became, g = g, lost = lost, seen = se
 #:  meters' leads (JSON, ``Alone.leads``) to keep in ``P leads`` for the next decider | null}
 #: -> JSON {ok: false, lead} | {ok: true, gone: [m], full: [candidate JSON], mine: [[m, backend, keys]]
 #:          (its own gateway's grants), ev: [event JSON], cand: [candidate JSON], run: [[m, run JSON]],
-#:          lc: [live candidates], lr: [live running], q, gw: [live gateways], leads (with init)}
+#:          lc: [live candidates], lr: [live running], q, gw: [live gateways], leads (with init),
+#:          lv (with ``leads``: their version, ``P leadsv``)}
 DECIDE = _COMMON + r"""
 local lk = P .. 'lead'
 local lead = redis.call('GET', lk)
@@ -424,8 +426,9 @@ end
 local out = {ok = true, gone = gone, full = full, mine = mine, ev = {}, cand = {}, run = {}, lc = {}, lr = {}, q = 0, gw = {}}
 if has(A.slices) then redis.call('SET', P .. 'slices', A.slices, 'PX', math.ceil(A.lease * 3000)) end
 if has(A.leads) then
+  out.lv = fmt(NOW)  -- (the decider keeps what it wrote: its renewals need not bring it back)
   redis.call('SET', P .. 'leads', A.leads, 'PX', math.ceil(A.lease * 3000))
-  redis.call('SET', P .. 'leadsv', fmt(NOW), 'PX', math.ceil(A.lease * 3000))
+  redis.call('SET', P .. 'leadsv', out.lv, 'PX', math.ceil(A.lease * 3000))
 end
 if A.init or A.live then
   out.gw = redis.call('ZRANGEBYSCORE', P .. 'gw', '(' .. fmt(NOW), '+inf')
@@ -455,7 +458,6 @@ end
 if A.init then  -- the events so far are in the candidates and attempts taken now
   out.q = tonumber(redis.call('GET', P .. 'evq') or '0')
   out.leads = redis.call('GET', P .. 'leads') or ''
-
   redis.call('ZREMRANGEBYSCORE', P .. 'ev', '-inf', out.q)
   for _, p in ipairs(A.pools) do
     for _, c in ipairs(redis.call('HVALS', P .. 'cand:' .. p)) do out.cand[#out.cand + 1] = c end

@@ -120,6 +120,15 @@ class StateUnavailable(Exception):
     """Redis could not be reached (or answered an error) within the call's timeout."""
 
 
+def _leads_of(text: Any) -> dict[str, Any]:
+    """The decider's leads from their JSON (``P leads``): ``{}`` when absent or not an object."""
+    try:
+        leads = json.loads(text or "{}")
+    except (ValueError, TypeError):
+        return {}
+    return leads if isinstance(leads, dict) else {}
+
+
 def policy_hash(policy: Policy) -> str:
     """A hash of everything the policy decides (not the file's path)."""
     return hashlib.sha256(repr(replace(policy, source="")).encode()).hexdigest()
@@ -223,6 +232,7 @@ class RedisState(SharedState):
         #: queues' when it decided): where its meters start should Redis be lost; and their version
         self._leads_in: dict[str, Any] = {}
         self._leads_v = ""
+        self._leads_sent: dict[str, Any] = {}  # the leads its last table went with (``_leads_out``)
         self.decisions = 0  # grants this gateway decided as the decider
         self._ttl = min(LEAD_TTL, self.lease)  # (a dead decider is replaced no later than its leases expire)
         #: the delivered-service modes: a flow's running work keeps its meter (a flow lease)
@@ -447,11 +457,7 @@ class RedisState(SharedState):
                 self._tables = (self._tables + [(v, shares)])[-2:]
         lv = res.get("lv")
         if isinstance(lv, str) and lv != self._leads_v:
-            try:
-                leads = json.loads(res.get("leads") or "{}")
-            except ValueError:
-                leads = {}
-            self._leads_v, self._leads_in = lv, leads if isinstance(leads, dict) else {}
+            self._leads_v, self._leads_in = lv, _leads_of(res.get("leads"))
         return sorted(str(g) for g in _list(res.get("ids")))
 
     def reloaded(self, policy: Policy) -> None:
@@ -1187,6 +1193,8 @@ class RedisState(SharedState):
             self._own, self._own_att, self._own_adj = own, batch, own_adj  # (sent again, by OFFER)
             self._lose_lead()
             raise
+        if self._leads_out is not None and isinstance(res.get("lv"), str):  # (what it wrote, kept as is)
+            self._leads_v, self._leads_in = res["lv"], self._leads_sent
         self._table_out = self._leads_out = None
         # events a message brought while the call was out are newer than what it saw alive
         live = live and self._applied_q == mark and not self._decided
@@ -1213,12 +1221,7 @@ class RedisState(SharedState):
                     lead.adopt(str(m), Flow(*x["flow"]), str(x["b"]))
             for c in sorted((json.loads(c) for c in _list(res.get("cand"))), key=lambda c: c.get("seq", 0)):
                 self._stand_in(lead, c)
-            try:  # the meters' leads the last decider left (at most lease/2 old): not forgiven
-                leads = json.loads(res.get("leads") or "{}")
-            except ValueError:
-                leads = {}
-            if isinstance(leads, dict):
-                lead.restore(leads)
+            lead.restore(_leads_of(res.get("leads")))  # the last decider's (at most lease/2 old): not forgiven
         else:
             for m in _list(res.get("gone")):
                 lead.undo(str(m))
@@ -1240,7 +1243,8 @@ class RedisState(SharedState):
                 self._table_at = now
                 table = shares_table(lead.demand(self.policy), [str(g) for g in _list(res.get("gw"))])
                 self._table_out = json.dumps({"v": f"{self.gateway_id}:{now:.6f}", "s": table})
-                self._leads_out = json.dumps(lead.leads(), separators=(",", ":"))
+                self._leads_sent = lead.leads()
+                self._leads_out = json.dumps(self._leads_sent, separators=(",", ":"))
         self._decide_now(lead)
         if init:
             self._lead_evt.set()  # (its own gateway's items: with the next)
